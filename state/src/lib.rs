@@ -1,0 +1,5 @@
+//! Node model, checkpoint and reconcile planner.
+//!
+//! Everything here is pure except the checkpoint store, whose only I/O is the checkpoint file.
+
+pub mod objects;

@@ -1,0 +1,254 @@
+//! The kernel objects node-agent owns, as plain values.
+//!
+//! This is the vocabulary shared by the planner (which decides which objects should exist) and
+//! the kernel backends (which dump and apply them). An object's *identity* is what the kernel
+//! keys it by; two objects with the same identity but different contents are an update, not an
+//! add plus an unrelated delete.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::num::NonZeroU16;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+/// A remote node's ID: 1..=65535. Zero is the local node and is never assigned, so it is not
+/// representable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct NodeId(NonZeroU16);
+
+impl NodeId {
+    /// `None` for 0, the local node's ID.
+    pub const fn new(id: u16) -> Option<Self> {
+        match NonZeroU16::new(id) {
+            Some(v) => Some(Self(v)),
+            None => None,
+        }
+    }
+
+    pub const fn get(self) -> u16 {
+        self.0.get()
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Direction of an xfrm state or policy, as seen from this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum XfrmDir {
+    /// Traffic from this node to the remote node.
+    Out,
+    /// Traffic from the remote node to this node.
+    In,
+}
+
+/// The xfrm mark layout (Cilium's): node ID in bits 16-31, SPI in bits 12-15, direction in
+/// bits 8-11 (0xE00 out, 0xD00 in). Keeping Cilium's layout lets operators who know it read our
+/// marks, and leaves bits 0-7 to other users of the mark.
+pub mod mark {
+    use super::{NodeId, XfrmDir};
+
+    pub const OUT: u32 = 0x0E00;
+    pub const IN: u32 = 0x0D00;
+    /// Bits that carry the direction; a mark is ours only if they hold [`OUT`] or [`IN`].
+    pub const DIR_MASK: u32 = 0x0F00;
+    /// Bits compared when an object is looked up by mark: ID, SPI and direction.
+    pub const MASK: u32 = 0xFFFF_FF00;
+    pub const SPI_SHIFT: u32 = 12;
+    pub const ID_SHIFT: u32 = 16;
+
+    /// The mark of our xfrm objects toward or from `node` under `spi` (0..=15).
+    pub const fn encode(node: NodeId, spi: u8, dir: XfrmDir) -> u32 {
+        let dir = match dir {
+            XfrmDir::Out => OUT,
+            XfrmDir::In => IN,
+        };
+        ((node.get() as u32) << ID_SHIFT) | (((spi & 0x0F) as u32) << SPI_SHIFT) | dir
+    }
+
+    /// The node, SPI and direction of one of our marks, or `None` for a mark that is not ours
+    /// (wrong direction bits or node ID 0).
+    pub fn decode(value: u32) -> Option<(NodeId, u8, XfrmDir)> {
+        let dir = match value & DIR_MASK {
+            OUT => XfrmDir::Out,
+            IN => XfrmDir::In,
+            _ => return None,
+        };
+        let id = NodeId::new((value >> ID_SHIFT) as u16)?;
+        Some((id, ((value >> SPI_SHIFT) & 0x0F) as u8, dir))
+    }
+}
+
+/// An entry of the pinned node-ID map: a remote node address and the ID it maps to.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct MapEntry {
+    pub ip: IpAddr,
+    pub node_id: NodeId,
+    /// SPI in use toward the node (0 when IPsec is off).
+    pub spi: u8,
+}
+
+/// A route to a remote pod CIDR via the node's internal address. Table and protocol are the
+/// agent's configuration, the same for every route, so they are not part of the object.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Route {
+    pub dst: IpNet,
+    pub gateway: IpAddr,
+}
+
+/// An ESP tunnel-mode xfrm state between this node and a remote node.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct XfrmState {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub spi: u8,
+    pub dir: XfrmDir,
+    pub node_id: NodeId,
+}
+
+/// An xfrm OUT policy sending traffic to a remote pod CIDR through the OUT state toward it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct XfrmPolicy {
+    /// Traffic selector source (the whole family: 0.0.0.0/0 or ::/0).
+    pub src: IpNet,
+    /// Traffic selector destination: the remote pod CIDR.
+    pub dst: IpNet,
+    pub dir: XfrmDir,
+    pub node_id: NodeId,
+    /// Tunnel endpoints of the template: this node and the remote node.
+    pub tmpl_src: IpAddr,
+    pub tmpl_dst: IpAddr,
+    pub spi: u8,
+}
+
+/// Any object we own in the kernel.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum KernelObject {
+    MapEntry(MapEntry),
+    Route(Route),
+    XfrmState(XfrmState),
+    XfrmPolicy(XfrmPolicy),
+}
+
+/// What the kernel keys an object by. Two objects with the same identity cannot coexist.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum ObjectId {
+    MapEntry {
+        ip: IpAddr,
+    },
+    Route {
+        dst: IpNet,
+    },
+    XfrmState {
+        src: IpAddr,
+        dst: IpAddr,
+        spi: u8,
+        dir: XfrmDir,
+    },
+    XfrmPolicy {
+        src: IpNet,
+        dst: IpNet,
+        dir: XfrmDir,
+        mark: u32,
+    },
+}
+
+/// The kinds of object, for metrics, per-kind reporting and dispatch to a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum ObjectKind {
+    MapEntry,
+    Route,
+    XfrmState,
+    XfrmPolicy,
+}
+
+impl KernelObject {
+    pub fn id(&self) -> ObjectId {
+        match self {
+            Self::MapEntry(e) => ObjectId::MapEntry { ip: e.ip },
+            Self::Route(r) => ObjectId::Route { dst: r.dst },
+            Self::XfrmState(s) => ObjectId::XfrmState {
+                src: s.src,
+                dst: s.dst,
+                spi: s.spi,
+                dir: s.dir,
+            },
+            Self::XfrmPolicy(p) => ObjectId::XfrmPolicy {
+                src: p.src,
+                dst: p.dst,
+                dir: p.dir,
+                mark: mark::encode(p.node_id, p.spi, p.dir),
+            },
+        }
+    }
+
+    pub fn kind(&self) -> ObjectKind {
+        match self {
+            Self::MapEntry(_) => ObjectKind::MapEntry,
+            Self::Route(_) => ObjectKind::Route,
+            Self::XfrmState(_) => ObjectKind::XfrmState,
+            Self::XfrmPolicy(_) => ObjectKind::XfrmPolicy,
+        }
+    }
+
+    /// The node ID the object carries, where it carries one (routes do not).
+    pub fn node_id(&self) -> Option<NodeId> {
+        match self {
+            Self::MapEntry(e) => Some(e.node_id),
+            Self::Route(_) => None,
+            Self::XfrmState(s) => Some(s.node_id),
+            Self::XfrmPolicy(p) => Some(p.node_id),
+        }
+    }
+}
+
+/// One change for a backend to make.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    /// Create the object, or replace the object with the same identity.
+    Upsert(KernelObject),
+    /// Remove exactly this object (matched by identity and, for xfrm, our mark).
+    Delete(KernelObject),
+}
+
+impl Op {
+    pub fn object(&self) -> &KernelObject {
+        match self {
+            Self::Upsert(o) | Self::Delete(o) => o,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_id_zero_is_not_representable() {
+        assert!(NodeId::new(0).is_none());
+        assert_eq!(NodeId::new(65535).map(NodeId::get), Some(65535));
+    }
+
+    #[test]
+    fn mark_round_trips_and_rejects_foreign_marks() {
+        let id = NodeId::new(0x1234).unwrap();
+        let m = mark::encode(id, 3, XfrmDir::Out);
+        assert_eq!(m, 0x1234_3E00);
+        assert_eq!(mark::decode(m), Some((id, 3, XfrmDir::Out)));
+        assert_eq!(
+            mark::decode(mark::encode(id, 15, XfrmDir::In)),
+            Some((id, 15, XfrmDir::In))
+        );
+        assert_eq!(mark::decode(0x1234_0A00), None, "foreign direction bits");
+        assert_eq!(
+            mark::decode(0x0000_0E00),
+            None,
+            "node ID 0 is the local node"
+        );
+    }
+}
