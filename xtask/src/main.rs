@@ -1,1 +1,37 @@
-fn main() {}
+//! `cargo xtask`: the tasks around the cargo build that cargo cannot express itself.
+
+mod build_ebpf;
+mod cmd;
+mod setup;
+mod test;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Install or verify every prerequisite (Debian packages, nightly rust-src, bpf-linker on
+    /// LLVM 22, bpftool). Idempotent; seconds on a ready machine.
+    Setup,
+    /// Build the eBPF object (runs `setup` first) into target/ebpf/node-agent.bpf.o.
+    BuildEbpf(build_ebpf::Args),
+    /// Set up, build the eBPF object, and run every test tier this machine supports (as root).
+    Test(test::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Setup => setup::run(),
+        Command::BuildEbpf(args) => {
+            setup::run()?;
+            build_ebpf::run(&args)
+        }
+        Command::Test(args) => test::run(&args),
+    }
+}
