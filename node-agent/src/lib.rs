@@ -5,4 +5,5 @@
 
 pub mod cli;
 pub mod datapath;
+pub mod backends;
 pub mod node_map;

@@ -24,6 +24,32 @@ pub enum NodeMapError {
     },
 }
 
+impl NodeMapError {
+    /// The errno behind the error, when the kernel gave one.
+    pub fn errno(&self) -> Option<i32> {
+        let source = match self {
+            Self::Open { source, .. } | Self::Read { source, .. } | Self::Write { source, .. } => {
+                source
+            }
+        };
+        match source {
+            MapError::SyscallError(e) => e.io_error.raw_os_error(),
+            _ => None,
+        }
+    }
+
+    /// The error as an `io::Error`, keeping the errno where there is one.
+    pub fn into_io(self) -> std::io::Error {
+        match self.errno() {
+            Some(errno) => std::io::Error::new(
+                std::io::Error::from_raw_os_error(errno).kind(),
+                format!("{self} (os error {errno})"),
+            ),
+            None => std::io::Error::other(self.to_string()),
+        }
+    }
+}
+
 /// One decoded entry of `node_ids`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub struct NodeEntry {
@@ -125,7 +151,17 @@ impl NodeMap {
 
     /// Removes the entry for `ip`; removing an absent entry is not an error.
     pub fn remove(&mut self, ip: IpAddr) -> Result<(), NodeMapError> {
-        match self.map.remove(&encode_key(ip)) {
+        self.remove_key(&encode_key(ip), ip)
+    }
+
+    /// Removes an entry by its raw key, for keys that do not decode to an address.
+    pub fn remove_raw(&mut self, key: &NodeKey) -> Result<(), NodeMapError> {
+        let shown = decode_key(key).unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        self.remove_key(key, shown)
+    }
+
+    fn remove_key(&mut self, key: &NodeKey, ip: IpAddr) -> Result<(), NodeMapError> {
+        match self.map.remove(key) {
             Ok(()) => Ok(()),
             Err(MapError::KeyNotFound) => Ok(()),
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
