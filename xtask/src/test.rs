@@ -24,7 +24,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // The end-to-end tests run the real binary; `cargo test` alone only builds binaries for the
     // tests of their own package.
     step("test: cargo build -p node-agent");
-    cmd::run(Command::new("cargo").current_dir(root()).args(["build", "-p", "node-agent"]))?;
+    cmd::run(
+        Command::new("cargo")
+            .current_dir(root())
+            .args(["build", "-p", "node-agent"]),
+    )?;
     step("test: cargo test --workspace");
     cmd::run(
         Command::new("cargo")

@@ -86,7 +86,8 @@ impl RouteBackend {
     }
 
     fn parse(&self, msg: &RouteMessage) -> Option<Route> {
-        if msg.header.protocol != RouteProtocol::from(self.protocol) || table_of(msg) != self.table {
+        if msg.header.protocol != RouteProtocol::from(self.protocol) || table_of(msg) != self.table
+        {
             return None;
         }
         let mut dst = None;
@@ -148,7 +149,11 @@ impl RouteBackend {
                     source,
                 }
             } else {
-                let verb = if matches!(op, Op::Upsert(_)) { "replacing" } else { "deleting" };
+                let verb = if matches!(op, Op::Upsert(_)) {
+                    "replacing"
+                } else {
+                    "deleting"
+                };
                 OpError::Kernel {
                     what: format!("{verb} route {} via {}", route.dst, route.gateway),
                     source,
@@ -198,7 +203,11 @@ impl Backend for RouteBackend {
                         other => std::io::Error::other(other.to_string()),
                     },
                 })?;
-            out.extend(msgs.iter().filter_map(|m| self.parse(m)).map(KernelObject::Route));
+            out.extend(
+                msgs.iter()
+                    .filter_map(|m| self.parse(m))
+                    .map(KernelObject::Route),
+            );
         }
         Ok(out)
     }
