@@ -2,4 +2,6 @@
 //!
 //! Everything here is pure except the checkpoint store, whose only I/O is the checkpoint file.
 
+pub mod ids;
+pub mod node;
 pub mod objects;
