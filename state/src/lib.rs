@@ -2,6 +2,7 @@
 //!
 //! Everything here is pure except the checkpoint store, whose only I/O is the checkpoint file.
 
+pub mod checkpoint;
 pub mod ids;
 pub mod node;
 pub mod objects;
