@@ -2,4 +2,9 @@
 //!
 //! Everything here is pure except the checkpoint store, whose only I/O is the checkpoint file.
 
+pub mod checkpoint;
+pub mod desired;
+pub mod ids;
+pub mod node;
 pub mod objects;
+pub mod plan;

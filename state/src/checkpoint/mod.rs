@@ -1,0 +1,57 @@
+//! The checkpoint: what the agent knew when it last ran, so that on restart it can tell which
+//! nodes disappeared while it was down (the deletions it never saw) and retry cleanups that had
+//! not succeeded.
+//!
+//! [`format`] is the byte encoding (pure); [`store`] is the file, its lock and its atomic
+//! replacement (the only I/O in this crate).
+
+pub mod format;
+pub mod store;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::AllocatorState;
+use crate::node::Node;
+
+pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, decode, encode};
+pub use store::{CheckpointStore, LoadOutcome, StoreError};
+
+/// A restored node whose cleanup has not succeeded yet. It is carried from checkpoint to
+/// checkpoint until its deletes succeed, so a failed or braked cleanup is retried after the next
+/// restart too (invariant 7).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingDelete {
+    pub node: Node,
+    /// Cleanups tried and failed so far; 0 for a node held by the brake and never tried.
+    pub attempts: u32,
+}
+
+/// The checkpoint content.
+///
+/// Every node record carries the node ID it had (`node.node_id` is `Some`), since that is how the
+/// planner finds the xfrm objects and map entries of a node whose addresses changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub agent_version: String,
+    /// Since the Unix epoch.
+    pub written_at: Duration,
+    /// The node this agent runs on. Its record is never stored: ID 0 is implicit and its state
+    /// is not ours to delete, so [`format::encode`] drops it and the planner ignores it.
+    pub local_node: String,
+    pub nodes: Vec<Node>,
+    pub pending_deletes: Vec<PendingDelete>,
+    /// Freed node IDs and when, so the cool-down outlives a restart.
+    pub ids: AllocatorState,
+}
+
+impl Checkpoint {
+    /// All records, live then pending, with the local node filtered out.
+    pub fn records(&self) -> impl Iterator<Item = &Node> {
+        self.nodes
+            .iter()
+            .chain(self.pending_deletes.iter().map(|p| &p.node))
+            .filter(|n| n.name != self.local_node)
+    }
+}

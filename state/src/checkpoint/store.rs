@@ -1,0 +1,334 @@
+//! The checkpoint file: one agent per state directory, atomic replacement, corrupt files kept.
+//!
+//! Layout of `<state-dir>` (mode 0700):
+//!
+//! - `lock`: held with an exclusive `flock` for the life of the [`CheckpointStore`], holding the
+//!   holder's PID so a second instance can say who it lost to (invariant 11). `flock` locks
+//!   belong to the open file description, so a second open in the same process conflicts too.
+//! - `nodes.ckpt` (mode 0600): the checkpoint, only ever replaced by rename.
+//! - `.nodes.ckpt.tmp`: the next checkpoint while it is being written; a leftover from a crash is
+//!   removed on open.
+//! - `nodes.ckpt.corrupt-<secs>.<nanos>`: checkpoints that failed to decode, moved aside for a
+//!   human to inspect; the newest [`KEEP_CORRUPT`] are kept.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::checkpoint::Checkpoint;
+use crate::checkpoint::format::{self, DecodeError, EncodeError};
+
+pub const FILE_NAME: &str = "nodes.ckpt";
+const TMP_NAME: &str = ".nodes.ckpt.tmp";
+const LOCK_NAME: &str = "lock";
+const CORRUPT_PREFIX: &str = "nodes.ckpt.corrupt-";
+/// How many moved-aside files are kept; enough to compare, few enough not to fill a disk when
+/// something rewrites garbage in a loop.
+pub const KEEP_CORRUPT: usize = 3;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "another node-agent (pid {}) holds the lock on state directory {}",
+        pid.map_or_else(|| "unknown".to_string(), |p| p.to_string()),
+        dir.display()
+    )]
+    AlreadyRunning { pid: Option<u32>, dir: PathBuf },
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("writing checkpoint {}: {source}", path.display())]
+    Encode {
+        path: PathBuf,
+        #[source]
+        source: EncodeError,
+    },
+}
+
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
+    let path = path.to_path_buf();
+    move |source| StoreError::Io { what, path, source }
+}
+
+/// What [`CheckpointStore::load`] found.
+#[derive(Debug)]
+pub enum LoadOutcome {
+    Loaded(Checkpoint),
+    /// No checkpoint: a first start, or one lost. The agent goes on with the kernel sweep.
+    NotFound,
+    /// The file failed to decode and was renamed to `moved_to`; the agent logs `reason` and goes
+    /// on with the kernel sweep alone.
+    MovedAside {
+        reason: DecodeError,
+        moved_to: PathBuf,
+    },
+}
+
+/// The locked state directory.
+#[derive(Debug)]
+pub struct CheckpointStore {
+    dir: PathBuf,
+    /// Kept open: closing it releases the lock.
+    _lock: File,
+}
+
+impl CheckpointStore {
+    /// Creates or tightens `dir` to 0700 and takes its lock.
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Self, StoreError> {
+        let dir = dir.into();
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(io_err("creating state directory", &dir))?;
+        let meta = fs::metadata(&dir).map_err(io_err("reading state directory", &dir))?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
+                .map_err(io_err("restricting state directory to 0700", &dir))?;
+        }
+        let lock_path = dir.join(LOCK_NAME);
+        let mut lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&lock_path)
+            .map_err(io_err("opening lock file", &lock_path))?;
+        // SAFETY: flock only reads the fd, which `lock` owns and keeps open for this call.
+        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let mut s = String::new();
+                let _ = lock.read_to_string(&mut s);
+                return Err(StoreError::AlreadyRunning {
+                    pid: s.trim().parse().ok(),
+                    dir,
+                });
+            }
+            return Err(StoreError::Io {
+                what: "locking",
+                path: lock_path,
+                source: err,
+            });
+        }
+        let write_pid = |lock: &mut File| -> io::Result<()> {
+            lock.set_len(0)?;
+            lock.rewind()?;
+            writeln!(lock, "{}", std::process::id())?;
+            lock.sync_all()
+        };
+        write_pid(&mut lock).map_err(io_err("writing our PID into lock file", &lock_path))?;
+        let tmp = dir.join(TMP_NAME);
+        match fs::remove_file(&tmp) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("removing leftover temp checkpoint", &tmp)(e)),
+        }
+        Ok(Self { dir, _lock: lock })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(FILE_NAME)
+    }
+
+    /// Reads the checkpoint. A file that fails to decode is moved aside, never deleted.
+    pub fn load(&self) -> Result<LoadOutcome, StoreError> {
+        let path = self.path();
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LoadOutcome::NotFound),
+            Err(e) => return Err(io_err("reading checkpoint", &path)(e)),
+        };
+        match format::decode(&bytes) {
+            Ok(cp) => Ok(LoadOutcome::Loaded(cp)),
+            Err(reason) => {
+                let moved_to = self.move_aside()?;
+                Ok(LoadOutcome::MovedAside { reason, moved_to })
+            }
+        }
+    }
+
+    fn move_aside(&self) -> Result<PathBuf, StoreError> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let mut target = self.dir.join(format!(
+            "{CORRUPT_PREFIX}{}.{:09}",
+            now.as_secs(),
+            now.subsec_nanos()
+        ));
+        let mut n = 0;
+        while target.exists() {
+            n += 1;
+            target = self.dir.join(format!(
+                "{CORRUPT_PREFIX}{}.{:09}-{n}",
+                now.as_secs(),
+                now.subsec_nanos()
+            ));
+        }
+        let path = self.path();
+        fs::rename(&path, &target).map_err(io_err("moving corrupt checkpoint aside", &path))?;
+        self.sync_dir()?;
+        self.prune_corrupt()?;
+        Ok(target)
+    }
+
+    fn prune_corrupt(&self) -> Result<(), StoreError> {
+        let entries =
+            fs::read_dir(&self.dir).map_err(io_err("listing state directory", &self.dir))?;
+        let mut corrupt: Vec<(Vec<u64>, PathBuf)> = Vec::new();
+        for e in entries {
+            let e = e.map_err(io_err("listing state directory", &self.dir))?;
+            let name = e.file_name();
+            let Some(stamp) = name.to_str().and_then(|n| n.strip_prefix(CORRUPT_PREFIX)) else {
+                continue;
+            };
+            // Sort by the numbers in the stamp (secs, nanos, collision counter).
+            let key = stamp
+                .split(['.', '-'])
+                .map(|p| p.parse().unwrap_or(0))
+                .collect();
+            corrupt.push((key, e.path()));
+        }
+        corrupt.sort();
+        let excess = corrupt.len().saturating_sub(KEEP_CORRUPT);
+        for (_, p) in corrupt.into_iter().take(excess) {
+            fs::remove_file(&p).map_err(io_err("removing old corrupt checkpoint", &p))?;
+        }
+        Ok(())
+    }
+
+    fn sync_dir(&self) -> Result<(), StoreError> {
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err("syncing state directory", &self.dir))
+    }
+
+    /// Replaces the checkpoint atomically: temp file (0600), fsync, rename, directory fsync. A
+    /// crash at any point leaves either the old or the new checkpoint. Returns the bytes written.
+    pub fn write(&self, cp: &Checkpoint) -> Result<usize, StoreError> {
+        let path = self.path();
+        let bytes = format::encode(cp).map_err(|source| StoreError::Encode {
+            path: path.clone(),
+            source,
+        })?;
+        let tmp = self.dir.join(TMP_NAME);
+        let result = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io_err("creating temp checkpoint", &tmp))?;
+            f.set_permissions(fs::Permissions::from_mode(0o600))
+                .map_err(io_err("restricting temp checkpoint to 0600", &tmp))?;
+            f.write_all(&bytes)
+                .map_err(io_err("writing temp checkpoint", &tmp))?;
+            f.sync_all()
+                .map_err(io_err("syncing temp checkpoint", &tmp))?;
+            fs::rename(&tmp, &path).map_err(io_err("renaming temp checkpoint over", &path))
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result?;
+        self.sync_dir()?;
+        Ok(bytes.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::format::tests::sample;
+
+    fn mode(p: &Path) -> u32 {
+        fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn creates_private_dir_and_file_and_leaves_no_temp() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("state");
+        let store = CheckpointStore::open(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert!(matches!(store.load().unwrap(), LoadOutcome::NotFound));
+        let cp = sample();
+        store.write(&cp).unwrap();
+        store.write(&cp).unwrap();
+        assert_eq!(mode(&store.path()), 0o600);
+        let mut names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["lock", "nodes.ckpt"]);
+        match store.load().unwrap() {
+            LoadOutcome::Loaded(back) => assert_eq!(back, cp),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn loose_existing_dir_is_tightened_and_leftover_temp_removed() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("state");
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::write(dir.join(TMP_NAME), b"half a checkpoint").unwrap();
+        let _store = CheckpointStore::open(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert!(!dir.join(TMP_NAME).exists());
+    }
+
+    #[test]
+    fn second_open_names_the_holder_pid_until_the_first_is_dropped() {
+        let t = tempfile::tempdir().unwrap();
+        let first = CheckpointStore::open(t.path()).unwrap();
+        match CheckpointStore::open(t.path()) {
+            Err(e @ StoreError::AlreadyRunning { pid, .. }) => {
+                assert_eq!(pid, Some(std::process::id()));
+                assert!(e.to_string().contains(&std::process::id().to_string()));
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(first);
+        CheckpointStore::open(t.path()).unwrap();
+    }
+
+    #[test]
+    fn corrupt_checkpoint_is_moved_aside_and_only_three_are_kept() {
+        let t = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(t.path()).unwrap();
+        let mut moved = Vec::new();
+        for i in 0..5u8 {
+            fs::write(store.path(), [b'x', i]).unwrap();
+            match store.load().unwrap() {
+                LoadOutcome::MovedAside { reason, moved_to } => {
+                    assert!(matches!(reason, DecodeError::Truncated { .. }));
+                    assert_eq!(fs::read(&moved_to).unwrap(), [b'x', i]);
+                    moved.push(moved_to);
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(!store.path().exists());
+        }
+        let kept: Vec<_> = moved.iter().filter(|p| p.exists()).collect();
+        assert_eq!(kept, moved[2..].iter().collect::<Vec<_>>());
+        assert!(matches!(store.load().unwrap(), LoadOutcome::NotFound));
+    }
+}

@@ -1,0 +1,241 @@
+//! Node-ID allocation.
+//!
+//! A node ID is written into the datapath (map values, xfrm marks), so handing a just-freed ID to
+//! a new node while stale copies of it may still exist somewhere (a peer's map, an xfrm state not
+//! yet expired) would route the new node's traffic as the old one's. Hence: IDs are restored
+//! before anything is allocated, a freed ID waits out a cool-down, and among reusable IDs the one
+//! freed longest ago goes first, so the most recently freed ones are reused last. IDs that were
+//! never used are preferred over any freed one.
+//!
+//! Time is passed in (a [`Duration`] since the Unix epoch), never read here, so the allocator is
+//! pure and its tests are exact.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::objects::NodeId;
+
+/// The highest ID; 0 is the local node.
+pub const MAX_ID: u16 = u16::MAX;
+
+/// An ID freed at `freed_at` (since the Unix epoch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreedId {
+    pub id: NodeId,
+    pub freed_at: Duration,
+}
+
+/// What must survive a restart: the freed IDs with their free time, so the cool-down is not reset
+/// by a restart. IDs in use are not stored here: they are restored from the map and the
+/// checkpoint's node records.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatorState {
+    pub freed: Vec<FreedId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    #[error(
+        "allocating a node ID: all {limit} IDs are in use or cooling down ({cooling} freed less than {cooldown:?} ago)"
+    )]
+    Exhausted {
+        limit: u16,
+        cooling: usize,
+        cooldown: Duration,
+    },
+}
+
+const WORDS: usize = (MAX_ID as usize + 1) / 64;
+
+/// The allocator for one planning pass.
+#[derive(Clone, Debug)]
+pub struct IdAllocator {
+    cooldown: Duration,
+    /// Bit set of IDs in use.
+    in_use: Box<[u64; WORDS]>,
+    /// Freed IDs and when; an ID is never both in use and here.
+    freed: BTreeMap<NodeId, Duration>,
+    /// IDs below this were found used or freed by a fresh-ID scan; a hint, never a rule.
+    fresh_cursor: u32,
+}
+
+impl IdAllocator {
+    pub fn new(cooldown: Duration, state: &AllocatorState) -> Self {
+        let mut freed = BTreeMap::new();
+        for f in &state.freed {
+            // A duplicate keeps the later time: the safer cool-down.
+            let e = freed.entry(f.id).or_insert(f.freed_at);
+            *e = (*e).max(f.freed_at);
+        }
+        Self {
+            cooldown,
+            in_use: Box::new([0; WORDS]),
+            freed,
+            fresh_cursor: 1,
+        }
+    }
+
+    pub fn is_in_use(&self, id: NodeId) -> bool {
+        let i = id.get() as usize;
+        self.in_use[i / 64] & (1 << (i % 64)) != 0
+    }
+
+    fn set(&mut self, id: NodeId, used: bool) {
+        let i = id.get() as usize;
+        if used {
+            self.in_use[i / 64] |= 1 << (i % 64);
+        } else {
+            self.in_use[i / 64] &= !(1 << (i % 64));
+        }
+    }
+
+    /// Marks a restored ID as in use, whatever its cool-down: restored IDs win, since the kernel
+    /// already carries them. Returns `false` if it was already in use.
+    pub fn reserve(&mut self, id: NodeId) -> bool {
+        if self.is_in_use(id) {
+            return false;
+        }
+        self.freed.remove(&id);
+        self.set(id, true);
+        true
+    }
+
+    /// Hands out an ID: a never-used one if any, else the one freed longest ago whose cool-down
+    /// has passed at `now`.
+    pub fn allocate(&mut self, now: Duration) -> Result<NodeId, IdError> {
+        while self.fresh_cursor <= MAX_ID as u32 {
+            let c = self.fresh_cursor as u16;
+            self.fresh_cursor += 1;
+            let Some(id) = NodeId::new(c) else { continue };
+            if !self.is_in_use(id) && !self.freed.contains_key(&id) {
+                self.set(id, true);
+                return Ok(id);
+            }
+        }
+        let best = self
+            .freed
+            .iter()
+            .filter(|(_, at)| now.saturating_sub(**at) >= self.cooldown)
+            .min_by_key(|(id, at)| (**at, **id))
+            .map(|(id, _)| *id);
+        match best {
+            Some(id) => {
+                self.freed.remove(&id);
+                self.set(id, true);
+                Ok(id)
+            }
+            None => Err(IdError::Exhausted {
+                limit: MAX_ID,
+                cooling: self.freed.len(),
+                cooldown: self.cooldown,
+            }),
+        }
+    }
+
+    /// Returns an ID; it becomes reusable once the cool-down has passed after `now`.
+    pub fn free(&mut self, id: NodeId, now: Duration) {
+        self.set(id, false);
+        self.freed.insert(id, now);
+    }
+
+    /// The state to checkpoint. Freed IDs are kept after their cool-down too: they still order
+    /// reuse (longest-freed first) and cost six bytes each.
+    pub fn state(&self) -> AllocatorState {
+        AllocatorState {
+            freed: self
+                .freed
+                .iter()
+                .map(|(id, at)| FreedId {
+                    id: *id,
+                    freed_at: *at,
+                })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(v: u16) -> NodeId {
+        NodeId::new(v).unwrap()
+    }
+    const MIN: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn zero_is_never_assigned_and_first_id_is_one() {
+        let mut a = IdAllocator::new(MIN, &AllocatorState::default());
+        assert_eq!(a.allocate(Duration::ZERO), Ok(id(1)));
+        assert_eq!(a.allocate(Duration::ZERO), Ok(id(2)));
+    }
+
+    #[test]
+    fn restored_ids_are_skipped_by_allocation() {
+        let mut a = IdAllocator::new(MIN, &AllocatorState::default());
+        assert!(a.reserve(id(1)));
+        assert!(!a.reserve(id(1)));
+        assert_eq!(a.allocate(Duration::ZERO), Ok(id(2)));
+    }
+
+    #[test]
+    fn freed_id_is_not_reused_before_cooldown_and_never_used_ids_come_first() {
+        let mut a = IdAllocator::new(MIN, &AllocatorState::default());
+        let first = a.allocate(Duration::ZERO).unwrap();
+        a.free(first, Duration::from_secs(10));
+        assert_eq!(a.allocate(Duration::from_secs(1000)), Ok(id(2)));
+    }
+
+    #[test]
+    fn exhausted_ids_name_the_limit_then_longest_freed_is_reused_first() {
+        let mut a = IdAllocator::new(MIN, &AllocatorState::default());
+        for _ in 0..MAX_ID {
+            a.allocate(Duration::ZERO).unwrap();
+        }
+        let e = a.allocate(Duration::ZERO).unwrap_err();
+        assert!(e.to_string().contains("65535"), "{e}");
+        a.free(id(7), Duration::from_secs(100));
+        a.free(id(5), Duration::from_secs(200));
+        assert!(matches!(
+            a.allocate(Duration::from_secs(150)),
+            Err(IdError::Exhausted { cooling: 2, .. })
+        ));
+        assert_eq!(a.allocate(Duration::from_secs(300)), Ok(id(7)));
+        assert_eq!(a.allocate(Duration::from_secs(300)), Ok(id(5)));
+    }
+
+    #[test]
+    fn cooldown_survives_a_restart_through_the_state() {
+        let mut a = IdAllocator::new(MIN, &AllocatorState::default());
+        for _ in 0..MAX_ID {
+            a.allocate(Duration::ZERO).unwrap();
+        }
+        a.free(id(9), Duration::from_secs(100));
+        let state = a.state();
+        let mut b = IdAllocator::new(MIN, &state);
+        for v in 1..=MAX_ID {
+            if v != 9 {
+                b.reserve(id(v));
+            }
+        }
+        assert!(b.allocate(Duration::from_secs(120)).is_err());
+        assert_eq!(b.allocate(Duration::from_secs(160)), Ok(id(9)));
+    }
+
+    #[test]
+    fn reserving_a_cooling_id_takes_it_out_of_the_freed_list() {
+        let mut a = IdAllocator::new(
+            MIN,
+            &AllocatorState {
+                freed: vec![FreedId {
+                    id: id(3),
+                    freed_at: Duration::ZERO,
+                }],
+            },
+        );
+        assert!(a.reserve(id(3)));
+        assert!(a.state().freed.is_empty());
+    }
+}

@@ -1,0 +1,325 @@
+//! The node record the planner works on, validated once on the way in.
+//!
+//! The agent's node sources (the Kubernetes watch, a NodeList file) only pull strings out of
+//! their objects into a [`RawNode`]; everything that can be wrong with those strings is decided
+//! here, so the planner never sees an unparsed or inconsistent address and a bad record becomes a
+//! typed error naming the node and the field instead of a crash (invariant 12).
+
+use std::fmt;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::objects::NodeId;
+
+/// The Kubernetes address types we act on. Others (Hostname, InternalDNS, ...) carry no IP and are
+/// dropped by [`Node::from_raw`] rather than rejected, since Kubernetes lists them routinely.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum AddressKind {
+    InternalIP,
+    ExternalIP,
+}
+
+impl AddressKind {
+    /// `None` for address types without an IP (Hostname, InternalDNS, ExternalDNS).
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "InternalIP" => Some(Self::InternalIP),
+            "ExternalIP" => Some(Self::ExternalIP),
+            _ => None,
+        }
+    }
+}
+
+/// One address of a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct NodeAddress {
+    pub kind: AddressKind,
+    pub ip: IpAddr,
+}
+
+/// IP family, used to pair pod CIDRs with a gateway and xfrm endpoints of the same family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(ip: &IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+
+    pub fn of_net(net: &IpNet) -> Self {
+        match net {
+            IpNet::V4(_) => Self::V4,
+            IpNet::V6(_) => Self::V6,
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        })
+    }
+}
+
+/// A node as the source delivered it: strings only.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RawNode {
+    pub name: String,
+    pub uid: String,
+    /// `(type, address)` pairs as in `status.addresses`.
+    pub addresses: Vec<(String, String)>,
+    /// `spec.podCIDRs`.
+    pub pod_cidrs: Vec<String>,
+    pub boot_id: String,
+}
+
+/// A validated node record.
+///
+/// Fields are public for reading and for tests; a record built by hand can be re-checked with
+/// [`Node::validate`], which the checkpoint decoder does for every record it reads.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    pub name: String,
+    pub uid: String,
+    pub addresses: Vec<NodeAddress>,
+    /// At most one per family, each a canonical network address.
+    pub pod_cidrs: Vec<IpNet>,
+    pub boot_id: String,
+    /// Assigned by the planner; what a source delivers is ignored.
+    pub node_id: Option<NodeId>,
+}
+
+/// What is wrong with a node record. Every variant names the node and the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeError {
+    #[error("node record has an empty name")]
+    EmptyName,
+    #[error("node {node}: address {value:?} (field status.addresses) is not an IP address")]
+    BadAddress { node: String, value: String },
+    #[error("node {node}: address {ip} (field status.addresses) is listed twice")]
+    DuplicateAddress { node: String, ip: IpAddr },
+    #[error(
+        "node {node}: address {ip} (field status.addresses) is unspecified, loopback or multicast"
+    )]
+    UnusableAddress { node: String, ip: IpAddr },
+    #[error("node {node}: pod CIDR {value:?} (field spec.podCIDRs) is not a CIDR")]
+    BadCidr { node: String, value: String },
+    #[error(
+        "node {node}: pod CIDR {value} (field spec.podCIDRs) is not a network address, expected {canonical}"
+    )]
+    NonCanonicalCidr {
+        node: String,
+        value: String,
+        canonical: IpNet,
+    },
+    #[error(
+        "node {node}: more than one {family} pod CIDR (field spec.podCIDRs): {first} and {second}"
+    )]
+    DuplicateCidrFamily {
+        node: String,
+        family: Family,
+        first: IpNet,
+        second: IpNet,
+    },
+}
+
+impl Node {
+    /// Parses and validates what a node source delivered.
+    pub fn from_raw(raw: RawNode) -> Result<Self, NodeError> {
+        let mut addresses = Vec::with_capacity(raw.addresses.len());
+        for (kind, value) in &raw.addresses {
+            let Some(kind) = AddressKind::parse(kind) else {
+                continue;
+            };
+            let ip: IpAddr = value.trim().parse().map_err(|_| NodeError::BadAddress {
+                node: raw.name.clone(),
+                value: value.clone(),
+            })?;
+            addresses.push(NodeAddress { kind, ip });
+        }
+        let mut pod_cidrs = Vec::with_capacity(raw.pod_cidrs.len());
+        for value in &raw.pod_cidrs {
+            let net: IpNet = value.trim().parse().map_err(|_| NodeError::BadCidr {
+                node: raw.name.clone(),
+                value: value.clone(),
+            })?;
+            if net.trunc() != net {
+                return Err(NodeError::NonCanonicalCidr {
+                    node: raw.name.clone(),
+                    value: value.clone(),
+                    canonical: net.trunc(),
+                });
+            }
+            pod_cidrs.push(net);
+        }
+        let node = Self {
+            name: raw.name,
+            uid: raw.uid,
+            addresses,
+            pod_cidrs,
+            boot_id: raw.boot_id,
+            node_id: None,
+        };
+        node.validate()?;
+        Ok(node)
+    }
+
+    /// Checks the invariants [`Node::from_raw`] establishes, for records that did not come
+    /// through it (a decoded checkpoint, a test).
+    pub fn validate(&self) -> Result<(), NodeError> {
+        if self.name.is_empty() {
+            return Err(NodeError::EmptyName);
+        }
+        for (i, a) in self.addresses.iter().enumerate() {
+            if a.ip.is_unspecified() || a.ip.is_loopback() || a.ip.is_multicast() {
+                return Err(NodeError::UnusableAddress {
+                    node: self.name.clone(),
+                    ip: a.ip,
+                });
+            }
+            if self.addresses[..i].iter().any(|b| b.ip == a.ip) {
+                return Err(NodeError::DuplicateAddress {
+                    node: self.name.clone(),
+                    ip: a.ip,
+                });
+            }
+        }
+        for (i, net) in self.pod_cidrs.iter().enumerate() {
+            if net.trunc() != *net {
+                return Err(NodeError::NonCanonicalCidr {
+                    node: self.name.clone(),
+                    value: net.to_string(),
+                    canonical: net.trunc(),
+                });
+            }
+            let family = Family::of_net(net);
+            if let Some(first) = self.pod_cidrs[..i]
+                .iter()
+                .find(|o| Family::of_net(o) == family)
+            {
+                return Err(NodeError::DuplicateCidrFamily {
+                    node: self.name.clone(),
+                    family,
+                    first: *first,
+                    second: *net,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The node's first InternalIP of `family`: the gateway for its pod CIDRs and the xfrm
+    /// endpoint. Kubernetes lists the primary address first, so "first" is the primary.
+    pub fn internal_ip(&self, family: Family) -> Option<IpAddr> {
+        self.addresses
+            .iter()
+            .find(|a| a.kind == AddressKind::InternalIP && Family::of(&a.ip) == family)
+            .map(|a| a.ip)
+    }
+
+    pub fn ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.addresses.iter().map(|a| a.ip)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(addresses: &[(&str, &str)], cidrs: &[&str]) -> RawNode {
+        RawNode {
+            name: "worker-1".into(),
+            uid: "uid-1".into(),
+            addresses: addresses
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            pod_cidrs: cidrs.iter().map(|s| s.to_string()).collect(),
+            boot_id: "boot".into(),
+        }
+    }
+
+    #[test]
+    fn dual_stack_node_parses_and_ignores_hostname_addresses() {
+        let n = Node::from_raw(raw(
+            &[
+                ("InternalIP", "10.0.0.1"),
+                ("Hostname", "worker-1"),
+                ("InternalIP", "fd00::1"),
+                ("ExternalIP", "203.0.113.1"),
+            ],
+            &["10.1.0.0/24", "fd01::/64"],
+        ))
+        .unwrap();
+        assert_eq!(n.addresses.len(), 3);
+        assert_eq!(n.internal_ip(Family::V4), Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(n.internal_ip(Family::V6), Some("fd00::1".parse().unwrap()));
+        assert_eq!(n.pod_cidrs.len(), 2);
+    }
+
+    #[test]
+    fn bad_address_names_node_and_value() {
+        let e = Node::from_raw(raw(&[("InternalIP", "10.0.0.300")], &[])).unwrap_err();
+        assert_eq!(
+            e,
+            NodeError::BadAddress {
+                node: "worker-1".into(),
+                value: "10.0.0.300".into()
+            }
+        );
+        assert!(e.to_string().contains("worker-1"));
+        assert!(e.to_string().contains("status.addresses"));
+    }
+
+    #[test]
+    fn bad_and_non_canonical_cidrs_are_rejected() {
+        assert!(matches!(
+            Node::from_raw(raw(&[], &["10.1.0.0/33"])),
+            Err(NodeError::BadCidr { .. })
+        ));
+        assert!(matches!(
+            Node::from_raw(raw(&[], &["10.1.0.5/24"])),
+            Err(NodeError::NonCanonicalCidr { canonical, .. }) if canonical.to_string() == "10.1.0.0/24"
+        ));
+    }
+
+    #[test]
+    fn two_cidrs_of_one_family_are_rejected() {
+        assert!(matches!(
+            Node::from_raw(raw(&[], &["10.1.0.0/24", "10.2.0.0/24"])),
+            Err(NodeError::DuplicateCidrFamily {
+                family: Family::V4,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn duplicate_and_unusable_addresses_are_rejected() {
+        assert!(matches!(
+            Node::from_raw(raw(
+                &[("InternalIP", "10.0.0.1"), ("ExternalIP", "10.0.0.1")],
+                &[]
+            )),
+            Err(NodeError::DuplicateAddress { .. })
+        ));
+        assert!(matches!(
+            Node::from_raw(raw(&[("InternalIP", "127.0.0.1")], &[])),
+            Err(NodeError::UnusableAddress { .. })
+        ));
+        assert!(matches!(
+            Node::from_raw(RawNode::default()),
+            Err(NodeError::EmptyName)
+        ));
+    }
+}

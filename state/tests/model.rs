@@ -1,0 +1,369 @@
+//! Random cluster histories against a model kernel.
+//!
+//! A history is a sequence of steps; each changes the cluster (nodes added, deleted, readdressed,
+//! renamed; freed IPs and CIDRs are recycled by later adds since they are drawn from small pools)
+//! and then does one thing with the agent: reconcile fully, stay down, crash after applying a
+//! prefix of its plan (no checkpoint written), or lose or corrupt its checkpoint. The checkpoint
+//! goes through the real encoder and decoder.
+//!
+//! Properties, 256 cases each by default (`PROPTEST_CASES` overrides; about 2 s in a debug build):
+//! - no plan ever deletes an object a live node desires (invariant 3);
+//! - after a final restart and one full reconcile (synced, force-prune) the model kernel holds
+//!   exactly the desired objects of the live nodes, each live node has an ID of its own;
+//! - a second reconcile plans nothing (invariant 10).
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use state::checkpoint::{Checkpoint, decode, encode};
+use state::desired::desired_objects;
+use state::node::{AddressKind, Node, NodeAddress};
+use state::objects::{KernelObject, ObjectId, Op};
+use state::plan::{IpsecConfig, LiveView, Plan, PlanConfig, PlanInput, plan};
+
+const POOL: usize = 16;
+const NAMES: usize = 10;
+
+#[derive(Clone, Debug)]
+enum Event {
+    Add {
+        name: usize,
+        ip: usize,
+        dual: bool,
+        cidr: usize,
+    },
+    Delete {
+        pick: usize,
+    },
+    Readdress {
+        pick: usize,
+        ip: usize,
+        cidr: usize,
+    },
+    Rename {
+        pick: usize,
+        name: usize,
+    },
+    Nothing,
+}
+
+#[derive(Clone, Debug)]
+enum Agent {
+    Reconcile,
+    Down,
+    /// Applies this many permille of the plan's ops, then dies before writing the checkpoint.
+    Crash(u16),
+    LoseCheckpoint,
+    CorruptCheckpoint(usize),
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        3 => (0..NAMES, 0..POOL, any::<bool>(), 0..POOL)
+            .prop_map(|(name, ip, dual, cidr)| Event::Add { name, ip, dual, cidr }),
+        2 => (0..NAMES).prop_map(|pick| Event::Delete { pick }),
+        1 => (0..NAMES, 0..POOL, 0..POOL).prop_map(|(pick, ip, cidr)| Event::Readdress { pick, ip, cidr }),
+        1 => (0..NAMES, 0..NAMES).prop_map(|(pick, name)| Event::Rename { pick, name }),
+        1 => Just(Event::Nothing),
+    ]
+}
+
+fn agent() -> impl Strategy<Value = Agent> {
+    prop_oneof![
+        4 => Just(Agent::Reconcile),
+        3 => Just(Agent::Down),
+        2 => (0u16..1000).prop_map(Agent::Crash),
+        1 => Just(Agent::LoseCheckpoint),
+        1 => any::<usize>().prop_map(Agent::CorruptCheckpoint),
+    ]
+}
+
+fn v4(i: usize) -> IpAddr {
+    format!("10.0.0.{}", i + 1).parse().unwrap()
+}
+fn v6(i: usize) -> IpAddr {
+    format!("fd00::{}", i + 1).parse().unwrap()
+}
+
+/// The cluster: live nodes by name.
+#[derive(Default)]
+struct Cluster(BTreeMap<String, Node>);
+
+impl Cluster {
+    fn used_ips(&self) -> HashSet<IpAddr> {
+        self.0.values().flat_map(|n| n.ips()).collect()
+    }
+    fn free_slot(&self, start: usize) -> Option<usize> {
+        let used = self.used_ips();
+        (0..POOL)
+            .map(|k| (start + k) % POOL)
+            .find(|i| !used.contains(&v4(*i)) && !used.contains(&v6(*i)))
+    }
+    fn free_cidr(&self, start: usize) -> Option<usize> {
+        let used: HashSet<_> = self.0.values().flat_map(|n| n.pod_cidrs.clone()).collect();
+        (0..POOL)
+            .map(|k| (start + k) % POOL)
+            .find(|i| !used.contains(&cidr4(*i)))
+    }
+    fn free_name(&self, start: usize) -> Option<String> {
+        (0..NAMES)
+            .map(|k| format!("n{}", (start + k) % NAMES))
+            .find(|n| !self.0.contains_key(n))
+    }
+    fn pick(&self, i: usize) -> Option<String> {
+        (!self.0.is_empty()).then(|| self.0.keys().nth(i % self.0.len()).unwrap().clone())
+    }
+    fn apply(&mut self, e: &Event) {
+        match *e {
+            Event::Add {
+                name,
+                ip,
+                dual,
+                cidr,
+            } => {
+                let (Some(name), Some(ip), Some(cidr)) = (
+                    self.free_name(name),
+                    self.free_slot(ip),
+                    self.free_cidr(cidr),
+                ) else {
+                    return;
+                };
+                self.0.insert(name.clone(), make(&name, ip, dual, cidr));
+            }
+            Event::Delete { pick } => {
+                if let Some(n) = self.pick(pick) {
+                    self.0.remove(&n);
+                }
+            }
+            Event::Readdress { pick, ip, cidr } => {
+                let Some(name) = self.pick(pick) else { return };
+                let old = self.0.remove(&name).unwrap();
+                let dual = old.addresses.len() > 1;
+                match (self.free_slot(ip), self.free_cidr(cidr)) {
+                    (Some(ip), Some(cidr)) => {
+                        self.0.insert(name.clone(), make(&name, ip, dual, cidr));
+                    }
+                    _ => {
+                        self.0.insert(name, old);
+                    }
+                }
+            }
+            Event::Rename { pick, name } => {
+                let (Some(old), Some(new)) = (self.pick(pick), self.free_name(name)) else {
+                    return;
+                };
+                let mut n = self.0.remove(&old).unwrap();
+                n.name = new.clone();
+                self.0.insert(new, n);
+            }
+            Event::Nothing => {}
+        }
+    }
+}
+
+fn cidr4(i: usize) -> ipnet::IpNet {
+    format!("10.1.{}.0/24", i + 1).parse().unwrap()
+}
+
+fn make(name: &str, ip: usize, dual: bool, cidr: usize) -> Node {
+    let mut addresses = vec![NodeAddress {
+        kind: AddressKind::InternalIP,
+        ip: v4(ip),
+    }];
+    let mut pod_cidrs = vec![cidr4(cidr)];
+    if dual {
+        addresses.push(NodeAddress {
+            kind: AddressKind::InternalIP,
+            ip: v6(ip),
+        });
+        pod_cidrs.push(format!("fd01:{:x}::/64", cidr + 1).parse().unwrap());
+    }
+    Node {
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        addresses,
+        pod_cidrs,
+        boot_id: String::new(),
+        node_id: None,
+    }
+}
+
+struct World {
+    cluster: Cluster,
+    kernel: BTreeMap<ObjectId, KernelObject>,
+    stored: Option<Vec<u8>>,
+    now: Duration,
+}
+
+impl World {
+    fn restored(&self) -> Option<Checkpoint> {
+        self.stored.as_deref().and_then(|b| decode(b).ok())
+    }
+
+    fn plan(&self, cfg: &PlanConfig) -> Plan {
+        let restored = self.restored();
+        let live = LiveView {
+            nodes: self.cluster.0.values().cloned().collect(),
+            synced: true,
+        };
+        let inventory: Vec<KernelObject> = self.kernel.values().cloned().collect();
+        let allocator = restored.as_ref().map(|c| c.ids.clone()).unwrap_or_default();
+        let p = plan(&PlanInput {
+            restored: restored.as_ref(),
+            live: &live,
+            inventory: &inventory,
+            allocator: &allocator,
+            now: self.now,
+            config: cfg,
+        });
+        // Invariant 3 at every step: no delete hits an object a live node desires.
+        let desired = desired_ids(&p.checkpoint, &self.cluster, cfg);
+        for d in &p.deletes {
+            assert!(
+                !desired.contains(&d.object.id()),
+                "deleted a live node's object: {d:?}"
+            );
+            if let KernelObject::MapEntry(e) = &d.object {
+                assert!(
+                    !self.cluster.used_ips().contains(&e.ip),
+                    "deleted a live IP's entry: {d:?}"
+                );
+            }
+        }
+        p
+    }
+
+    fn apply(&mut self, ops: &[Op]) {
+        for op in ops {
+            match op {
+                Op::Upsert(o) => {
+                    self.kernel.insert(o.id(), o.clone());
+                }
+                Op::Delete(o) => {
+                    self.kernel.remove(&o.id());
+                }
+            }
+        }
+    }
+
+    fn reconcile(&mut self, cfg: &PlanConfig) -> Plan {
+        let p = self.plan(cfg);
+        self.apply(&p.ops());
+        self.stored = Some(encode(&p.checkpoint_after(&[])).unwrap());
+        p
+    }
+}
+
+fn desired_of(
+    cp: &Checkpoint,
+    cluster: &Cluster,
+    cfg: &PlanConfig,
+) -> BTreeMap<ObjectId, KernelObject> {
+    let mut out = Vec::new();
+    let mut problems = Vec::new();
+    for n in &cp.nodes {
+        if let (Some(id), Some(live)) = (n.node_id, cluster.0.get(&n.name))
+            && live.addresses == n.addresses
+        {
+            desired_objects(live, id, cfg, &mut out, &mut problems);
+        }
+    }
+    assert!(problems.is_empty(), "{problems:?}");
+    out.into_iter().map(|o| (o.id(), o)).collect()
+}
+
+fn desired_ids(cp: &Checkpoint, cluster: &Cluster, cfg: &PlanConfig) -> HashSet<ObjectId> {
+    desired_of(cp, cluster, cfg).into_keys().collect()
+}
+
+fn config(ipsec: bool) -> PlanConfig {
+    PlanConfig {
+        local_node: "local".into(),
+        local_addresses: vec!["10.0.0.200".parse().unwrap(), "fd00::200".parse().unwrap()],
+        ipsec: ipsec.then_some(IpsecConfig { spi: 1 }),
+        id_cooldown: Duration::from_secs(30),
+        ..PlanConfig::default()
+    }
+}
+
+fn run_history(steps: &[(Event, Agent)], ipsec: bool) -> Result<(), TestCaseError> {
+    let cfg = config(ipsec);
+    let mut w = World {
+        cluster: Cluster::default(),
+        kernel: BTreeMap::new(),
+        stored: None,
+        now: Duration::from_secs(1_000),
+    };
+    for (e, a) in steps {
+        w.now += Duration::from_secs(10);
+        w.cluster.apply(e);
+        match a {
+            Agent::Reconcile => {
+                w.reconcile(&cfg);
+            }
+            Agent::Down => {}
+            Agent::Crash(permille) => {
+                let p = w.plan(&cfg);
+                let ops = p.ops();
+                let n = ops.len() * *permille as usize / 1000;
+                w.apply(&ops[..n]);
+            }
+            Agent::LoseCheckpoint => w.stored = None,
+            Agent::CorruptCheckpoint(at) => {
+                if let Some(b) = &mut w.stored {
+                    let i = at % b.len();
+                    b[i] ^= 0x5A;
+                }
+            }
+        }
+    }
+    // Restart, one full reconcile with the brake released.
+    let forced = PlanConfig {
+        force_prune: true,
+        ..cfg.clone()
+    };
+    w.now += Duration::from_secs(10);
+    let p = w.reconcile(&forced);
+    prop_assert!(p.errors.is_empty(), "{:?}", p.errors);
+    let cp = w.restored().expect("just written");
+    let names: BTreeSet<&str> = cp.nodes.iter().map(|n| n.name.as_str()).collect();
+    let live: BTreeSet<&str> = w.cluster.0.keys().map(String::as_str).collect();
+    prop_assert_eq!(names, live);
+    let ids: HashSet<_> = cp.nodes.iter().map(|n| n.node_id.expect("ID")).collect();
+    prop_assert_eq!(ids.len(), cp.nodes.len(), "IDs are unique");
+    prop_assert!(cp.pending_deletes.is_empty());
+    prop_assert_eq!(&w.kernel, &desired_of(&cp, &w.cluster, &cfg));
+    // And nothing more to do.
+    w.now += Duration::from_secs(10);
+    let again = w.plan(&forced);
+    prop_assert!(again.is_empty(), "second reconcile: {:?}", again.ops());
+    prop_assert!(again.allocations.is_empty() && again.frees.is_empty());
+    Ok(())
+}
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_histories_converge_to_exactly_the_live_nodes(
+        steps in proptest::collection::vec((event(), agent()), 1..40)
+    ) {
+        run_history(&steps, false)?;
+    }
+
+    #[test]
+    fn random_histories_converge_with_ipsec(
+        steps in proptest::collection::vec((event(), agent()), 1..40)
+    ) {
+        run_history(&steps, true)?;
+    }
+}
