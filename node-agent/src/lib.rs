@@ -3,7 +3,9 @@
 //! See `DESIGN.md` for the architecture. This crate holds the I/O side: the datapath loader,
 //! the kernel backends and the command line.
 
+pub mod agent;
 pub mod backends;
 pub mod cli;
 pub mod datapath;
 pub mod node_map;
+pub mod source;

@@ -3,19 +3,27 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use node_agent::cli::{Cli, Command, LogFormat, MapCommand, map_dump};
+use node_agent::cli::{
+    Cli, Command, LogFormat, MapCommand, StateCommand, map_dump, run, state_show,
+};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    let mut out = std::io::stdout().lock();
     let result = match &cli.command {
+        Command::Run(args) => run::run(args, &mut out),
+        Command::Plan(args) => run::plan(args, &mut out),
+        Command::State {
+            command: StateCommand::Show(args),
+        } => state_show::run(args, &mut out).map(|()| 0),
         Command::Map {
             command: MapCommand::Dump(args),
-        } => map_dump::run(args, &mut std::io::stdout().lock()),
+        } => map_dump::run(args, &mut out).map(|()| 0),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("node-agent: {e:#}");
             ExitCode::FAILURE
@@ -30,6 +38,7 @@ fn init_tracing(format: LogFormat) {
         EnvFilter::try_from_env("NODE_AGENT_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

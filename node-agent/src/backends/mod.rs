@@ -56,15 +56,21 @@ pub trait Backend {
 }
 
 /// The three backends behind one interface: the reconciler dumps and applies through this.
+///
+/// A backend is `None` where it is not in use: the map in a dry run before any pin exists,
+/// routes when disabled. A missing backend dumps nothing and fails every op of its kind.
 pub struct Backends {
-    pub map: map::MapBackend,
+    pub map: Option<map::MapBackend>,
     pub routes: Option<routes::RouteBackend>,
 }
 
 impl Backends {
     /// Everything we own in the kernel, all kinds together.
     pub async fn dump(&mut self) -> Result<Vec<KernelObject>, DumpError> {
-        let mut all = self.map.dump().await?;
+        let mut all = Vec::new();
+        if let Some(m) = &mut self.map {
+            all.extend(m.dump().await?);
+        }
         if let Some(r) = &mut self.routes {
             all.extend(r.dump().await?);
         }
@@ -81,7 +87,10 @@ impl Backends {
         for chunk in ops.chunk_by(|a, b| a.object().kind() == b.object().kind()) {
             let kind = chunk[0].object().kind();
             match kind {
-                ObjectKind::MapEntry => results.extend(self.map.apply(chunk).await),
+                ObjectKind::MapEntry => match &mut self.map {
+                    Some(m) => results.extend(m.apply(chunk).await),
+                    None => results.extend(chunk.iter().map(|_| Err(OpError::Disabled { kind }))),
+                },
                 ObjectKind::Route => match &mut self.routes {
                     Some(r) => results.extend(r.apply(chunk).await),
                     None => results.extend(chunk.iter().map(|_| Err(OpError::Disabled { kind }))),

@@ -1,6 +1,8 @@
 //! The command line: argument definitions and one module per subcommand.
 
 pub mod map_dump;
+pub mod run;
+pub mod state_show;
 
 use std::path::PathBuf;
 
@@ -20,6 +22,16 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the agent: program every remote node's map entries, routes and xfrm state, and
+    /// clean up after nodes that went away (also while the agent was down).
+    Run(run::RunArgs),
+    /// Print what a reconcile would do now, as a table or JSON; nothing is changed.
+    Plan(run::PlanArgs),
+    /// Inspect the checkpoint.
+    State {
+        #[command(subcommand)]
+        command: StateCommand,
+    },
     /// Inspect the pinned eBPF maps.
     Map {
         #[command(subcommand)]
@@ -31,6 +43,13 @@ pub enum Command {
 pub enum MapCommand {
     /// Print every entry of the pinned node-ID map, sorted by address.
     Dump(map_dump::Args),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StateCommand {
+    /// The checkpoint decoded: version, time written, nodes with IDs, addresses and CIDRs,
+    /// and pending deletes.
+    Show(state_show::Args),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
