@@ -457,16 +457,27 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     }
     let mut id_of: HashMap<&str, NodeId> = HashMap::new();
     let mut claimed: HashMap<NodeId, &str> = HashMap::new();
+    // Which restored record an ID belongs to. An ID is a node's, not an address's: a map entry
+    // whose ID the checkpoint gives to another node (its IP was recycled to a new node, or the
+    // node was re-created under a new name) is not inherited, or a dead node's ID would be
+    // handed out again without its cool-down, and shared with its held leftovers.
+    let recorded_owner: HashMap<NodeId, &str> = restored
+        .values()
+        .filter_map(|p| p.node.node_id.map(|id| (id, p.node.name.as_str())))
+        .collect();
     let claim_order: Vec<&Node> = candidates.iter().chain(held.iter()).copied().collect();
-    // Pass 0: map IDs the record confirms (or no record contradicts); pass 1: any map ID;
-    // pass 2: the record's ID.
+    // Pass 0: map IDs the record confirms (or no record contradicts); pass 1: any map ID no
+    // other node's record owns; pass 2: the record's ID.
     for pass in 0..3 {
         for n in &claim_order {
             if id_of.contains_key(n.name.as_str()) {
                 continue;
             }
             let record_id = restored.get(n.name.as_str()).and_then(|p| p.node.node_id);
-            let from_map = n.ips().filter_map(|ip| map_ids.get(&ip).copied());
+            let from_map = n
+                .ips()
+                .filter_map(|ip| map_ids.get(&ip).copied())
+                .filter(|id| recorded_owner.get(id).is_none_or(|owner| *owner == n.name));
             let pick = match pass {
                 0 => from_map
                     .filter(|id| record_id.is_none_or(|r| r == *id))

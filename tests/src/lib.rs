@@ -6,6 +6,8 @@
 //! down when the thread ends, whether the test passed or panicked. Commands spawned from the
 //! thread (`ip`, `bpftool`, the agent binary) inherit its namespaces.
 
+pub mod agent;
+
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

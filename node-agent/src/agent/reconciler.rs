@@ -27,8 +27,11 @@ use crate::source::live::LiveState;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    /// Invariant 11: one agent per node. The message names the holder's PID.
+    #[error("node-agent is already running: {0}")]
+    AlreadyRunning(StoreError),
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(StoreError),
     #[error("reading checkpoint {path} (read-only): {source}")]
     ReadCheckpoint {
         path: PathBuf,
@@ -78,7 +81,12 @@ struct BrakeWatch {
     /// Full lists completed when the hold began; confirmation needs a newer one.
     relists: u64,
     nodes: Vec<String>,
+    /// The last plan that saw this hold.
+    checked: Instant,
 }
+
+/// Shortest wait between two brake re-checks once the confirm delay has passed.
+const BRAKE_RECHECK: Duration = Duration::from_millis(250);
 
 pub struct Reconciler {
     config: AgentConfig,
@@ -97,6 +105,15 @@ pub struct Reconciler {
     last_write: Option<Instant>,
     total_writes: usize,
     pruned: BTreeSet<String>,
+}
+
+impl From<StoreError> for AgentError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::AlreadyRunning { .. } => Self::AlreadyRunning(e),
+            other => Self::Store(other),
+        }
+    }
 }
 
 impl From<NodeMapError> for AgentError {
@@ -228,9 +245,9 @@ impl Reconciler {
 
     /// When a held brake could next be confirmed, for the daemon's timer.
     pub fn brake_recheck_at(&self) -> Option<Instant> {
-        self.brake.as_ref().map(|w| {
-            (w.since + self.config.prune_confirm_delay).max(Instant::now() + Duration::from_secs(1))
-        })
+        self.brake
+            .as_ref()
+            .map(|w| (w.since + self.config.prune_confirm_delay).max(w.checked + BRAKE_RECHECK))
     }
 
     fn local_addresses(&self) -> Vec<IpAddr> {
@@ -275,13 +292,15 @@ impl Reconciler {
         match &plan.brake {
             None => self.brake = None,
             Some(hold) => {
-                let same = self.brake.as_ref().is_some_and(|w| w.nodes == hold.nodes);
-                if !same {
+                if let Some(w) = self.brake.as_mut().filter(|w| w.nodes == hold.nodes) {
+                    w.checked = Instant::now();
+                } else {
                     tracing::error!(nodes = ?hold.nodes, "{hold}");
                     self.brake = Some(BrakeWatch {
                         since: Instant::now(),
                         relists: self.live.relists(),
                         nodes: hold.nodes.clone(),
+                        checked: Instant::now(),
                     });
                 }
             }
@@ -296,7 +315,9 @@ impl Reconciler {
         if let Some(map) = &mut self.backends.map
             && !map.invalid().is_empty()
         {
-            let n = map.purge_invalid().map_err(|e| AgentError::Purge(Box::new(e)))?;
+            let n = map
+                .purge_invalid()
+                .map_err(|e| AgentError::Purge(Box::new(e)))?;
             self.total_writes += n;
         }
         for e in &plan.errors {
