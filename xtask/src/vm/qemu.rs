@@ -103,6 +103,7 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
     let mut smoke_ok = false;
     let mut failed = Vec::new();
     let mut esp_skips = Vec::new();
+    let mut timed_out = false;
     let mut out = std::io::stdout().lock();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -111,6 +112,7 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
             // Both pipes closed: QEMU is gone.
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {
+                timed_out = true;
                 let _ = child.kill();
                 break;
             }
@@ -136,20 +138,31 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
     }
     // After the status line the guest powers off; don't wait long on one that hangs there.
     let grace = Instant::now() + Duration::from_secs(10);
-    while child.try_wait()?.is_none() {
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
         if Instant::now() > grace {
             let _ = child.kill();
         }
         std::thread::sleep(Duration::from_millis(50));
-    }
+    };
 
     let Some((rc, end)) = done else {
-        bail!(
-            "the guest crashed or timed out after {:.0} s (no `{DONE}N` line); last console \
-             lines:\n{}",
-            started.elapsed().as_secs_f64(),
+        let what = if timed_out {
+            format!("timed out after {} s (--timeout)", b.timeout.as_secs())
+        } else {
+            format!(
+                "crashed: QEMU exited ({status}) after {:.1} s",
+                started.elapsed().as_secs_f64()
+            )
+        };
+        let tail = if tail.is_empty() {
+            "(no console output)".to_owned()
+        } else {
             Vec::from(tail).join("\n")
-        );
+        };
+        bail!("the guest {what} without printing `{DONE}N`; last console lines:\n{tail}");
     };
     let begin = begin.unwrap_or(end);
     let timing = Timing {
