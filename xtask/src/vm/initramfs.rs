@@ -121,6 +121,7 @@ fn init_script(payload: &Payload, test_args: &[String]) -> String {
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root
 mount -t proc proc /proc
+echo "VMTEST: /init at $(cut -d' ' -f1 /proc/uptime) s"
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mount -t tmpfs tmpfs /tmp
@@ -134,14 +135,14 @@ done
 mkdir -p {share}
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro host0 {share} \
     || fail "mounting the workspace (9p host0) on {share}"
-echo "VMTEST: kernel $(uname -r)"
+echo "VMTEST: kernel $(uname -r), modules and payload ready at $(cut -d' ' -f1 /proc/uptime) s"
 if out=$(unshare -n sh -c {smoke} 2>&1); then
     echo "{SMOKE_OK}"
 else
     fail "ESP smoke test (ip xfrm state add ... proto esp ... rfc4106(gcm(aes))): $out"
 fi
 export NODE_AGENT_VM=1
-echo "{BEGIN}"
+echo "{BEGIN} at $(cut -d' ' -f1 /proc/uptime) s"
 for t in {tests}; do
     if [ ! -x "$t" ]; then
         fail "$t is missing in the guest"

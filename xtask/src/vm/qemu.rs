@@ -48,6 +48,8 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
         (Some(v), false) => v,
         _ => &k.bzimage,
     };
+    // Two vCPUs: libtest then runs two tests at once; the full datapath suite on 6.1 took
+    // 19 s against 23 s with one, on a 2-core host that was busy compiling.
     let mut qemu = Command::new("qemu-system-x86_64");
     qemu.args([
         "-nodefaults",
