@@ -37,6 +37,9 @@ fn main() -> anyhow::Result<()> {
             build_ebpf::run(&args)
         }
         Command::Test(args) => test::run(&args),
-        Command::VmTest(args) => vm::run(&args),
+        Command::VmTest(args) => match vm::run(&args)? {
+            0 => Ok(()),
+            rc => std::process::exit(rc),
+        },
     }
 }

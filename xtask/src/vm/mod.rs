@@ -55,7 +55,10 @@ impl KernelChoice {
     }
 }
 
-pub fn run(args: &Args) -> anyhow::Result<()> {
+/// Runs the tier; `Ok(code)` is the process's exit status: 0, or the first failing guest's
+/// test status when the only failures are test failures. Anything else (a crash, a timeout, a
+/// failed smoke test, an ESP skip) is an error.
+pub fn run(args: &Args) -> anyhow::Result<i32> {
     let started = Instant::now();
     if !cmd::is_root() {
         bail!("vm-test installs Debian packages and builds a root filesystem; run it as root");
@@ -87,6 +90,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     ));
 
     let mut failures = Vec::new();
+    let mut summary = Vec::new();
+    let mut test_rc = 0;
     for k in &kernels {
         let boot = qemu::Boot {
             kernel: k,
@@ -95,10 +100,23 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             timeout: Duration::from_secs(args.timeout),
             bzimage: args.bzimage,
         };
-        if let Err(e) = qemu::run(&boot) {
-            eprintln!("vm-test: {} FAILED: {e:#}", k.series);
-            failures.push(format!("{}: {e:#}", k.series));
+        let result = qemu::run(&boot);
+        let line = match &result {
+            Ok(_) => format!("{} ok", k.series),
+            Err(e) => format!("{} FAILED: {e:#}", k.series),
+        };
+        match result {
+            Ok(_) => {}
+            Err(e) => match e.downcast_ref::<qemu::TestsFailed>() {
+                Some(t) if test_rc == 0 => test_rc = t.0,
+                Some(_) => {}
+                None => failures.push(line.clone()),
+            },
         }
+        summary.push(line);
+    }
+    for line in &summary {
+        step(&format!("vm-test: {line}"));
     }
     step(&format!(
         "vm-test: total {:.1} s",
@@ -107,5 +125,5 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if !failures.is_empty() {
         bail!("vm-test failed on {}", failures.join("; "));
     }
-    Ok(())
+    Ok(test_rc)
 }
