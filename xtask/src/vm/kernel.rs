@@ -5,6 +5,9 @@
 //! configuration, so the host's sources stay as they are. What the guest needs is kept
 //! (the `.deb`, the kernel image, the vmlinux extracted from it, the modules archive); the
 //! unpacked tree is removed, since it is rebuilt from the `.deb` without the network.
+//!
+//! The `.deb` is kept until `target/vm/<series>/` is removed: delete that directory to pick up
+//! a newer kernel from the archive.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
