@@ -4,6 +4,7 @@ mod build_ebpf;
 mod cmd;
 mod setup;
 mod test;
+mod vm;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +24,9 @@ enum Command {
     BuildEbpf(build_ebpf::Args),
     /// Set up, build the eBPF object, and run every test tier this machine supports (as root).
     Test(test::Args),
+    /// Boot Debian kernels (6.1, 6.12) under QEMU and run the kernel-tier tests inside, where
+    /// ESP exists. Downloads and caches each kernel under target/vm/ on first use.
+    VmTest(vm::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,5 +37,9 @@ fn main() -> anyhow::Result<()> {
             build_ebpf::run(&args)
         }
         Command::Test(args) => test::run(&args),
+        Command::VmTest(args) => match vm::run(&args)? {
+            0 => Ok(()),
+            rc => std::process::exit(rc),
+        },
     }
 }
