@@ -261,3 +261,27 @@ impl VethPair {
         Self
     }
 }
+
+/// Programs attached to `iface` in `dir`: TCX links where the kernel has them (6.6+), netlink
+/// tc filters before.
+pub fn attached(iface: &str, dir: aya::programs::TcAttachType) -> usize {
+    match aya::programs::SchedClassifier::query_tcx(iface, dir) {
+        Ok((_, progs)) => progs.len(),
+        Err(_) => {
+            let d = if dir == aya::programs::TcAttachType::Ingress {
+                "ingress"
+            } else {
+                "egress"
+            };
+            let out = run(Command::new("tc").args(["-j", "filter", "show", "dev", iface, d]));
+            let filters: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            // `tc` lists each priority's head without options, then each filter with them.
+            filters
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|f| f["kind"] == "bpf" && f.get("options").is_some())
+                .count()
+        }
+    }
+}

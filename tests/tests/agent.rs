@@ -142,10 +142,10 @@ fn sigterm_writes_the_final_checkpoint() {
             "the local node is never checkpointed"
         );
         // The datapath stays attached after the agent has gone.
-        let (_, progs) =
-            aya::programs::SchedClassifier::query_tcx("gw0", aya::programs::TcAttachType::Ingress)
-                .unwrap();
-        assert_eq!(progs.len(), 1);
+        assert_eq!(
+            node_agent_tests::attached("gw0", aya::programs::TcAttachType::Ingress),
+            1
+        );
     });
 }
 
@@ -159,7 +159,7 @@ fn kill_9_mid_reconcile_then_restart_converges_exactly() {
         let mut child = env.spawn(&[]);
         // Kill it once it has started writing, before it can have finished.
         wait_for("the first routes", Duration::from_secs(30), || {
-            env.routes().len() > 0 || child.try_wait().unwrap().is_some()
+            !env.routes().is_empty() || child.try_wait().unwrap().is_some()
         });
         child.kill().unwrap();
         child.wait().unwrap();

@@ -9,12 +9,14 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use aya::programs::{SchedClassifier, TcAttachType};
+use aya::programs::TcAttachType;
 use node_agent::datapath::attach::Attachment;
 use node_agent::datapath::{Datapath, DatapathConfig, DatapathError, node_ids_pin, node_stats_pin};
 use node_agent::node_map::{NodeEntry, NodeMap, NodeStatsMap};
 use node_agent_common::{NodeStats, NodeValue};
-use node_agent_tests::{VethPair, agent_bin, can_sandbox, ip, report, run, sandbox, skip};
+use node_agent_tests::{
+    VethPair, agent_bin, attached, can_sandbox, ip, report, run, sandbox, skip,
+};
 
 macro_rules! require_sandbox {
     ($name:literal) => {
@@ -381,9 +383,8 @@ fn restart_keeps_the_programs_attached_and_the_next_agent_takes_them_over() {
                 .all(|(_, _, a)| *a == Attachment::TakenOver)
         );
         for dir in [TcAttachType::Ingress, TcAttachType::Egress] {
-            let (_, progs) = SchedClassifier::query_tcx("va", dir).unwrap();
             assert_eq!(
-                progs.len(),
+                attached("va", dir),
                 1,
                 "exactly one program per direction after takeover"
             );
