@@ -2,6 +2,7 @@
 
 mod build_ebpf;
 mod cmd;
+mod demo;
 mod setup;
 mod test;
 mod vm;
@@ -22,6 +23,9 @@ enum Command {
     Setup,
     /// Build the eBPF object (runs `setup` first) into target/ebpf/node-agent.bpf.o.
     BuildEbpf(build_ebpf::Args),
+    /// Set up, then run the agent on examples/nodes.yaml in a sandbox namespace, restart it after
+    /// nodes went away, and show the deletes it synthesizes (as root).
+    Demo,
     /// Set up, build the eBPF object, and run every test tier this machine supports (as root).
     Test(test::Args),
     /// Boot Debian kernels (6.1, 6.12) under QEMU and run the kernel-tier tests inside, where
@@ -37,6 +41,7 @@ fn main() -> anyhow::Result<()> {
             build_ebpf::run(&args)
         }
         Command::Test(args) => test::run(&args),
+        Command::Demo => demo::run(),
         Command::VmTest(args) => match vm::run(&args)? {
             0 => Ok(()),
             rc => std::process::exit(rc),
