@@ -6,4 +6,5 @@
 pub mod backends;
 pub mod cli;
 pub mod datapath;
+pub mod ipsec_key;
 pub mod node_map;
