@@ -173,7 +173,7 @@ fn decode_hex(field: &str) -> Result<Vec<u8>, KeyErrorKind> {
     if let Some(pos) = digits.bytes().position(|c| !c.is_ascii_hexdigit()) {
         return Err(KeyErrorKind::BadHex { position: pos + 1 });
     }
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return Err(KeyErrorKind::OddLength(digits.len()));
     }
     let nibble = |c: u8| (c as char).to_digit(16).unwrap_or(0) as u8;
@@ -337,7 +337,7 @@ mod tests {
                 format!("3 rfc4106(gcm(aes)) 0x{} 128", &HEX[..32]),
                 "16 bytes",
             ),
-            (format!("3 rfc4106(gcm(aes)) 0x 128"), "empty key"),
+            ("3 rfc4106(gcm(aes)) 0x 128".to_string(), "empty key"),
             (format!("3 rfc4106(gcm(aes)) 0x{HEX} 100"), "ICV"),
             (format!("3 rfc4106(gcm(aes)) 0x{HEX} 128 extra"), "found 5"),
         ];
