@@ -439,11 +439,11 @@ fn foreign_states_are_left_alone() {
     with_esp("foreign_states_are_left_alone", |mut b| async move {
         let hex = format!("0x{}", "11".repeat(20));
         let aead = ["aead", "rfc4106(gcm(aes))", hex.as_str(), "128"];
-        let add = |extra: &[&str]| {
+        let add = |spi: &str, extra: &[&str]| {
             ip(&[
                 &[
                     "xfrm", "state", "add", "src", "10.0.0.1", "dst", "10.0.0.7", "proto", "esp",
-                    "reqid", "1", "mode", "tunnel",
+                    "spi", spi, "reqid", "1", "mode", "tunnel",
                 ][..],
                 extra,
                 &aead[..],
@@ -451,8 +451,8 @@ fn foreign_states_are_left_alone() {
             .concat());
         };
         // Unmarked, another SPI; a foreign mark with our SPI and daddr.
-        add(&["spi", "0x100"]);
-        add(&["spi", "3", "mark", "0x1234", "mask", "0xffff"]);
+        add("0x100", &[]);
+        add("3", &["mark", "0x1234", "mask", "0xffff"]);
         let foreign = ip_text(&["xfrm", "state"]);
         assert_eq!(count(&foreign), 2);
         assert!(b.dump().await.unwrap().is_empty(), "foreign states listed");
@@ -471,7 +471,7 @@ fn foreign_states_are_left_alone() {
         // An unmarked foreign state with our daddr and SPI matches any mark in the kernel's
         // lookup: we refuse to create over it, and a delete of ours does not remove it.
         ip(&["xfrm", "state", "flush"]);
-        add(&["spi", "3"]);
+        add("3", &[]);
         let shadow = ip_text(&["xfrm", "state"]);
         let out = KernelObject::XfrmState(state(7, "10.0.0.1", "10.0.0.7", XfrmDir::Out));
         let r = b.apply(&[Op::Upsert(out.clone())]).await;
