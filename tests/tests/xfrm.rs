@@ -421,6 +421,26 @@ fn state_upserts_are_idempotent() {
         assert_eq!(set(b.dump().await.unwrap()), dump1);
         assert_eq!(ip_text(&["xfrm", "state"]), listing1);
 
+        // A new key under the same SPI: UPDSA would keep the old key, so each state is
+        // deleted and re-added (two writes each) and the kernel then holds the new key.
+        let new_hex = "99".repeat(20);
+        b.set_key(Some(
+            IpsecKey::parse(&format!("{SPI} rfc4106(gcm(aes)) 0x{new_hex} 128"), None).unwrap(),
+        ));
+        all_ok(b.apply(&upserts(&ours)).await);
+        assert_eq!(b.writes(), writes * 3);
+        assert_eq!(set(b.dump().await.unwrap()), dump1);
+        let listing = ip_text(&["xfrm", "state"]);
+        assert_eq!(
+            listing.matches(&format!("0x{new_hex}")).count(),
+            ours.len(),
+            "{listing}"
+        );
+        let listing1 = listing;
+        all_ok(b.apply(&upserts(&ours)).await);
+        assert_eq!(b.writes(), writes * 3);
+        assert_eq!(ip_text(&["xfrm", "state"]), listing1);
+
         // The node's address changed under the same daddr/SPI/mark (IN state): replaced.
         let moved = KernelObject::XfrmState(state(7, "10.0.0.77", "10.0.0.1", XfrmDir::In));
         all_ok(b.apply(&[Op::Upsert(moved.clone())]).await);
