@@ -7,5 +7,6 @@ pub mod agent;
 pub mod backends;
 pub mod cli;
 pub mod datapath;
+pub mod ipsec_key;
 pub mod node_map;
 pub mod source;

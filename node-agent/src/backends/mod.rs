@@ -8,6 +8,7 @@
 
 pub mod map;
 pub mod routes;
+pub mod xfrm;
 
 use std::future::Future;
 
