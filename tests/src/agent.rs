@@ -127,7 +127,7 @@ impl AgentEnv {
 
     /// `run --once --output json`: exit code and the report.
     pub fn once(&self, extra: &[&str]) -> (i32, serde_json::Value, String) {
-        let mut args = vec!["--once", "--output", "json", "--sync-timeout", "20s"];
+        let mut args = vec!["--once", "--output", "json", "--sync-timeout", "90s"];
         args.extend_from_slice(extra);
         let out: Output = self.command(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -136,13 +136,24 @@ impl AgentEnv {
         (out.status.code().unwrap_or(-1), report, stderr)
     }
 
-    /// Starts the daemon in the background.
+    /// Starts the daemon in the background, its log going to [`Self::log`] (a file, not a pipe:
+    /// nobody reads the pipe while the test waits, and a full pipe would stall the agent).
     pub fn spawn(&self, extra: &[&str]) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log())
+            .unwrap();
         self.command(extra)
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(log)
             .spawn()
             .unwrap()
+    }
+
+    /// Where daemons started by [`Self::spawn`] log.
+    pub fn log(&self) -> PathBuf {
+        self.state_dir.with_file_name("agent.log")
     }
 
     /// `ip -> node ID` of the pinned map.
@@ -172,6 +183,22 @@ impl AgentEnv {
             }
         }
         out
+    }
+
+    /// [`wait_for`], with the daemon's log in the failure message.
+    pub fn wait(&self, what: &str, timeout: Duration, cond: impl FnMut() -> bool) {
+        if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for(what, timeout, cond)
+        })) {
+            let log = std::fs::read_to_string(self.log()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!(
+                "{}\nagent log (last 40 lines):\n{}",
+                e.downcast_ref::<String>().cloned().unwrap_or_default(),
+                tail.join("\n")
+            );
+        }
     }
 
     pub fn checkpoint(&self) -> PathBuf {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use node_agent_tests::agent::{AgentEnv, TestNode, expected_ips, expected_routes, wait_for};
+use node_agent_tests::agent::{AgentEnv, TestNode, expected_ips, expected_routes};
 use node_agent_tests::{can_sandbox, ip, sandbox, skip};
 
 macro_rules! require_sandbox {
@@ -15,6 +15,9 @@ macro_rules! require_sandbox {
         }
     };
 }
+
+/// Generous: the same tests run under QEMU's TCG emulation in the VM tier.
+const TIMEOUT: Duration = Duration::from_secs(90);
 
 fn cluster(n: u32) -> Vec<TestNode> {
     (1..=n)
@@ -105,14 +108,14 @@ fn sigterm_writes_the_final_checkpoint() {
         env.write_nodes(&nodes);
         // Coalescing holds every write after the first for an hour: only SIGTERM can write.
         let mut child = env.spawn(&["--checkpoint-interval", "1h"]);
-        wait_for("the first checkpoint", Duration::from_secs(20), || {
+        env.wait("the first checkpoint", TIMEOUT, || {
             env.checkpoint().exists()
         });
         let first = std::fs::read(env.checkpoint()).unwrap();
         let mut more = nodes.clone();
         more.push(TestNode::dual("node-0042", 42));
         env.write_nodes(&more);
-        wait_for("the new node's route", Duration::from_secs(20), || {
+        env.wait("the new node's route", TIMEOUT, || {
             env.routes().contains_key("10.100.42.0/24")
         });
         assert_eq!(
@@ -158,7 +161,7 @@ fn kill_9_mid_reconcile_then_restart_converges_exactly() {
         env.write_nodes(&big);
         let mut child = env.spawn(&[]);
         // Kill it once it has started writing, before it can have finished.
-        wait_for("the first routes", Duration::from_secs(30), || {
+        env.wait("the first routes", TIMEOUT, || {
             !env.routes().is_empty() || child.try_wait().unwrap().is_some()
         });
         child.kill().unwrap();
@@ -261,11 +264,9 @@ fn a_second_instance_is_refused() {
         let env = AgentEnv::new(&sb.bpffs);
         env.write_nodes(&cluster(2));
         let mut first = env.spawn(&[]);
-        wait_for(
-            "the first instance to be ready",
-            Duration::from_secs(20),
-            || env.checkpoint().exists(),
-        );
+        env.wait("the first instance to be ready", TIMEOUT, || {
+            env.checkpoint().exists()
+        });
         let out = env.command(&["--once"]).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{err}");
@@ -309,15 +310,11 @@ fn the_daemon_deletes_held_nodes_after_a_confirming_relist() {
         let nodes = cluster(10);
         env.write_nodes(&nodes);
         let mut child = env.spawn(&["--prune-confirm-delay", "1s", "--relist-interval", "300ms"]);
-        wait_for("all routes", Duration::from_secs(20), || {
-            env.routes().len() == 20
-        });
+        env.wait("all routes", TIMEOUT, || env.routes().len() == 20);
         env.write_nodes(&nodes[..2]);
         std::thread::sleep(Duration::from_millis(500));
         assert_eq!(env.routes().len(), 20, "deleted before the confirm delay");
-        wait_for("the confirmed prune", Duration::from_secs(20), || {
-            env.routes().len() == 4
-        });
+        env.wait("the confirmed prune", TIMEOUT, || env.routes().len() == 4);
         assert_exact(&env, &nodes[..2]);
         child.kill().unwrap();
         child.wait().unwrap();
@@ -347,5 +344,166 @@ fn bad_nodes_are_reported_and_the_rest_are_programmed() {
             assert!(named.contains(&n), "{n} not reported: {report}");
         }
         assert_exact(&env, &good);
+    });
+}
+
+/// Whether this kernel can create an ESP state, asked through `ip`, independently of the agent.
+fn kernel_has_esp() -> bool {
+    let ok = std::process::Command::new("ip")
+        .args([
+            "xfrm",
+            "state",
+            "add",
+            "src",
+            "192.0.2.1",
+            "dst",
+            "192.0.2.2",
+            "proto",
+            "esp",
+            "spi",
+            "0x4e41",
+            "mode",
+            "tunnel",
+            "aead",
+            "rfc4106(gcm(aes))",
+            "0x0102030405060708090a0b0c0d0e0f1011121314",
+            "128",
+        ])
+        .output()
+        .unwrap()
+        .status
+        .success();
+    if ok {
+        ip(&["xfrm", "state", "flush"]);
+    }
+    ok
+}
+
+/// The xfrm objects of ours in the kernel: (kind, remote endpoint or CIDR, node ID in the mark).
+fn xfrm_objects() -> Vec<(String, String, u16)> {
+    use node_agent::backends::xfrm::XfrmBackend;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let x = XfrmBackend::new(None).unwrap();
+        let mut out = Vec::new();
+        for s in x.dump_states().await.unwrap() {
+            let (kind, remote) = match s.dir {
+                state::objects::XfrmDir::Out => ("state-out", s.dst),
+                state::objects::XfrmDir::In => ("state-in", s.src),
+            };
+            out.push((kind.to_owned(), remote.to_string(), s.node_id.get()));
+        }
+        for p in x.dump_policies().await.unwrap() {
+            out.push((
+                format!("policy-out via {}", p.tmpl_dst),
+                p.dst.to_string(),
+                p.node_id.get(),
+            ));
+        }
+        out.sort();
+        out
+    })
+}
+
+/// What the kernel must hold with IPsec for `nodes`, the node IDs taken from the map: both
+/// states per remote address, a policy per pod CIDR; every mark carries the map's ID.
+fn expected_xfrm(env: &AgentEnv, nodes: &[TestNode]) -> Vec<(String, String, u16)> {
+    let map = env.map();
+    let mut out = Vec::new();
+    for n in nodes {
+        let id = map[&n.ips[0]];
+        for ip in &n.ips {
+            assert_eq!(map[ip], id, "{} maps to one ID", n.name);
+            out.push(("state-out".to_owned(), ip.clone(), id));
+            out.push(("state-in".to_owned(), ip.clone(), id));
+        }
+        for c in &n.cidrs {
+            let gw = n
+                .ips
+                .iter()
+                .find(|i| i.contains(':') == c.contains(':'))
+                .unwrap();
+            out.push((format!("policy-out via {gw}"), c.clone(), id));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
+    require_sandbox!("ipsec_restart_with_churn_or_a_clear_error_without_esp");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let key = env.state_dir.with_file_name("ipsec.key");
+        std::fs::write(
+            &key,
+            "3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let key_arg = key.to_str().unwrap();
+        let nodes = cluster(6);
+        env.write_nodes(&nodes);
+
+        if !kernel_has_esp() {
+            let out = env
+                .command(&["--once", "--ipsec-key-file", key_arg])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains("this kernel has no ESP support (CONFIG_INET_ESP)"),
+                "{err}"
+            );
+            assert!(
+                !err.contains("0102030405060708"),
+                "key material in the error: {err}"
+            );
+            assert!(!env.checkpoint().exists(), "nothing was done");
+            if std::env::var("NODE_AGENT_VM").as_deref() == Ok("1") {
+                panic!("the VM tier must have ESP");
+            }
+            node_agent_tests::report(
+                "SKIPPED ipsec_restart_with_churn (the churn half): this kernel has no ESP support; the VM tier runs it",
+            );
+            return;
+        }
+
+        let (code, _, err) = env.once(&["--ipsec-key-file", key_arg]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes);
+        assert_eq!(xfrm_objects(), expected_xfrm(&env, &nodes));
+        let ids_before = ids_of(&env, &nodes);
+
+        let mut after: Vec<TestNode> = nodes
+            .iter()
+            .filter(|n| n.name != "node-0001")
+            .cloned()
+            .collect();
+        *after.iter_mut().find(|n| n.name == "node-0002").unwrap() =
+            TestNode::dual("node-0002", 102);
+        after.push(TestNode::dual("node-0111", 111));
+        env.write_nodes(&after);
+        let (code, report, err) = env.once(&["--ipsec-key-file", key_arg]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            report["failed_ops"].as_array().unwrap().is_empty(),
+            "{report}"
+        );
+        assert_exact(&env, &after);
+        assert_eq!(
+            xfrm_objects(),
+            expected_xfrm(&env, &after),
+            "states and policies of exactly the live nodes"
+        );
+        assert_eq!(ids_of(&env, &after)["node-0002"], ids_before["node-0002"]);
+        let (_, report, _) = env.once(&["--ipsec-key-file", key_arg]);
+        assert_eq!(report["kernel_writes"], 0, "{report}");
     });
 }

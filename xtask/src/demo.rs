@@ -4,7 +4,7 @@
 //! agent, `ip` and `bpftool` it runs can only ever see the sandbox: the host's routes and bpffs
 //! are out of reach, and everything vanishes when the task exits.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -18,12 +18,18 @@ const GONE: [&str; 2] = ["worker-b", "worker-d"];
 
 pub fn run() -> anyhow::Result<()> {
     if !cmd::is_root() {
-        bail!("the demo needs root (network and mount namespaces, bpffs): run `sudo cargo xtask demo`");
+        bail!(
+            "the demo needs root (network and mount namespaces, bpffs): run `sudo cargo xtask demo`"
+        );
     }
     setup::run()?;
     build_ebpf::run(&build_ebpf::Args { release: true })?;
     step("demo: cargo build -p node-agent");
-    cmd::run(Command::new("cargo").current_dir(root()).args(["build", "-p", "node-agent"]))?;
+    cmd::run(
+        Command::new("cargo")
+            .current_dir(root())
+            .args(["build", "-p", "node-agent"]),
+    )?;
     let agent = root().join("target/debug/node-agent");
 
     let dir = std::env::temp_dir().join(format!("node-agent-demo-{}", std::process::id()));
@@ -55,7 +61,10 @@ fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<()> {
         "link set eth0 up",
         "link set eth0-peer up",
     ] {
-        sh(&["ip"].into_iter().chain(line.split(' ')).collect::<Vec<_>>())?;
+        sh(&["ip"]
+            .into_iter()
+            .chain(line.split(' '))
+            .collect::<Vec<_>>())?;
     }
 
     let nodes = dir.join("nodes.yaml");
@@ -76,60 +85,103 @@ fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<()> {
     };
 
     step("demo: 2. the agent runs on examples/nodes.yaml (1 local + 4 remote nodes)");
-    let mut daemon = args(&["--nodes-file-poll", "200ms"]).spawn().context("starting node-agent")?;
+    let mut daemon = args(&["--nodes-file-poll", "200ms"])
+        .spawn()
+        .context("starting node-agent")?;
     wait_for(&state.join("nodes.ckpt"), &mut daemon)?;
 
     step("demo: 3. what it programmed");
-    show(&["bpftool", "map", "dump", "pinned", &format!("{}/node-agent/node_ids", bpffs.display())])?;
-    show(&[agent.to_str().unwrap(), "map", "dump", "--bpffs", bpffs.to_str().unwrap()])?;
+    show(&[
+        "bpftool",
+        "map",
+        "dump",
+        "pinned",
+        &format!("{}/node-agent/node_ids", bpffs.display()),
+    ])?;
+    show(&[
+        agent.to_str().unwrap(),
+        "map",
+        "dump",
+        "--bpffs",
+        bpffs.to_str().unwrap(),
+    ])?;
     show(&["ip", "route", "show", "proto", "201"])?;
     show(&["ip", "-6", "route", "show", "proto", "201"])?;
 
-    step(&format!("demo: 4. the agent stops; while it is down, {} are deleted", GONE.join(" and ")));
+    step(&format!(
+        "demo: 4. the agent stops; while it is down, {} are deleted",
+        GONE.join(" and ")
+    ));
     terminate(daemon)?;
     let text = std::fs::read_to_string(&nodes)?;
     std::fs::write(&nodes, drop_nodes(&text, &GONE))?;
 
     step("demo: 5. on restart it synthesizes the deletes the watch never delivered");
-    show(&[agent.to_str().unwrap(), "plan", "--nodes-file", nodes.to_str().unwrap(), "--node-name", "demo-local", "--state-dir", state.to_str().unwrap(), "--bpffs", bpffs.to_str().unwrap()])?;
-    let out = args(&["--once"]).output().context("running node-agent --once")?;
+    show(&[
+        agent.to_str().unwrap(),
+        "plan",
+        "--nodes-file",
+        nodes.to_str().unwrap(),
+        "--node-name",
+        "demo-local",
+        "--state-dir",
+        state.to_str().unwrap(),
+        "--bpffs",
+        bpffs.to_str().unwrap(),
+    ])?;
+    let out = args(&["--once"])
+        .output()
+        .context("running node-agent --once")?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
     if !out.status.success() {
-        bail!("node-agent --once failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "node-agent --once failed: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    for line in String::from_utf8_lossy(&out.stderr).lines().filter(|l| l.contains("deleted")) {
+    for line in String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| l.contains("deleted"))
+    {
         println!("{line}");
     }
     step("demo: the clean result");
-    show(&[agent.to_str().unwrap(), "map", "dump", "--bpffs", bpffs.to_str().unwrap()])?;
+    show(&[
+        agent.to_str().unwrap(),
+        "map",
+        "dump",
+        "--bpffs",
+        bpffs.to_str().unwrap(),
+    ])?;
     show(&["ip", "route", "show", "proto", "201"])?;
     show(&["ip", "-6", "route", "show", "proto", "201"])?;
-    show(&[agent.to_str().unwrap(), "state", "show", "--state-dir", state.to_str().unwrap()])?;
+    show(&[
+        agent.to_str().unwrap(),
+        "state",
+        "show",
+        "--state-dir",
+        state.to_str().unwrap(),
+    ])?;
     step("demo: 6. tearing the sandbox down");
     Ok(())
 }
 
-/// The NodeList without the items named in `gone`.
+/// The NodeList without the items named in `gone`: items are the blocks that start with `- `.
 fn drop_nodes(text: &str, gone: &[&str]) -> String {
-    let mut out = String::new();
-    let mut skipping = false;
+    let mut blocks: Vec<String> = vec![String::new()];
     for line in text.lines() {
         if line.starts_with("- ") {
-            skipping = false;
+            blocks.push(String::new());
         }
-        if line.contains("metadata: {name: ") && gone.iter().any(|g| line.contains(&format!("name: {g},"))) {
-            skipping = true;
-            // Drop the item's first line, already written.
-            if let Some(i) = out.trim_end_matches('\n').rfind('\n') {
-                out.truncate(i + 1);
-            }
-        }
-        if !skipping {
-            out.push_str(line);
-            out.push('\n');
-        }
+        let last = blocks.last_mut().expect("one block at least");
+        last.push_str(line);
+        last.push('\n');
     }
-    out
+    blocks
+        .into_iter()
+        .filter(|b| !gone.iter().any(|g| b.contains(&format!("{{name: {g},"))))
+        .collect()
 }
 
 fn sh(args: &[&str]) -> anyhow::Result<()> {
@@ -137,16 +189,27 @@ fn sh(args: &[&str]) -> anyhow::Result<()> {
 }
 
 fn show(args: &[&str]) -> anyhow::Result<()> {
-    println!("$ {}", args.join(" ").replace(&format!("{}/", std::env::temp_dir().display()), "/tmp/"));
-    let out = Command::new(args[0]).args(&args[1..]).output().with_context(|| format!("running {}", args[0]))?;
+    println!(
+        "$ {}",
+        args.join(" ")
+            .replace(&format!("{}/", std::env::temp_dir().display()), "/tmp/")
+    );
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .with_context(|| format!("running {}", args[0]))?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
     if !out.status.success() {
-        bail!("{} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "{} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(())
 }
 
-fn wait_for(path: &PathBuf, daemon: &mut Child) -> anyhow::Result<()> {
+fn wait_for(path: &Path, daemon: &mut Child) -> anyhow::Result<()> {
     let start = Instant::now();
     while !path.exists() {
         if let Some(status) = daemon.try_wait()? {
@@ -178,7 +241,10 @@ mod tests {
     fn dropping_nodes_keeps_the_others_intact() {
         let text = std::fs::read_to_string(root().join("examples/nodes.yaml")).unwrap();
         let left = drop_nodes(&text, &GONE);
-        assert!(!left.contains("worker-b") && !left.contains("worker-d"), "{left}");
+        assert!(
+            !left.contains("worker-b") && !left.contains("worker-d"),
+            "{left}"
+        );
         for kept in ["demo-local", "worker-a", "worker-c", "192.168.50.13"] {
             assert!(left.contains(kept), "{kept} lost:\n{left}");
         }

@@ -33,6 +33,8 @@ pub struct AgentConfig {
     pub id_cooldown: Duration,
     /// With `--once`: how long to wait for the source's first full list.
     pub sync_timeout: Duration,
+    /// The IPsec key file; `None` runs without xfrm state.
+    pub ipsec_key_file: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -56,6 +58,7 @@ impl AgentConfig {
             include_external_ips: false,
             id_cooldown: Duration::from_secs(15 * 60),
             sync_timeout: Duration::from_secs(120),
+            ipsec_key_file: None,
         }
     }
 }

@@ -14,13 +14,15 @@ use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreErr
 use state::ids::AllocatorState;
 use state::node::AddressKind;
 use state::objects::{ObjectId, Op};
-use state::plan::{DeleteReason, Plan, PlanConfig, PlanInput};
+use state::plan::{DeleteReason, IpsecConfig, Plan, PlanConfig, PlanInput};
 
 use super::config::AgentConfig;
 use crate::backends::map::MapBackend;
 use crate::backends::routes::RouteBackend;
+use crate::backends::xfrm::XfrmBackend;
 use crate::backends::{Backends, DumpError, OpError};
 use crate::datapath::{Datapath, DatapathError, node_ids_pin};
+use crate::ipsec_key::KeyFile;
 use crate::node_map::NodeMapError;
 use crate::source::SourceEvent;
 use crate::source::live::LiveState;
@@ -53,6 +55,14 @@ pub enum AgentError {
     SourceEnded,
     #[error("installing the signal handlers: {0}")]
     Signal(std::io::Error),
+    #[error(transparent)]
+    IpsecKey(#[from] crate::ipsec_key::KeyError),
+    #[error("opening the xfrm netlink socket: {0}")]
+    XfrmSocket(std::io::Error),
+    /// IPsec is configured but the kernel cannot create ESP states: a start-up error, since
+    /// running without the encryption the operator asked for is worse than not running.
+    #[error(transparent)]
+    Esp(#[from] crate::backends::xfrm::ProbeError),
 }
 
 /// One operation that failed, with the node it was for.
@@ -169,11 +179,23 @@ impl Reconciler {
         };
         let routes = RouteBackend::new(config.route_protocol, config.route_table)
             .map_err(AgentError::Netlink)?;
+        let (xfrm, ipsec) = match &config.ipsec_key_file {
+            None => (None, None),
+            Some(path) => {
+                let file = KeyFile::load(path)?;
+                let spi = file.key.spi();
+                let backend = XfrmBackend::new(Some(file.key)).map_err(AgentError::XfrmSocket)?;
+                if !dry_run {
+                    backend.probe_esp().await?;
+                }
+                (Some(backend), Some(IpsecConfig { spi }))
+            }
+        };
 
         let plan_config = PlanConfig {
             local_node: config.node_name.clone(),
             local_addresses: Vec::new(),
-            ipsec: None,
+            ipsec,
             max_prune_ratio: config.max_prune_ratio,
             force_prune: config.force_prune,
             map_capacity: config.datapath.node_map_max as usize,
@@ -197,6 +219,7 @@ impl Reconciler {
             backends: Backends {
                 map,
                 routes: Some(routes),
+                xfrm,
             },
             _datapath: datapath,
             brake: None,

@@ -63,6 +63,8 @@ pub trait Backend {
 pub struct Backends {
     pub map: Option<map::MapBackend>,
     pub routes: Option<routes::RouteBackend>,
+    /// Owns both xfrm kinds: states and policies.
+    pub xfrm: Option<xfrm::XfrmBackend>,
 }
 
 impl Backends {
@@ -74,6 +76,9 @@ impl Backends {
         }
         if let Some(r) = &mut self.routes {
             all.extend(r.dump().await?);
+        }
+        if let Some(x) = &mut self.xfrm {
+            all.extend(x.dump().await?);
         }
         Ok(all)
     }
@@ -96,9 +101,10 @@ impl Backends {
                     Some(r) => results.extend(r.apply(chunk).await),
                     None => results.extend(chunk.iter().map(|_| Err(OpError::Disabled { kind }))),
                 },
-                ObjectKind::XfrmState | ObjectKind::XfrmPolicy => {
-                    results.extend(chunk.iter().map(|_| Err(OpError::Disabled { kind })));
-                }
+                ObjectKind::XfrmState | ObjectKind::XfrmPolicy => match &mut self.xfrm {
+                    Some(x) => results.extend(x.apply(chunk).await),
+                    None => results.extend(chunk.iter().map(|_| Err(OpError::Disabled { kind }))),
+                },
             }
         }
         results

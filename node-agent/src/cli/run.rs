@@ -75,6 +75,11 @@ pub struct AgentArgs {
     /// How long a freed node ID rests before it is handed out again.
     #[arg(long, env = "NODE_AGENT_ID_COOLDOWN", default_value = "15m", value_parser = parse_duration)]
     pub id_cooldown: Duration,
+    /// IPsec key file, one key per line: `<spi 1-15> rfc4106(gcm(aes)) 0x<key+salt hex> <icv
+    /// bits>`; the last line is the active key. Enables xfrm states and policies toward every
+    /// remote node; start-up fails if the kernel has no ESP.
+    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_FILE")]
+    pub ipsec_key_file: Option<PathBuf>,
     /// Shortest interval between two checkpoint writes (changes in between are coalesced; a
     /// final write always happens on SIGTERM).
     #[arg(long, env = "NODE_AGENT_CHECKPOINT_INTERVAL", default_value = "1s", value_parser = parse_duration)]
@@ -171,6 +176,7 @@ impl AgentArgs {
         c.id_cooldown = self.id_cooldown;
         c.sync_timeout = self.sync_timeout;
         c.checkpoint_interval = self.checkpoint_interval;
+        c.ipsec_key_file = self.ipsec_key_file.clone();
         Ok(c)
     }
 }
