@@ -10,3 +10,4 @@ pub mod datapath;
 pub mod ipsec_key;
 pub mod node_map;
 pub mod source;
+pub mod telemetry;

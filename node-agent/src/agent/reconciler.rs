@@ -5,15 +5,16 @@
 //! the checkpoint that the outcome implies (failed cleanups stay pending deletes). Because one
 //! task does all of it, a prune and a concurrent re-add of the same node can never interleave.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreError};
 use state::ids::AllocatorState;
 use state::node::AddressKind;
-use state::objects::{ObjectId, Op};
+use state::objects::{ObjectId, ObjectKind, Op};
 use state::plan::{DeleteReason, IpsecConfig, Plan, PlanConfig, PlanInput};
 
 use super::config::AgentConfig;
@@ -26,6 +27,8 @@ use crate::ipsec_key::KeyFile;
 use crate::node_map::NodeMapError;
 use crate::source::SourceEvent;
 use crate::source::live::LiveState;
+use crate::telemetry::Telemetry;
+use crate::telemetry::metrics::{KindLabel, OpLabels, ResultLabel, StateLabel};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -115,6 +118,7 @@ pub struct Reconciler {
     last_write: Option<Instant>,
     total_writes: usize,
     pruned: BTreeSet<String>,
+    telemetry: Arc<Telemetry>,
 }
 
 impl From<StoreError> for AgentError {
@@ -143,7 +147,11 @@ impl Reconciler {
     /// open the pinned maps (loading and attaching the datapath). With `dry_run` nothing is
     /// locked, created, attached or written: the checkpoint is read as it is and the maps only
     /// if they already exist.
-    pub async fn start(config: AgentConfig, dry_run: bool) -> Result<Self, AgentError> {
+    pub async fn start(
+        config: AgentConfig,
+        dry_run: bool,
+        telemetry: Arc<Telemetry>,
+    ) -> Result<Self, AgentError> {
         let (store, restored) = if dry_run {
             (None, read_checkpoint(&config.state_dir)?)
         } else {
@@ -227,6 +235,7 @@ impl Reconciler {
             last_write: None,
             total_writes: 0,
             pruned: BTreeSet::new(),
+            telemetry,
         })
     }
 
@@ -240,7 +249,21 @@ impl Reconciler {
 
     /// Folds a source event into the live view; `true` if a reconcile is due.
     pub fn on_event(&mut self, event: SourceEvent) -> bool {
-        self.live.apply(event) && self.live.synced()
+        let m = &self.telemetry.metrics;
+        if matches!(event, SourceEvent::Error(_)) {
+            m.source_errors.inc();
+        }
+        let relists = self.live.relists();
+        let due = self.live.apply(event) && self.live.synced();
+        if self.live.relists() > relists {
+            m.source_relists.inc();
+        }
+        m.source_synced.set(i64::from(self.live.synced()));
+        due
+    }
+
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.telemetry
     }
 
     /// Nodes found in the checkpoint at start.
@@ -288,6 +311,7 @@ impl Reconciler {
     /// Plans against the kernel as it is now, without changing anything.
     pub async fn plan(&mut self) -> Result<Plan, AgentError> {
         let inventory = self.backends.dump().await?;
+        self.record_inventory(&inventory);
         let view = self.live.view();
         let mut config = self.plan_config.clone();
         config.local_addresses = self.local_addresses();
@@ -309,6 +333,28 @@ impl Reconciler {
         let plan = state::plan::plan(&input);
         self.watch_brake(&plan);
         Ok(plan)
+    }
+
+    fn record_inventory(&self, inventory: &[state::objects::KernelObject]) {
+        let m = &self.telemetry.metrics;
+        let mut by_kind: BTreeMap<&'static str, i64> =
+            ["map_entry", "route", "xfrm_state", "xfrm_policy"]
+                .into_iter()
+                .map(|k| (k, 0))
+                .collect();
+        for o in inventory {
+            *by_kind.entry(kind_name(o.kind())).or_default() += 1;
+        }
+        for (kind, n) in &by_kind {
+            m.kernel_objects
+                .get_or_create(&KindLabel {
+                    kind: (*kind).into(),
+                })
+                .set(*n);
+        }
+        let capacity = f64::from(self.config.datapath.node_map_max.max(1));
+        m.node_map_fill_ratio
+            .set(by_kind["map_entry"] as f64 / capacity);
     }
 
     fn watch_brake(&mut self, plan: &Plan) {
@@ -353,7 +399,20 @@ impl Reconciler {
         let results = self.backends.apply(&ops).await;
         let mut failed = Vec::new();
         let mut writes = 0;
+        let m = &self.telemetry.metrics;
         for (op, result) in ops.into_iter().zip(results) {
+            m.operations
+                .get_or_create(&OpLabels {
+                    kind: kind_name(op.object().kind()).into(),
+                    op: if matches!(op, Op::Upsert(_)) {
+                        "upsert"
+                    } else {
+                        "delete"
+                    }
+                    .into(),
+                    result: if result.is_ok() { "ok" } else { "error" }.into(),
+                })
+                .inc();
             match result {
                 Ok(()) => writes += 1,
                 Err(error) => {
@@ -377,6 +436,21 @@ impl Reconciler {
             tracing::info!(node = d.node.as_deref().unwrap_or("-"), reason = %d.reason, "deleted {}", super::report::describe(&d.object));
         }
         let cp = plan.checkpoint_after(&failed_ops);
+        m.nodes
+            .get_or_create(&StateLabel {
+                state: "live".into(),
+            })
+            .set(cp.nodes.len() as i64);
+        m.nodes
+            .get_or_create(&StateLabel {
+                state: "pending_delete".into(),
+            })
+            .set(cp.pending_deletes.len() as i64);
+        m.brake_held.set(i64::from(plan.brake.is_some()));
+        m.node_input_errors
+            .set((plan.errors.len() + self.live.errors().len()) as i64);
+        m.reconcile_duration
+            .observe(started.elapsed().as_secs_f64());
         self.ids = cp.ids.clone();
         self.known = Some(cp);
         self.dirty = true;
@@ -414,7 +488,16 @@ impl Reconciler {
             return Ok(());
         }
         cp.written_at = now_since_epoch();
-        store.write(cp)?;
+        let written = store.write(cp);
+        let result = if written.is_ok() { "ok" } else { "error" };
+        self.telemetry
+            .metrics
+            .checkpoint_writes
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .inc();
+        written?;
         self.dirty = false;
         self.last_write = Some(Instant::now());
         Ok(())
@@ -426,6 +509,15 @@ impl Reconciler {
             self.last_write
                 .map_or_else(Instant::now, |t| t + self.config.checkpoint_interval)
         })
+    }
+}
+
+fn kind_name(kind: ObjectKind) -> &'static str {
+    match kind {
+        ObjectKind::MapEntry => "map_entry",
+        ObjectKind::Route => "route",
+        ObjectKind::XfrmState => "xfrm_state",
+        ObjectKind::XfrmPolicy => "xfrm_policy",
     }
 }
 

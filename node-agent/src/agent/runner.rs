@@ -1,5 +1,6 @@
 //! Driving the reconciler: the daemon loop, and the one-shot run.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::signal::unix::{SignalKind, signal};
@@ -10,6 +11,7 @@ use super::config::AgentConfig;
 use super::reconciler::{AgentError, Outcome, Reconciler};
 use super::report::{self, RunReport};
 use crate::source::SourceEvent;
+use crate::telemetry::{Readiness, Telemetry};
 
 /// How a run ended, as the process exit status: 0 converged, 3 brake held, 1 failed ops remain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +31,8 @@ impl ExitStatus {
     }
 }
 
+/// The loop turns at least this often, so `/healthz` can tell a stuck loop from an idle one.
+const HEARTBEAT: Duration = Duration::from_secs(5);
 /// How often "still waiting for sync" is logged.
 const WAIT_LOG_EVERY: Duration = Duration::from_secs(10);
 /// Passes `--once` makes before it settles for what failed.
@@ -74,7 +78,8 @@ pub async fn run_once(
     mut rx: mpsc::Receiver<SourceEvent>,
 ) -> Result<(ExitStatus, RunReport, Option<report::PlanReport>), AgentError> {
     let timeout = config.sync_timeout;
-    let mut rec = Reconciler::start(config, dry_run).await?;
+    let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+    let mut rec = Reconciler::start(config, dry_run, telemetry).await?;
     wait_for_sync(&mut rec, &mut rx, Some(timeout)).await?;
     if dry_run {
         let plan = rec.plan().await?;
@@ -134,15 +139,26 @@ fn summary(
 /// programs attached when it returns.
 pub async fn run(
     config: AgentConfig,
+    telemetry: Arc<Telemetry>,
     mut rx: mpsc::Receiver<SourceEvent>,
 ) -> Result<(), AgentError> {
     let mut term = signal(SignalKind::terminate()).map_err(AgentError::Signal)?;
     let mut int = signal(SignalKind::interrupt()).map_err(AgentError::Signal)?;
-    let mut rec = Reconciler::start(config, false).await?;
+    let mut rec = Reconciler::start(config, false, telemetry.clone()).await?;
+    let beat = tokio::spawn({
+        // Liveness while waiting for sync: the loop below beats on its own turns.
+        let t = telemetry.clone();
+        async move {
+            loop {
+                t.beat();
+                tokio::time::sleep(HEARTBEAT).await;
+            }
+        }
+    });
     tokio::select! {
-        r = wait_for_sync(&mut rec, &mut rx, None) => r?,
-        _ = term.recv() => { tracing::info!("SIGTERM before sync; exiting without changes"); return Ok(()); }
-        _ = int.recv() => { tracing::info!("SIGINT before sync; exiting without changes"); return Ok(()); }
+        r = wait_for_sync(&mut rec, &mut rx, None) => { beat.abort(); r? },
+        _ = term.recv() => { beat.abort(); tracing::info!("SIGTERM before sync; exiting without changes"); return Ok(()); }
+        _ = int.recv() => { beat.abort(); tracing::info!("SIGINT before sync; exiting without changes"); return Ok(()); }
     }
     let resync = rec.config().resync_interval;
     let debounce = rec.config().debounce;
@@ -151,7 +167,8 @@ pub async fn run(
     let mut resync_at = Instant::now() + resync;
     let mut ready = false;
     loop {
-        let mut wake = resync_at;
+        telemetry.beat();
+        let mut wake = resync_at.min(Instant::now() + HEARTBEAT);
         for t in [
             reconcile_at,
             rec.checkpoint_due_at(),
@@ -183,7 +200,20 @@ pub async fn run(
                     if resync_at <= now {
                         resync_at = now + resync;
                     }
-                    match rec.reconcile().await {
+                    let result = rec.reconcile().await;
+                    telemetry.set_readiness(match &result {
+                        Ok(o) if o.plan.brake.is_some() => Readiness::BrakeHeld(
+                            o.plan.brake.as_ref().map(ToString::to_string).unwrap_or_default(),
+                        ),
+                        Ok(o) if !o.failed.is_empty() => Readiness::Failing(format!(
+                            "{} operations failed, first: {}",
+                            o.failed.len(),
+                            o.failed[0].error
+                        )),
+                        Ok(_) => Readiness::Ready,
+                        Err(e) => Readiness::Failing(e.to_string()),
+                    });
+                    match result {
                         Ok(outcome) if outcome.failed.is_empty() => {
                             backoff = Duration::from_secs(1);
                             if !ready {

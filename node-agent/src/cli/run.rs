@@ -10,14 +10,24 @@ use tokio::sync::mpsc;
 use super::{BpffsArg, Output};
 use crate::agent::{self, AgentConfig, ExitStatus};
 use crate::source::file::FileSource;
+use crate::source::kube::KubeSource;
+use crate::telemetry::{self, Telemetry};
+use std::sync::Arc;
 
-/// Where the nodes come from.
+/// Where the nodes come from: the Kubernetes API (the default: in-cluster service account, or
+/// `--kubeconfig`), or a NodeList file (`--nodes-file`).
 #[derive(Debug, clap::Args)]
 pub struct SourceArgs {
-    /// A Kubernetes NodeList file (YAML or JSON, e.g. `kubectl get nodes -o yaml`), watched for
-    /// changes. Each successful parse is a full relist; the first marks the source as synced.
-    #[arg(long, env = "NODE_AGENT_NODES_FILE")]
-    pub nodes_file: PathBuf,
+    /// Source: a Kubernetes NodeList file (YAML or JSON, e.g. `kubectl get nodes -o yaml`),
+    /// watched for changes. Each successful parse is a full relist; the first marks the source
+    /// as synced. Without it the agent watches Nodes through the Kubernetes API.
+    #[arg(long, env = "NODE_AGENT_NODES_FILE", conflicts_with = "kubeconfig")]
+    pub nodes_file: Option<PathBuf>,
+    /// Source: the Kubernetes API through this kubeconfig instead of the pod's in-cluster
+    /// service account. The first complete list marks the source as synced; API errors (403
+    /// included) never make nodes look deleted.
+    #[arg(long, env = "NODE_AGENT_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
     /// How often the nodes file is checked for changes.
     #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = parse_duration)]
     pub nodes_file_poll: Duration,
@@ -105,6 +115,13 @@ pub struct RunArgs {
     /// With --once: `json` prints one summary object on stdout.
     #[arg(long, env = "NODE_AGENT_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
+    /// Address for /metrics (Prometheus), /healthz and /readyz.
+    #[arg(
+        long,
+        env = "NODE_AGENT_METRICS_ADDR",
+        default_value = "127.0.0.1:9965"
+    )]
+    pub metrics_addr: std::net::SocketAddr,
 }
 
 #[derive(Debug, clap::Args)]
@@ -181,15 +198,30 @@ impl AgentArgs {
     }
 }
 
-fn spawn_source(args: &SourceArgs) -> mpsc::Receiver<crate::source::SourceEvent> {
+/// Starts the configured source; a Kubernetes client that cannot be built fails here, at
+/// start-up, rather than reading as "no nodes".
+async fn spawn_source(
+    args: &SourceArgs,
+) -> anyhow::Result<mpsc::Receiver<crate::source::SourceEvent>> {
     let (tx, rx) = mpsc::channel(1024);
-    let source = FileSource {
-        path: args.nodes_file.clone(),
-        poll: args.nodes_file_poll,
-        relist: args.relist_interval,
-    };
-    tokio::spawn(source.run(tx));
-    rx
+    match &args.nodes_file {
+        Some(path) => {
+            let source = FileSource {
+                path: path.clone(),
+                poll: args.nodes_file_poll,
+                relist: args.relist_interval,
+            };
+            tokio::spawn(source.run(tx));
+        }
+        None => {
+            let source = KubeSource {
+                kubeconfig: args.kubeconfig.clone(),
+            };
+            let client = source.client().await?;
+            tokio::spawn(source.run(client, tx));
+        }
+    }
+    Ok(rx)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -203,7 +235,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
     runtime()?.block_on(async {
-        let rx = spawn_source(&args.source);
+        let rx = spawn_source(&args.source).await?;
         if args.once || args.dry_run {
             let (status, report, plan) = agent::run_once(config, args.dry_run, rx).await?;
             match (args.output, plan) {
@@ -233,7 +265,12 @@ pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
             }
             Ok(status.code())
         } else {
-            agent::run(config, rx).await?;
+            let telemetry = Arc::new(Telemetry::new(config.resync_interval.max(Duration::from_secs(60)) * 2));
+            let addr = telemetry::http::serve(args.metrics_addr, telemetry.clone())
+                .await
+                .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
+            tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+            agent::run(config, telemetry, rx).await?;
             Ok(ExitStatus::Converged.code())
         }
     })
@@ -243,7 +280,7 @@ pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
 pub fn plan(args: &PlanArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
     runtime()?.block_on(async {
-        let rx = spawn_source(&args.source);
+        let rx = spawn_source(&args.source).await?;
         let (status, _, plan) = agent::run_once(config, true, rx).await?;
         let plan = plan.expect("a dry run returns its plan");
         match args.output {

@@ -8,6 +8,7 @@
 //! and the NodeList file plug in the same way.
 
 pub mod file;
+pub mod kube;
 pub mod live;
 pub mod node_object;
 
