@@ -5,7 +5,7 @@
 //! the checkpoint that the outcome implies (failed cleanups stay pending deletes). Because one
 //! task does all of it, a prune and a concurrent re-add of the same node can never interleave.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreError};
 use state::ids::AllocatorState;
 use state::node::AddressKind;
-use state::objects::{ObjectId, ObjectKind, Op};
+use state::objects::{KernelObject, ObjectId, ObjectKind, Op};
 use state::plan::{DeleteReason, IpsecConfig, Plan, PlanConfig, PlanInput};
 
 use super::config::AgentConfig;
@@ -310,8 +310,13 @@ impl Reconciler {
 
     /// Plans against the kernel as it is now, without changing anything.
     pub async fn plan(&mut self) -> Result<Plan, AgentError> {
+        let (plan, inventory) = self.plan_with_inventory().await?;
+        self.record_objects(inventory.iter().map(|o| (o.id(), o.kind())).collect());
+        Ok(plan)
+    }
+
+    async fn plan_with_inventory(&mut self) -> Result<(Plan, Vec<KernelObject>), AgentError> {
         let inventory = self.backends.dump().await?;
-        self.record_inventory(&inventory);
         let view = self.live.view();
         let mut config = self.plan_config.clone();
         config.local_addresses = self.local_addresses();
@@ -332,18 +337,19 @@ impl Reconciler {
         };
         let plan = state::plan::plan(&input);
         self.watch_brake(&plan);
-        Ok(plan)
+        Ok((plan, inventory))
     }
 
-    fn record_inventory(&self, inventory: &[state::objects::KernelObject]) {
+    /// Sets the kernel-object gauges from the objects (by identity) the kernel holds.
+    fn record_objects(&self, objects: HashMap<ObjectId, ObjectKind>) {
         let m = &self.telemetry.metrics;
         let mut by_kind: BTreeMap<&'static str, i64> =
             ["map_entry", "route", "xfrm_state", "xfrm_policy"]
                 .into_iter()
                 .map(|k| (k, 0))
                 .collect();
-        for o in inventory {
-            *by_kind.entry(kind_name(o.kind())).or_default() += 1;
+        for kind in objects.values() {
+            *by_kind.entry(kind_name(*kind)).or_default() += 1;
         }
         for (kind, n) in &by_kind {
             m.kernel_objects
@@ -380,7 +386,10 @@ impl Reconciler {
     /// marked for writing.
     pub async fn reconcile(&mut self) -> Result<Outcome, AgentError> {
         let started = Instant::now();
-        let plan = self.plan().await?;
+        let (plan, inventory) = self.plan_with_inventory().await?;
+        // What the kernel holds once the successful ops are in, for the gauges.
+        let mut objects: HashMap<ObjectId, ObjectKind> =
+            inventory.iter().map(|o| (o.id(), o.kind())).collect();
         if let Some(map) = &mut self.backends.map
             && !map.invalid().is_empty()
         {
@@ -414,7 +423,13 @@ impl Reconciler {
                 })
                 .inc();
             match result {
-                Ok(()) => writes += 1,
+                Ok(()) => {
+                    writes += 1;
+                    match &op {
+                        Op::Upsert(o) => objects.insert(o.id(), o.kind()),
+                        Op::Delete(o) => objects.remove(&o.id()),
+                    };
+                }
                 Err(error) => {
                     let node = node_of(&plan, &op.object().id());
                     tracing::error!(node = node.as_deref().unwrap_or("-"), "{error}");
@@ -451,6 +466,7 @@ impl Reconciler {
             .set((plan.errors.len() + self.live.errors().len()) as i64);
         m.reconcile_duration
             .observe(started.elapsed().as_secs_f64());
+        self.record_objects(objects);
         self.ids = cp.ids.clone();
         self.known = Some(cp);
         self.dirty = true;
