@@ -104,8 +104,9 @@ impl Default for Options {
     }
 }
 
-/// How many requests of each kind the server has received, forbidden ones included; tests use
-/// them to tell a relist (a new `list`) from a resumed watch (a new `watch` only).
+/// How many `GET` requests of each kind the server has received, unauthorized and forbidden
+/// ones included; tests use them to tell a relist (a new `list`) from a resumed watch (a new
+/// `watch` only).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Requests {
     /// `GET /api/v1/nodes` without `watch`, each page counted.
@@ -280,6 +281,28 @@ impl ApiServer {
         Arc::make_mut(&mut store.nodes).insert(name, node.clone());
         self.shared.record(&mut store, rv, kind, &node);
         rv
+    }
+
+    /// Adds a node that must not exist yet ([`ApiServer::apply`] with that check).
+    ///
+    /// # Panics
+    ///
+    /// If a node of that name exists, or `node` has no name.
+    pub fn add(&self, node: Node) -> u64 {
+        let name = node.metadata.name.as_deref().expect("a node needs a name");
+        assert!(self.node(name).is_none(), "node {name} already exists");
+        self.apply(node)
+    }
+
+    /// Replaces a node that must exist ([`ApiServer::apply`] with that check).
+    ///
+    /// # Panics
+    ///
+    /// If there is no node of that name, or `node` has no name.
+    pub fn update(&self, node: Node) -> u64 {
+        let name = node.metadata.name.as_deref().expect("a node needs a name");
+        assert!(self.node(name).is_some(), "node {name} does not exist");
+        self.apply(node)
     }
 
     /// Deletes the node `name`; returns the deletion's resourceVersion, or `None` if there was
@@ -523,12 +546,6 @@ fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
             return bad_request("watch of a single node by path is not supported").into_response();
         }
     };
-    let counter = match verb {
-        "list" => &shared.lists,
-        "watch" => &shared.watches,
-        _ => &shared.gets,
-    };
-    counter.fetch_add(1, Ordering::SeqCst);
     if req.method() != Method::GET {
         return status(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -540,6 +557,12 @@ fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
         )
         .into_response();
     }
+    let counter = match verb {
+        "list" => &shared.lists,
+        "watch" => &shared.watches,
+        _ => &shared.gets,
+    };
+    counter.fetch_add(1, Ordering::SeqCst);
     let authorized = req
         .headers()
         .get(hyper::header::AUTHORIZATION)
@@ -699,7 +722,8 @@ fn list(shared: &Shared, query: &Query) -> Result<Response<Body>, Refusal> {
 }
 
 fn watch_nodes(shared: &Arc<Shared>, query: &Query) -> Result<Response<Body>, Refusal> {
-    let timeout = query.number("timeoutSeconds")?;
+    // As in the real server, 0 means "no timeout asked for", not "end at once".
+    let timeout = query.number("timeoutSeconds")?.filter(|&t| t > 0);
     let bookmarks = query.flag("allowWatchBookmarks")?;
     if query.flag("sendInitialEvents")? {
         return Err(bad_request(

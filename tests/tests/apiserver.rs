@@ -195,7 +195,7 @@ async fn watcher_lists_then_follows_changes() {
     assert_eq!(listed, names(3));
     assert!(errors.is_empty(), "{errors:?}");
 
-    server.apply(node("n-003", 3));
+    server.add(node("n-003", 3));
     match next(&mut stream).await.unwrap() {
         Event::Apply(n) => {
             assert_eq!(name(&n), "n-003");
@@ -205,7 +205,7 @@ async fn watcher_lists_then_follows_changes() {
     }
     let mut changed = node("n-001", 1);
     changed.spec.as_mut().unwrap().pod_cidr = Some("10.200.0.0/24".into());
-    let rv = server.apply(changed);
+    let rv = server.update(changed);
     match next(&mut stream).await.unwrap() {
         Event::Apply(n) => {
             assert_eq!(name(&n), "n-001");
