@@ -76,6 +76,8 @@ pub struct AgentEnv {
     pub bpffs: PathBuf,
     pub state_dir: PathBuf,
     pub nodes_file: PathBuf,
+    /// When set, the agent watches the API server of this kubeconfig instead of the file.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 impl AgentEnv {
@@ -90,6 +92,7 @@ impl AgentEnv {
             bpffs: bpffs.to_owned(),
             state_dir: base.join("state"),
             nodes_file: base.join("nodes.yaml"),
+            kubeconfig: None,
         }
     }
 
@@ -204,6 +207,23 @@ impl AgentEnv {
     pub fn checkpoint(&self) -> PathBuf {
         self.state_dir.join("nodes.ckpt")
     }
+}
+
+/// `n` as the Node object the API server holds.
+pub fn k8s_node(n: &TestNode) -> k8s_openapi::api::core::v1::Node {
+    let addresses: Vec<serde_json::Value> = n
+        .ips
+        .iter()
+        .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip}))
+        .collect();
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": n.name},
+        "spec": {"podCIDR": n.cidrs[0], "podCIDRs": n.cidrs},
+        "status": {"addresses": addresses},
+    }))
+    .expect("a valid Node")
 }
 
 /// What the kernel must hold for `nodes`: every IP mapped, every CIDR routed via the node's

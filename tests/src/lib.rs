@@ -7,6 +7,7 @@
 //! thread (`ip`, `bpftool`, the agent binary) inherit its namespaces.
 
 pub mod agent;
+pub mod apiserver;
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};

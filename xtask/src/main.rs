@@ -1,5 +1,6 @@
 //! `cargo xtask`: the tasks around the cargo build that cargo cannot express itself.
 
+mod bench;
 mod build_ebpf;
 mod cmd;
 mod demo;
@@ -26,8 +27,11 @@ enum Command {
     /// Set up, then run the agent on examples/nodes.yaml in a sandbox namespace, restart it after
     /// nodes went away, and show the deletes it synthesizes (as root).
     Demo,
-    /// Set up, build the eBPF object, and run every test tier this machine supports (as root).
+    /// Set up, build the eBPF object, and run every test tier: unit, kernel, end to end, and the
+    /// VM tier on Debian 6.1 and 6.12 (as root).
     Test(test::Args),
+    /// Run every benchmark in release builds (as root); each prints `bench: <name> <value> <unit>`.
+    Bench,
     /// Boot Debian kernels (6.1, 6.12) under QEMU and run the kernel-tier tests inside, where
     /// ESP exists. Downloads and caches each kernel under target/vm/ on first use.
     VmTest(vm::Args),
@@ -42,6 +46,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Test(args) => test::run(&args),
         Command::Demo => demo::run(),
+        Command::Bench => bench::run(),
         Command::VmTest(args) => match vm::run(&args)? {
             0 => Ok(()),
             rc => std::process::exit(rc),

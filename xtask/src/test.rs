@@ -1,15 +1,19 @@
 //! `cargo xtask test`: the README's test command. Sets everything up, builds the eBPF object,
-//! then runs the workspace's tests, the kernel tiers included (they need root).
+//! runs the workspace's tests (the kernel and end-to-end tiers included; they need root), then
+//! the VM tier on both Debian kernels.
 
 use std::process::Command;
 
 use anyhow::bail;
 
 use crate::cmd::{self, root, step};
-use crate::{build_ebpf, setup};
+use crate::{build_ebpf, setup, vm};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
+    /// Skip the VM tier (quick local runs; CI runs everything).
+    #[arg(long)]
+    pub host_only: bool,
     /// Arguments passed to `cargo test` after `--` (a test name filter, `--nocapture`, ...).
     #[arg(last = true)]
     pub rest: Vec<String>,
@@ -35,5 +39,19 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .current_dir(root())
             .args(["test", "--workspace", "--"])
             .args(&args.rest),
-    )
+    )?;
+    if args.host_only {
+        step("test: VM tier skipped (--host-only)");
+        return Ok(());
+    }
+    let vm_args = vm::Args {
+        kernel: vm::KernelChoice::All,
+        timeout: 900,
+        bzimage: false,
+        rest: args.rest.clone(),
+    };
+    match vm::run(&vm_args)? {
+        0 => Ok(()),
+        rc => bail!("the VM tier failed (guest test status {rc})"),
+    }
 }

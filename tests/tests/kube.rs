@@ -1,0 +1,190 @@
+//! End to end through the Kubernetes API: the real `node-agent` binary watching the in-process
+//! API-server stand-in (`node_agent_tests::apiserver`) through a kubeconfig, in a sandbox.
+//!
+//! The stand-in is started on the sandbox thread, so it listens on the sandbox's own loopback,
+//! where the agent (spawned from the same thread) reaches it.
+
+use std::time::Duration;
+
+use node_agent_tests::agent::{AgentEnv, TestNode, expected_ips, expected_routes, http_get, k8s_node, local_node, metric};
+use node_agent_tests::apiserver::ApiServer;
+use node_agent_tests::{can_sandbox, sandbox, skip};
+
+const TIMEOUT: Duration = Duration::from_secs(90);
+const METRICS: &str = "127.0.0.1:9965";
+
+macro_rules! require_sandbox {
+    ($name:literal) => {
+        if let Err(why) = can_sandbox() {
+            skip($name, &why);
+            return;
+        }
+    };
+}
+
+fn cluster(n: u32) -> Vec<TestNode> {
+    (1..=n).map(|i| TestNode::dual(&format!("node-{i:04}"), i)).collect()
+}
+
+/// The server, holding the local node and `remote`, and an agent environment pointed at it.
+fn setup(sb: &node_agent_tests::Sandbox, remote: &[TestNode]) -> (ApiServer, AgentEnv) {
+    let server = ApiServer::start().expect("starting the API server stand-in");
+    server.apply(k8s_node(&local_node()));
+    for n in remote {
+        server.apply(k8s_node(n));
+    }
+    let mut env = AgentEnv::new(&sb.bpffs);
+    let dir = env.state_dir.parent().unwrap().to_owned();
+    env.kubeconfig = Some(server.kubeconfig(&dir).unwrap());
+    (server, env)
+}
+
+fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
+    let map = env.map();
+    assert_eq!(map.keys().cloned().collect::<Vec<_>>(), expected_ips(nodes), "map entries");
+    assert_eq!(env.routes(), expected_routes(nodes), "routes");
+}
+
+fn metrics() -> String {
+    http_get(METRICS, "/metrics").map(|(_, b)| b).unwrap_or_default()
+}
+
+fn readyz() -> (u16, String) {
+    http_get(METRICS, "/readyz").unwrap_or((0, String::new()))
+}
+
+#[test]
+fn forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list() {
+    require_sandbox!("forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list");
+    sandbox(|sb| {
+        let nodes = cluster(10);
+        let (server, env) = setup(sb, &nodes);
+        let (code, _, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes);
+
+        // While the agent is down, three nodes go, and RBAC breaks.
+        for n in &nodes[..3] {
+            server.delete(&n.name);
+        }
+        server.set_forbidden(true);
+        let mut child = env.spawn(&["--metrics-addr", METRICS]);
+        env.wait("reported source errors", TIMEOUT, || {
+            metric(&metrics(), "node_agent_source_errors_total").is_some_and(|v| v >= 2.0)
+        });
+        let (code, body) = readyz();
+        assert_eq!(code, 503);
+        assert!(body.contains("not synced"), "{body}");
+        assert_exact(&env, &nodes); // 403 reads as "unknown", never as "no nodes"
+        let log = std::fs::read_to_string(env.log()).unwrap();
+        assert!(log.contains("forbidden (403)") && log.contains("`list` and `watch` on `nodes`"), "names the missing permission:\n{log}");
+
+        server.set_forbidden(false);
+        env.wait("the prune after the first full list", TIMEOUT, || env.map().len() == 14);
+        assert_exact(&env, &nodes[3..]);
+        env.wait("readiness", TIMEOUT, || readyz().0 == 200);
+        child.kill().unwrap();
+        child.wait().unwrap();
+    });
+}
+
+#[test]
+fn a_node_deleted_while_the_watch_is_broken_is_pruned_after_the_410_relist() {
+    require_sandbox!("a_node_deleted_while_the_watch_is_broken_is_pruned_after_the_410_relist");
+    sandbox(|sb| {
+        let nodes = cluster(10);
+        let (server, env) = setup(sb, &nodes);
+        let mut child = env.spawn(&["--metrics-addr", METRICS]);
+        env.wait("readiness", TIMEOUT, || readyz().0 == 200);
+        assert_exact(&env, &nodes);
+        let lists = server.requests().list;
+
+        // The watch breaks and cannot come back (RBAC flaps) while a node is deleted and the
+        // history is compacted: the resumed watch gets 410 and the agent must relist.
+        server.set_forbidden(true);
+        server.drop_watches();
+        server.delete(&nodes[4].name);
+        server.compact();
+        std::thread::sleep(Duration::from_millis(300));
+        assert_exact(&env, &nodes);
+        server.set_forbidden(false);
+
+        let mut left = nodes.clone();
+        left.remove(4);
+        env.wait("the prune after the relist", TIMEOUT, || env.map().len() == 18);
+        assert_exact(&env, &left);
+        assert!(server.requests().list > lists, "the agent relisted");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    });
+}
+
+#[test]
+fn a_dropped_watch_resumes_and_prunes_nothing_extra() {
+    require_sandbox!("a_dropped_watch_resumes_and_prunes_nothing_extra");
+    sandbox(|sb| {
+        let nodes = cluster(6);
+        let (server, env) = setup(sb, &nodes);
+        let mut child = env.spawn(&["--metrics-addr", METRICS]);
+        env.wait("readiness", TIMEOUT, || readyz().0 == 200);
+        let lists = server.requests().list;
+        for _ in 0..3 {
+            server.drop_watches();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut more = nodes.clone();
+        more.push(TestNode::dual("node-0077", 77));
+        server.apply(k8s_node(&more[6]));
+        env.wait("the node added after the reconnects", TIMEOUT, || env.map().len() == 14);
+        assert_exact(&env, &more);
+        assert_eq!(server.requests().list, lists, "resumed from its resourceVersion, no relist");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    });
+}
+
+#[test]
+fn restart_with_churn_through_the_api() {
+    require_sandbox!("restart_with_churn_through_the_api");
+    sandbox(|sb| {
+        let before = cluster(10);
+        let (server, env) = setup(sb, &before);
+        let (code, _, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &before);
+        let map_before = env.map();
+
+        // While the agent is down: deleted, readdressed, deleted with its IP recycled, renamed,
+        // added.
+        let mut after = before.clone();
+        server.delete("node-0001");
+        after.retain(|n| n.name != "node-0001");
+        let readdressed = TestNode::dual("node-0002", 102);
+        server.apply(k8s_node(&readdressed));
+        *after.iter_mut().find(|n| n.name == "node-0002").unwrap() = readdressed;
+        server.delete("node-0003");
+        after.retain(|n| n.name != "node-0003");
+        let mut recycled = TestNode::dual("node-0103", 103);
+        recycled.ips = before[2].ips.clone();
+        server.apply(k8s_node(&recycled));
+        after.push(recycled);
+        server.delete("node-0004");
+        let renamed = TestNode { name: "node-0004-renamed".into(), ..before[3].clone() };
+        server.apply(k8s_node(&renamed));
+        *after.iter_mut().find(|n| n.name == "node-0004").unwrap() = renamed;
+        let added = TestNode::dual("node-0111", 111);
+        server.apply(k8s_node(&added));
+        after.push(added);
+
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &after);
+        assert_eq!(report["live_nodes"], after.len() + 1);
+        let map_after = env.map();
+        for ip in &before[4].ips {
+            assert_eq!(map_after[ip], map_before[ip], "an untouched node keeps its ID");
+        }
+        let (_, report, _) = env.once(&[]);
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+    });
+}
