@@ -135,7 +135,10 @@ fn arg_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
 
 /// `deploy/node-agent.env`: the settings (`KEY=value`) and the commented-out ones an operator
 /// is told to enable (`#KEY=value`).
-fn env_file() -> (Vec<(String, String)>, Vec<(String, String)>) {
+/// `KEY=value` pairs.
+type Settings = Vec<(String, String)>;
+
+fn env_file() -> (Settings, Settings) {
     let generators = kustomization().config_map_generator;
     assert_eq!(generators.len(), 1, "one ConfigMap: {generators:?}");
     assert_eq!(generators[0].envs.len(), 1);
