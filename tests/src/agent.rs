@@ -108,23 +108,25 @@ impl AgentEnv {
     /// `node-agent run` with this environment's flags and `extra`.
     pub fn command(&self, extra: &[&str]) -> Command {
         let mut c = Command::new(agent_bin());
-        c.arg("run")
-            .arg("--nodes-file")
-            .arg(&self.nodes_file)
-            .args([
-                "--node-name",
-                "local",
-                "--datapath-iface",
-                "gw0",
-                "--nodes-file-poll",
-                "50ms",
-            ])
-            .arg("--state-dir")
-            .arg(&self.state_dir)
-            .arg("--bpffs")
-            .arg(&self.bpffs)
-            .args(extra)
-            .env("NODE_AGENT_LOG", "info");
+        c.arg("run");
+        match &self.kubeconfig {
+            Some(k) => c.arg("--kubeconfig").arg(k),
+            None => c.arg("--nodes-file").arg(&self.nodes_file),
+        };
+        c.args([
+            "--node-name",
+            "local",
+            "--datapath-iface",
+            "gw0",
+            "--nodes-file-poll",
+            "50ms",
+        ])
+        .arg("--state-dir")
+        .arg(&self.state_dir)
+        .arg("--bpffs")
+        .arg(&self.bpffs)
+        .args(extra)
+        .env("NODE_AGENT_LOG", "info");
         c
     }
 

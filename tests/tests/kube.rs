@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use node_agent_tests::agent::{AgentEnv, TestNode, expected_ips, expected_routes, http_get, k8s_node, local_node, metric};
+use node_agent_tests::agent::{
+    AgentEnv, TestNode, expected_ips, expected_routes, http_get, k8s_node, local_node, metric,
+};
 use node_agent_tests::apiserver::ApiServer;
 use node_agent_tests::{can_sandbox, sandbox, skip};
 
@@ -23,7 +25,9 @@ macro_rules! require_sandbox {
 }
 
 fn cluster(n: u32) -> Vec<TestNode> {
-    (1..=n).map(|i| TestNode::dual(&format!("node-{i:04}"), i)).collect()
+    (1..=n)
+        .map(|i| TestNode::dual(&format!("node-{i:04}"), i))
+        .collect()
 }
 
 /// The server, holding the local node and `remote`, and an agent environment pointed at it.
@@ -41,12 +45,18 @@ fn setup(sb: &node_agent_tests::Sandbox, remote: &[TestNode]) -> (ApiServer, Age
 
 fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
     let map = env.map();
-    assert_eq!(map.keys().cloned().collect::<Vec<_>>(), expected_ips(nodes), "map entries");
+    assert_eq!(
+        map.keys().cloned().collect::<Vec<_>>(),
+        expected_ips(nodes),
+        "map entries"
+    );
     assert_eq!(env.routes(), expected_routes(nodes), "routes");
 }
 
 fn metrics() -> String {
-    http_get(METRICS, "/metrics").map(|(_, b)| b).unwrap_or_default()
+    http_get(METRICS, "/metrics")
+        .map(|(_, b)| b)
+        .unwrap_or_default()
 }
 
 fn readyz() -> (u16, String) {
@@ -77,10 +87,15 @@ fn forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list() {
         assert!(body.contains("not synced"), "{body}");
         assert_exact(&env, &nodes); // 403 reads as "unknown", never as "no nodes"
         let log = std::fs::read_to_string(env.log()).unwrap();
-        assert!(log.contains("forbidden (403)") && log.contains("`list` and `watch` on `nodes`"), "names the missing permission:\n{log}");
+        assert!(
+            log.contains("forbidden (403)") && log.contains("`list` and `watch` on `nodes`"),
+            "names the missing permission:\n{log}"
+        );
 
         server.set_forbidden(false);
-        env.wait("the prune after the first full list", TIMEOUT, || env.map().len() == 14);
+        env.wait("the prune after the first full list", TIMEOUT, || {
+            env.map().len() == 14
+        });
         assert_exact(&env, &nodes[3..]);
         env.wait("readiness", TIMEOUT, || readyz().0 == 200);
         child.kill().unwrap();
@@ -111,7 +126,9 @@ fn a_node_deleted_while_the_watch_is_broken_is_pruned_after_the_410_relist() {
 
         let mut left = nodes.clone();
         left.remove(4);
-        env.wait("the prune after the relist", TIMEOUT, || env.map().len() == 18);
+        env.wait("the prune after the relist", TIMEOUT, || {
+            env.map().len() == 18
+        });
         assert_exact(&env, &left);
         assert!(server.requests().list > lists, "the agent relisted");
         child.kill().unwrap();
@@ -135,9 +152,15 @@ fn a_dropped_watch_resumes_and_prunes_nothing_extra() {
         let mut more = nodes.clone();
         more.push(TestNode::dual("node-0077", 77));
         server.apply(k8s_node(&more[6]));
-        env.wait("the node added after the reconnects", TIMEOUT, || env.map().len() == 14);
+        env.wait("the node added after the reconnects", TIMEOUT, || {
+            env.map().len() == 14
+        });
         assert_exact(&env, &more);
-        assert_eq!(server.requests().list, lists, "resumed from its resourceVersion, no relist");
+        assert_eq!(
+            server.requests().list,
+            lists,
+            "resumed from its resourceVersion, no relist"
+        );
         child.kill().unwrap();
         child.wait().unwrap();
     });
@@ -169,7 +192,10 @@ fn restart_with_churn_through_the_api() {
         server.apply(k8s_node(&recycled));
         after.push(recycled);
         server.delete("node-0004");
-        let renamed = TestNode { name: "node-0004-renamed".into(), ..before[3].clone() };
+        let renamed = TestNode {
+            name: "node-0004-renamed".into(),
+            ..before[3].clone()
+        };
         server.apply(k8s_node(&renamed));
         *after.iter_mut().find(|n| n.name == "node-0004").unwrap() = renamed;
         let added = TestNode::dual("node-0111", 111);
@@ -182,7 +208,10 @@ fn restart_with_churn_through_the_api() {
         assert_eq!(report["live_nodes"], after.len() + 1);
         let map_after = env.map();
         for ip in &before[4].ips {
-            assert_eq!(map_after[ip], map_before[ip], "an untouched node keeps its ID");
+            assert_eq!(
+                map_after[ip], map_before[ip],
+                "an untouched node keeps its ID"
+            );
         }
         let (_, report, _) = env.once(&[]);
         assert_eq!(report["kernel_writes"], 0, "{report}");

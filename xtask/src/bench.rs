@@ -15,15 +15,33 @@ pub fn run() -> anyhow::Result<()> {
     setup::run()?;
     build_ebpf::run(&build_ebpf::Args { release: true })?;
     step("bench: state (planner and checkpoint)");
-    cmd::run(Command::new("cargo").current_dir(root()).args(["bench", "-p", "state"]))?;
+    cmd::run(
+        Command::new("cargo")
+            .current_dir(root())
+            .args(["bench", "-p", "state"]),
+    )?;
     step("bench: cargo build --release -p node-agent");
-    cmd::run(Command::new("cargo").current_dir(root()).args(["build", "--release", "-p", "node-agent"]))?;
+    cmd::run(Command::new("cargo").current_dir(root()).args([
+        "build",
+        "--release",
+        "-p",
+        "node-agent",
+    ]))?;
     step("bench: backends against their floors, and the agent at 5,000 nodes");
     cmd::run(
         Command::new("cargo")
             .current_dir(root())
             .env("NODE_AGENT_BENCH", "1")
-            .args(["test", "--release", "-p", "node-agent-tests", "--test", "bench", "--test", "xfrm"])
+            .args([
+                "test",
+                "--release",
+                "-p",
+                "node-agent-tests",
+                "--test",
+                "bench",
+                "--test",
+                "xfrm",
+            ])
             .args(["--", "bench", "--test-threads=1", "--nocapture"]),
     )
 }

@@ -1,0 +1,1138 @@
+//! The `deploy/` manifests and the `Dockerfile`, checked without a cluster or a Docker engine.
+//!
+//! Every manifest is parsed into its k8s-openapi type (which also checks apiVersion and kind),
+//! and the properties the operator's guide promises are asserted one by one. The DaemonSet's
+//! args and every `NODE_AGENT_*` variable are checked against the agent's real command line
+//! (`node_agent::cli::Cli`), and the whole configuration is handed to the agent's own parser in
+//! a child process. The Dockerfile's build steps are compared with the steps xtask really runs.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::CommandFactory;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Container, Namespace, PodSpec, ServiceAccount, Volume};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use node_agent::cli::{Cli, Command as AgentCommand};
+use serde::Deserialize;
+
+// ---------------------------------------------------------------------------------------------
+// Loading
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives in the workspace")
+        .to_owned()
+}
+
+fn read(rel: &str) -> String {
+    let path = root().join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+}
+
+fn load<T: serde::de::DeserializeOwned>(rel: &str) -> T {
+    serde_yaml::from_str(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Kustomization {
+    api_version: String,
+    kind: String,
+    namespace: String,
+    resources: Vec<String>,
+    #[serde(default)]
+    config_map_generator: Vec<ConfigMapGenerator>,
+    #[serde(default)]
+    images: Vec<Image>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ConfigMapGenerator {
+    name: String,
+    envs: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Image {
+    name: String,
+    new_name: String,
+    new_tag: String,
+}
+
+fn kustomization() -> Kustomization {
+    let k: Kustomization = load("deploy/kustomization.yaml");
+    assert_eq!(k.api_version, "kustomize.config.k8s.io/v1beta1");
+    assert_eq!(k.kind, "Kustomization");
+    k
+}
+
+/// The manifest of the one resource of kind `kind` listed in the kustomization.
+fn resource<T: serde::de::DeserializeOwned>(kind: &str) -> T {
+    let files: Vec<String> = kustomization()
+        .resources
+        .into_iter()
+        .filter(|f| kind_of(f) == kind)
+        .collect();
+    assert_eq!(
+        files.len(),
+        1,
+        "expected one {kind} manifest, found {files:?}"
+    );
+    load(&format!("deploy/{}", files[0]))
+}
+
+fn kind_of(file: &str) -> String {
+    let v: serde_yaml::Value = load(&format!("deploy/{file}"));
+    v["kind"]
+        .as_str()
+        .unwrap_or_else(|| panic!("deploy/{file} has no kind"))
+        .to_owned()
+}
+
+fn daemonset() -> DaemonSet {
+    resource("DaemonSet")
+}
+
+fn pod(ds: &DaemonSet) -> &PodSpec {
+    ds.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("the DaemonSet has a pod spec")
+}
+
+fn agent(ds: &DaemonSet) -> &Container {
+    let p = pod(ds);
+    assert_eq!(p.containers.len(), 1, "one container: the agent");
+    &p.containers[0]
+}
+
+fn volume<'a>(p: &'a PodSpec, name: &str) -> &'a Volume {
+    p.volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == name)
+        .unwrap_or_else(|| panic!("no volume {name}"))
+}
+
+/// `--flag=value` (or `--flag value`) from the container's args.
+fn arg_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.iter().enumerate().find_map(|(i, a)| {
+        if let Some(v) = a.strip_prefix(&format!("{flag}=")) {
+            Some(v)
+        } else if a == flag {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            None
+        }
+    })
+}
+
+/// `deploy/node-agent.env`: the settings (`KEY=value`) and the commented-out ones an operator
+/// is told to enable (`#KEY=value`).
+/// `KEY=value` pairs.
+type Settings = Vec<(String, String)>;
+
+fn env_file() -> (Settings, Settings) {
+    let generators = kustomization().config_map_generator;
+    assert_eq!(generators.len(), 1, "one ConfigMap: {generators:?}");
+    assert_eq!(generators[0].envs.len(), 1);
+    // The DaemonSet takes its environment from the generated ConfigMap.
+    let ds = daemonset();
+    let from: Vec<_> = agent(&ds)
+        .env_from
+        .iter()
+        .flatten()
+        .filter_map(|e| e.config_map_ref.as_ref().map(|c| c.name.clone()))
+        .collect();
+    assert_eq!(
+        from,
+        [generators[0].name.clone()],
+        "envFrom the generated ConfigMap"
+    );
+    let text = read(&format!("deploy/{}", generators[0].envs[0]));
+    let (mut set, mut commented) = (Vec::new(), Vec::new());
+    let is_key = |k: &str| {
+        !k.is_empty()
+            && k.chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+    };
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix('#') {
+            if let Some((k, v)) = rest.split_once('=')
+                && is_key(k)
+            {
+                commented.push((k.to_owned(), v.to_owned()));
+            }
+            continue;
+        }
+        let (k, v) = line
+            .split_once('=')
+            .unwrap_or_else(|| panic!("not a KEY=value line: {line:?}"));
+        assert!(
+            k.starts_with("NODE_AGENT_") && is_key(k),
+            "{k}: only NODE_AGENT_<FLAG> settings"
+        );
+        set.push((k.to_owned(), v.to_owned()));
+    }
+    (set, commented)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agent's command line
+
+/// What is wrong with `args` (the container's args) and `env` (variable names set on it) for
+/// the agent's real command line: an unknown subcommand, flag, or `NODE_AGENT_*` variable.
+fn cli_problems(args: &[String], env: &[String]) -> Vec<String> {
+    let mut cmd = Cli::command();
+    // Propagates the global flags (--log-format) into the subcommands.
+    cmd.build();
+    let mut problems = Vec::new();
+    let Some(sub) = args.first() else {
+        return vec!["no subcommand in args".into()];
+    };
+    let Some(run) = cmd.find_subcommand(sub) else {
+        return vec![format!("`{sub}` is not a node-agent subcommand")];
+    };
+    if sub != "run" {
+        problems.push(format!(
+            "the DaemonSet must run `node-agent run`, not `{sub}`"
+        ));
+    }
+    let longs: BTreeSet<String> = run
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_owned))
+        .collect();
+    for a in &args[1..] {
+        if let Some(flag) = a.strip_prefix("--") {
+            let name = flag.split('=').next().unwrap_or(flag);
+            if !longs.contains(name) {
+                problems.push(format!("--{name} is not a flag of `node-agent {sub}`"));
+            }
+        }
+    }
+    let envs: BTreeSet<String> = run
+        .get_arguments()
+        .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+        .collect();
+    for e in env.iter().filter(|e| e.starts_with("NODE_AGENT_")) {
+        if !envs.contains(e) {
+            problems.push(format!(
+                "{e} is not the variable of any `node-agent {sub}` flag"
+            ));
+        }
+    }
+    problems
+}
+
+fn env_names(c: &Container) -> Vec<String> {
+    c.env.iter().flatten().map(|e| e.name.clone()).collect()
+}
+
+#[test]
+fn args_and_variables_are_flags_of_the_real_cli() {
+    let ds = daemonset();
+    let c = agent(&ds);
+    assert!(c.command.is_none(), "the image's entrypoint is the agent");
+    let args = c.args.clone().unwrap_or_default();
+    let (set, commented) = env_file();
+    let mut env = env_names(c);
+    env.extend(set.iter().chain(&commented).map(|(k, _)| k.clone()));
+    let problems = cli_problems(&args, &env);
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+#[test]
+fn the_checker_rejects_what_the_agent_does_not_know() {
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    // A correct configuration passes...
+    assert_eq!(
+        cli_problems(
+            &s(&["run", "--state-dir=/run/node-agent", "--log-format", "json"]),
+            &s(&["NODE_NAME", "NODE_AGENT_METRICS_ADDR"])
+        ),
+        Vec::<String>::new()
+    );
+    // ...a flag, a variable or a subcommand the agent does not have fails.
+    let bad_flag = cli_problems(&s(&["run", "--node-map-size=10"]), &[]);
+    assert_eq!(
+        bad_flag,
+        ["--node-map-size is not a flag of `node-agent run`"]
+    );
+    let bad_env = cli_problems(&s(&["run"]), &s(&["NODE_AGENT_NODE_MAP_SIZE"]));
+    assert_eq!(
+        bad_env,
+        ["NODE_AGENT_NODE_MAP_SIZE is not the variable of any `node-agent run` flag"]
+    );
+    // A flag of another subcommand is not a `run` flag.
+    assert!(!cli_problems(&s(&["run", "--nodes-file-pol=1s"]), &[]).is_empty());
+    assert!(!cli_problems(&s(&["serve"]), &[]).is_empty());
+    assert!(!cli_problems(&s(&["plan"]), &[]).is_empty());
+}
+
+/// The pod's environment as the kubelet builds it: downward-API fields filled with sample
+/// values, `$(VAR)` references expanded, then the ConfigMap's variables (`envFrom`).
+fn pod_environment(c: &Container, extra: &[(String, String)]) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for (k, v) in extra {
+        out.push((k.clone(), v.clone()));
+    }
+    for e in c.env.iter().flatten() {
+        let value = match (&e.value, &e.value_from) {
+            (Some(v), None) => {
+                let mut v = v.clone();
+                for (k, val) in &out {
+                    v = v.replace(&format!("$({k})"), val);
+                }
+                v
+            }
+            (None, Some(from)) => {
+                let path = &from.field_ref.as_ref().expect("a fieldRef").field_path;
+                match path.as_str() {
+                    "spec.nodeName" => "worker-7".into(),
+                    "status.hostIP" => "10.1.2.7".into(),
+                    other => panic!("no sample value for {other}"),
+                }
+            }
+            other => panic!(
+                "env {} is neither a value nor a fieldRef: {other:?}",
+                e.name
+            ),
+        };
+        // Later entries override, as in Kubernetes.
+        out.retain(|(k, _)| k != &e.name);
+        out.push((e.name.clone(), value));
+    }
+    out
+}
+
+/// Runs [`child_parses_the_manifest_config`] in a child process whose environment is exactly
+/// `env`, and returns what it printed (or panics with its output when it failed).
+fn parse_in_child(args: &[String], env: &[(String, String)]) -> String {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_parses_the_manifest_config",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("DEPLOY_TEST_ARGS", args.join("\x1f"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "the agent refused the manifest's configuration:\n{text}"
+    );
+    text
+}
+
+/// The DaemonSet's args and environment, as the pod would see them, are accepted by the agent's
+/// own parser, and mean what the manifest says.
+#[test]
+fn manifest_configuration_is_accepted_by_the_agent() {
+    let ds = daemonset();
+    let c = agent(&ds);
+    let args = c.args.clone().unwrap_or_default();
+    let (set, commented) = env_file();
+    let env = pod_environment(c, &set);
+    let text = parse_in_child(&args, &env);
+    assert!(text.contains("node_name=worker-7"), "{text}");
+    assert!(text.contains("metrics_addr=10.1.2.7:9965"), "{text}");
+    assert!(text.contains("state_dir=/run/node-agent"), "{text}");
+    assert!(text.contains("bpffs=/sys/fs/bpf"), "{text}");
+    assert!(
+        text.contains("ipsec=None"),
+        "IPsec is off by default: {text}"
+    );
+    // The commented-out settings, once enabled as the env file says, are accepted too.
+    let mut all = set.clone();
+    all.extend(commented);
+    let env = pod_environment(c, &all);
+    let text = parse_in_child(&args, &env);
+    assert!(
+        text.contains("ipsec=Some(\"/etc/node-agent/ipsec/keys\")"),
+        "{text}"
+    );
+}
+
+#[test]
+#[ignore = "a helper: manifest_configuration_is_accepted_by_the_agent runs it in a child process"]
+fn child_parses_the_manifest_config() {
+    let Ok(args) = std::env::var("DEPLOY_TEST_ARGS") else {
+        eprintln!(
+            "a helper of manifest_configuration_is_accepted_by_the_agent; nothing to do alone"
+        );
+        return;
+    };
+    let argv = std::iter::once("node-agent").chain(args.split('\x1f'));
+    let cli = match <Cli as clap::Parser>::try_parse_from(argv) {
+        Ok(cli) => cli,
+        Err(e) => panic!("{e}"),
+    };
+    let AgentCommand::Run(run) = cli.command else {
+        panic!("not `node-agent run`");
+    };
+    let config = run.agent.config().expect("the agent's own validation");
+    println!("node_name={}", config.node_name);
+    println!("metrics_addr={}", run.metrics_addr);
+    println!("state_dir={}", run.agent.state_dir.display());
+    println!("bpffs={}", run.agent.bpffs.bpffs.display());
+    println!("ifaces={:?}", run.agent.datapath_ifaces);
+    println!("ipsec={:?}", config.ipsec_key_file);
+    assert!(!run.agent.datapath_ifaces.is_empty(), "no --datapath-iface");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The manifests
+
+#[test]
+fn every_manifest_parses_into_its_kubernetes_type() {
+    let k = kustomization();
+    let mut kinds = BTreeMap::new();
+    for file in &k.resources {
+        let rel = format!("deploy/{file}");
+        let kind = kind_of(file);
+        match kind.as_str() {
+            "Namespace" => drop(load::<Namespace>(&rel)),
+            "ServiceAccount" => drop(load::<ServiceAccount>(&rel)),
+            "ClusterRole" => drop(load::<ClusterRole>(&rel)),
+            "ClusterRoleBinding" => drop(load::<ClusterRoleBinding>(&rel)),
+            "DaemonSet" => drop(load::<DaemonSet>(&rel)),
+            other => panic!("{rel}: no test knows kind {other}"),
+        }
+        *kinds.entry(kind).or_insert(0) += 1;
+    }
+    for kind in [
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "DaemonSet",
+    ] {
+        assert_eq!(kinds.get(kind), Some(&1), "one {kind}: {kinds:?}");
+    }
+    let ns: Namespace = resource("Namespace");
+    assert_eq!(ns.metadata.name.as_deref(), Some(k.namespace.as_str()));
+}
+
+#[test]
+fn kustomization_lists_every_file_in_deploy() {
+    let k = kustomization();
+    let mut listed: BTreeSet<String> = k.resources.iter().cloned().collect();
+    listed.extend(k.config_map_generator.iter().flat_map(|g| g.envs.clone()));
+    listed.insert("kustomization.yaml".into());
+    let mut present = BTreeSet::new();
+    for entry in std::fs::read_dir(root().join("deploy")).unwrap() {
+        let entry = entry.unwrap();
+        assert!(
+            entry.file_type().unwrap().is_file(),
+            "deploy/{} is not a file: list it or move it",
+            entry.file_name().to_string_lossy()
+        );
+        present.insert(entry.file_name().to_string_lossy().into_owned());
+    }
+    let missing: Vec<_> = listed.difference(&present).collect();
+    let unlisted: Vec<_> = present.difference(&listed).collect();
+    assert!(
+        missing.is_empty(),
+        "listed in kustomization.yaml but absent: {missing:?}"
+    );
+    assert!(
+        unlisted.is_empty(),
+        "in deploy/ but not in kustomization.yaml: {unlisted:?}"
+    );
+    // The image tag follows the workspace version.
+    assert_eq!(k.images.len(), 1);
+    assert_eq!(k.images[0].name, "node-agent");
+    assert!(!k.images[0].new_name.is_empty());
+    assert_eq!(k.images[0].new_tag, workspace_field("version"));
+    let ds = daemonset();
+    assert_eq!(agent(&ds).image.as_deref(), Some("node-agent"));
+}
+
+#[test]
+fn daemonset_runs_privileged_on_the_host_network() {
+    let ds = daemonset();
+    let p = pod(&ds);
+    assert_eq!(p.host_network, Some(true));
+    let sa: ServiceAccount = resource("ServiceAccount");
+    assert_eq!(p.service_account_name, sa.metadata.name);
+    for c in p
+        .containers
+        .iter()
+        .chain(p.init_containers.iter().flatten())
+    {
+        let sc = c.security_context.as_ref().expect("a securityContext");
+        assert_eq!(sc.privileged, Some(true), "{} is privileged", c.name);
+    }
+}
+
+#[test]
+fn node_name_and_host_ip_come_from_the_downward_api() {
+    let ds = daemonset();
+    let c = agent(&ds);
+    let field = |name: &str| {
+        let e = c
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .unwrap_or_else(|| panic!("no env {name}"));
+        e.value_from
+            .as_ref()
+            .and_then(|f| f.field_ref.as_ref())
+            .map(|f| f.field_path.clone())
+    };
+    assert_eq!(field("NODE_NAME").as_deref(), Some("spec.nodeName"));
+    assert_eq!(field("HOST_IP").as_deref(), Some("status.hostIP"));
+    // The agent reads NODE_NAME itself (not through clap), so make sure it still does.
+    assert!(
+        read("node-agent/src/cli/run.rs").contains("std::env::var(\"NODE_NAME\")"),
+        "the agent no longer reads NODE_NAME"
+    );
+}
+
+#[test]
+fn bpffs_and_state_dir_are_host_paths_with_the_right_propagation() {
+    let ds = daemonset();
+    let p = pod(&ds);
+    let c = agent(&ds);
+    let args = c.args.clone().unwrap_or_default();
+    let mount = |c: &Container, vol: &str| {
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == vol)
+            .unwrap_or_else(|| panic!("{} does not mount {vol}", c.name))
+            .clone()
+    };
+    // The bpffs: the host's, Bidirectional, where --bpffs says, in the agent and the init
+    // container that mounts one when the host has none.
+    let bpffs = volume(p, "bpffs").host_path.as_ref().expect("hostPath");
+    assert_eq!(bpffs.path, "/sys/fs/bpf");
+    let init = p
+        .init_containers
+        .as_ref()
+        .expect("the bpffs init container");
+    for c in [c].into_iter().chain(init) {
+        let m = mount(c, "bpffs");
+        assert_eq!(m.mount_path, "/sys/fs/bpf");
+        assert_eq!(
+            m.mount_propagation.as_deref(),
+            Some("Bidirectional"),
+            "{}",
+            c.name
+        );
+    }
+    assert_eq!(arg_value(&args, "--bpffs"), Some("/sys/fs/bpf"));
+    let script = init[0].command.as_ref().unwrap().join(" ");
+    assert!(script.contains("mount -t bpf bpf /sys/fs/bpf"), "{script}");
+    // The state directory: the host's, created when missing, where --state-dir says.
+    let state = volume(p, "state").host_path.as_ref().expect("hostPath");
+    assert_eq!(state.path, "/run/node-agent");
+    assert_eq!(state.type_.as_deref(), Some("DirectoryOrCreate"));
+    assert_eq!(mount(c, "state").mount_path, "/run/node-agent");
+    assert_eq!(arg_value(&args, "--state-dir"), Some("/run/node-agent"));
+}
+
+#[test]
+fn ipsec_key_is_an_optional_read_only_secret() {
+    let ds = daemonset();
+    let p = pod(&ds);
+    let secret = volume(p, "ipsec-key")
+        .secret
+        .as_ref()
+        .expect("a Secret volume");
+    assert_eq!(secret.optional, Some(true));
+    assert_eq!(secret.default_mode, Some(0o400));
+    let m = agent(&ds)
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "ipsec-key")
+        .expect("the key is mounted");
+    assert_eq!(m.read_only, Some(true));
+    // The key file the env file names (enabled or not) is inside that mount.
+    let (set, commented) = env_file();
+    let key: Vec<_> = set
+        .iter()
+        .chain(&commented)
+        .filter(|(k, _)| k == "NODE_AGENT_IPSEC_KEY_FILE")
+        .collect();
+    assert_eq!(key.len(), 1, "{key:?}");
+    assert!(
+        key[0].1.starts_with(&format!("{}/", m.mount_path)),
+        "{key:?}"
+    );
+}
+
+#[test]
+fn probes_reach_readyz_and_healthz_on_the_address_the_agent_binds() {
+    let ds = daemonset();
+    let c = agent(&ds);
+    let port = c
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .expect("a metrics port");
+    let probe = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+        let get = p
+            .as_ref()
+            .and_then(|p| p.http_get.clone())
+            .expect("an httpGet probe");
+        assert_eq!(get.port, IntOrString::String("metrics".into()));
+        assert!(
+            get.host.is_none(),
+            "the kubelet probes the pod IP = node IP"
+        );
+        get.path.unwrap()
+    };
+    assert_eq!(probe(&c.readiness_probe), "/readyz");
+    assert_eq!(probe(&c.liveness_probe), "/healthz");
+    // The agent binds the node's IP on that port (the default, 127.0.0.1, is unreachable).
+    let addr = c
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "NODE_AGENT_METRICS_ADDR")
+        .and_then(|e| e.value.clone())
+        .expect("NODE_AGENT_METRICS_ADDR");
+    assert_eq!(addr, format!("$(HOST_IP):{}", port.container_port));
+}
+
+/// A memory quantity in MiB (only the suffixes the manifest uses).
+fn mib(q: &str) -> u64 {
+    if let Some(n) = q.strip_suffix("Mi") {
+        n.parse().unwrap()
+    } else if let Some(n) = q.strip_suffix("Gi") {
+        n.parse::<u64>().unwrap() * 1024
+    } else {
+        panic!("unexpected quantity {q}")
+    }
+}
+
+#[test]
+fn resources_fit_the_agents_targets() {
+    let ds = daemonset();
+    let r = agent(&ds).resources.clone().expect("resources");
+    let requests = r.requests.expect("requests");
+    let limits = r.limits.expect("limits");
+    assert!(requests.contains_key("cpu"), "{requests:?}");
+    // The target is RSS under 64 MiB at 5,000 nodes: request that, limit with headroom.
+    let req = mib(&requests["memory"].0);
+    let lim = mib(&limits["memory"].0);
+    assert!(req >= 64, "memory request {req} Mi");
+    assert!(
+        lim >= 2 * req,
+        "memory limit {lim} Mi leaves no headroom over {req} Mi"
+    );
+    assert!(
+        !limits.contains_key("cpu"),
+        "no CPU limit (throttling delays cleanups)"
+    );
+}
+
+#[test]
+fn runs_on_every_node_and_has_time_for_the_final_checkpoint() {
+    let ds = daemonset();
+    let p = pod(&ds);
+    let tolerations = p.tolerations.as_ref().expect("tolerations");
+    assert!(
+        tolerations
+            .iter()
+            .any(|t| t.operator.as_deref() == Some("Exists")
+                && t.key.is_none()
+                && t.effect.is_none()),
+        "a toleration of every taint: {tolerations:?}"
+    );
+    assert!(p.termination_grace_period_seconds.unwrap_or(30) >= 30);
+    assert_eq!(
+        p.priority_class_name.as_deref(),
+        Some("system-node-critical")
+    );
+}
+
+#[test]
+fn rolling_update_never_runs_two_agents_on_one_node() {
+    let ds = daemonset();
+    let strategy = ds
+        .spec
+        .as_ref()
+        .unwrap()
+        .update_strategy
+        .clone()
+        .expect("updateStrategy");
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let ru = strategy.rolling_update.expect("rollingUpdate");
+    assert_eq!(ru.max_surge, Some(IntOrString::Int(0)));
+    assert_eq!(ru.max_unavailable, Some(IntOrString::Int(1)));
+}
+
+#[test]
+fn rbac_grants_reading_nodes_and_nothing_else() {
+    let role: ClusterRole = resource("ClusterRole");
+    assert!(role.aggregation_rule.is_none());
+    let rules = role.rules.expect("rules");
+    assert_eq!(rules.len(), 1, "one rule: {rules:?}");
+    let rule = &rules[0];
+    assert_eq!(rule.api_groups.as_deref(), Some(&[String::new()][..]));
+    assert_eq!(rule.resources.as_deref(), Some(&["nodes".to_string()][..]));
+    let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
+    assert_eq!(verbs, BTreeSet::from(["get", "list", "watch"]));
+    assert_eq!(rule.verbs.len(), 3, "no verb twice");
+    assert!(rule.resource_names.is_none() && rule.non_resource_urls.is_none());
+
+    let binding: ClusterRoleBinding = resource("ClusterRoleBinding");
+    assert_eq!(binding.role_ref.kind, "ClusterRole");
+    assert_eq!(binding.role_ref.api_group, "rbac.authorization.k8s.io");
+    assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
+    let sa: ServiceAccount = resource("ServiceAccount");
+    let subjects = binding.subjects.expect("subjects");
+    assert_eq!(subjects.len(), 1, "{subjects:?}");
+    assert_eq!(subjects[0].kind, "ServiceAccount");
+    assert_eq!(Some(&subjects[0].name), sa.metadata.name.as_ref());
+    assert_eq!(subjects[0].namespace, sa.metadata.namespace);
+    assert_eq!(
+        sa.metadata.namespace.as_deref(),
+        Some(kustomization().namespace.as_str())
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Dockerfile
+
+/// `[workspace.package]` field of the root Cargo.toml, e.g. `version` or `rust-version`.
+fn workspace_field(name: &str) -> String {
+    let toml = read("Cargo.toml");
+    let section = toml
+        .split("[workspace.package]")
+        .nth(1)
+        .expect("[workspace.package]");
+    section
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} = \"")))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no {name} in [workspace.package]"))
+        .to_owned()
+}
+
+/// Rust source with `\<newline><indent>` inside string literals joined, as the compiler does.
+fn unwrap_string_continuations(src: &str) -> String {
+    let mut out = String::new();
+    let mut lines = src.lines();
+    while let Some(line) = lines.next() {
+        let mut line = line.to_owned();
+        while let Some(head) = line.strip_suffix('\\') {
+            let next = lines.next().unwrap_or("");
+            line = format!("{head}{}", next.trim_start());
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+/// The string literal of `const NAME: &str = "...";` in `src`.
+fn const_str(src: &str, name: &str) -> String {
+    src.lines()
+        .find_map(|l| l.trim().strip_prefix(&format!("const {name}: &str = \"")))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no const {name}"))
+        .to_owned()
+}
+
+/// The quoted strings on the line that defines `const PACKAGES`.
+fn packages(setup: &str) -> Vec<String> {
+    let line = setup
+        .lines()
+        .find(|l| l.starts_with("const PACKAGES"))
+        .expect("const PACKAGES in xtask/src/setup.rs");
+    let list = line.split_once("= &[").expect("a slice literal").1;
+    list.split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A step xtask runs on the way from `.ci/run` to the agent binary, as the Dockerfile must run it.
+#[derive(Debug)]
+enum Expect {
+    /// The RUN is exactly this command.
+    Exactly(String),
+    /// The RUN is `apt-get update && apt-get install ... <packages> && rm ...`, installing
+    /// exactly these packages (`subset`: some of them).
+    Packages { list: Vec<String>, subset: bool },
+}
+
+/// The steps, derived from xtask's source and the workspace, keyed by the Dockerfile's ids.
+/// The files the steps are derived from.
+struct Sources {
+    ci: String,
+    test: String,
+    setup: String,
+    toolchain: String,
+    readme: String,
+}
+
+impl Sources {
+    fn read() -> Self {
+        Self {
+            ci: read(".ci/run"),
+            test: read("xtask/src/test.rs"),
+            setup: read("xtask/src/setup.rs"),
+            toolchain: read("node-agent-ebpf/rust-toolchain.toml"),
+            readme: read("README.md"),
+        }
+    }
+}
+
+fn xtask_steps() -> BTreeMap<&'static str, Expect> {
+    steps_from(&Sources::read())
+}
+
+fn steps_from(src: &Sources) -> BTreeMap<&'static str, Expect> {
+    let ci = &src.ci;
+    assert!(
+        ci.lines().any(|l| l.trim() == "cargo xtask test"),
+        ".ci/run no longer runs `cargo xtask test`; the chain this test follows is broken"
+    );
+    let test = &src.test;
+    assert!(
+        test.contains("setup::run()?"),
+        "xtask test no longer runs setup"
+    );
+    let setup = &unwrap_string_continuations(&src.setup);
+    let nightly = const_str(setup, "NIGHTLY");
+    let prefix = const_str(setup, "LLVM_PREFIX");
+    let linker = const_str(setup, "BPF_LINKER_VERSION");
+    // `.args(["--no-default-features", "--features", "llvm-22"])` in setup::bpf_linker.
+    let features = setup
+        .split("\"--features\", \"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .expect("bpf-linker's --features in xtask/src/setup.rs");
+    assert!(setup.contains(r#".args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])"#));
+    assert!(setup.contains(r#".args(["--no-default-features", "--features""#));
+    assert!(setup.contains(r#".env("LLVM_PREFIX", LLVM_PREFIX)"#));
+    // The nightly's fix command in setup::nightly is the install the Dockerfile runs.
+    let fix = "rustup toolchain install {NIGHTLY} --profile minimal --component rust-src";
+    assert!(
+        setup.contains(fix),
+        "setup.rs changed how the nightly is installed"
+    );
+    let toolchain = &src.toolchain;
+    assert!(
+        toolchain.contains(&format!("channel = \"{nightly}\"")),
+        "{toolchain}"
+    );
+    let release = if test.contains("build_ebpf::run(&build_ebpf::Args { release: true })") {
+        " --release"
+    } else {
+        ""
+    };
+    // xtask test builds the agent with `cargo build -p node-agent`; the image builds the same
+    // package with the release profile, the README's build command.
+    let agent_args = test
+        .split(".args([\"build\", ")
+        .nth(1)
+        .and_then(|s| s.split("])").next())
+        .expect("xtask test's `cargo build` of the agent")
+        .replace(['"', ','], "");
+    let agent_build = format!("cargo build --release {agent_args}");
+    assert!(
+        src.readme.contains(&agent_build),
+        "the README builds the agent otherwise"
+    );
+    let all = packages(setup);
+    let protocol = node_agent::backends::routes::DEFAULT_ROUTE_PROTOCOL;
+    BTreeMap::from([
+        (
+            "setup:packages",
+            Expect::Packages {
+                list: all.clone(),
+                subset: false,
+            },
+        ),
+        (
+            "setup:nightly",
+            Expect::Exactly(fix.replace("{NIGHTLY}", &nightly)),
+        ),
+        (
+            "setup:bpf-linker",
+            Expect::Exactly(format!(
+                "LLVM_PREFIX={prefix} cargo install bpf-linker --version {linker} \
+                 --no-default-features --features {features}"
+            )),
+        ),
+        (
+            "test:build-ebpf",
+            Expect::Exactly(format!("cargo xtask build-ebpf{release}")),
+        ),
+        ("test:build-agent", Expect::Exactly(agent_build)),
+        (
+            "runtime:packages",
+            Expect::Packages {
+                list: all,
+                subset: true,
+            },
+        ),
+        (
+            "runtime:route-protocol",
+            Expect::Exactly(format!(
+                "mkdir -p /etc/iproute2/rt_protos.d && echo \"{protocol} node-agent\" > \
+                 /etc/iproute2/rt_protos.d/node-agent.conf"
+            )),
+        ),
+    ])
+}
+
+/// One instruction of a Dockerfile: its keyword, its text (continuations joined), and the
+/// comment lines right above it.
+struct Instruction {
+    keyword: String,
+    text: String,
+    comments: Vec<String>,
+}
+
+fn instructions(dockerfile: &str) -> Vec<Instruction> {
+    let mut out = Vec::new();
+    let mut comments = Vec::new();
+    let mut lines = dockerfile.lines();
+    while let Some(line) = lines.next() {
+        let line = line.trim();
+        if let Some(c) = line.strip_prefix('#') {
+            comments.push(c.trim().to_owned());
+            continue;
+        }
+        if line.is_empty() {
+            comments.clear();
+            continue;
+        }
+        let mut text = line.to_owned();
+        while text.ends_with('\\') {
+            text.pop();
+            text.push(' ');
+            text.push_str(lines.next().unwrap_or("").trim());
+        }
+        let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let (keyword, rest) = text.split_once(' ').unwrap_or((&text, ""));
+        out.push(Instruction {
+            keyword: keyword.to_uppercase(),
+            text: rest.to_owned(),
+            comments: std::mem::take(&mut comments),
+        });
+    }
+    out
+}
+
+/// The packages of `apt-get update && apt-get install -y --no-install-recommends A B && rm ...`.
+fn apt_packages(run: &str) -> Option<Vec<String>> {
+    let parts: Vec<&str> = run.split("&&").map(str::trim).collect();
+    if parts.len() != 3 || parts[0] != "apt-get update" || parts[2] != "rm -rf /var/lib/apt/lists/*"
+    {
+        return None;
+    }
+    let install = parts[1]
+        .strip_prefix("DEBIAN_FRONTEND=noninteractive ")
+        .unwrap_or(parts[1])
+        .strip_prefix("apt-get install -y --no-install-recommends ")?;
+    Some(install.split(' ').map(str::to_owned).collect())
+}
+
+/// What is wrong with `dockerfile` against `steps`: a RUN that mirrors nothing or something
+/// unknown, a command that differs from its xtask step, an xtask step no RUN mirrors, a base
+/// image that is not the workspace's toolchain on bookworm.
+fn dockerfile_problems(dockerfile: &str, steps: &BTreeMap<&str, Expect>) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut seen = BTreeSet::new();
+    let all = instructions(dockerfile);
+    let froms: Vec<&str> = all
+        .iter()
+        .filter(|i| i.keyword == "FROM")
+        .map(|i| i.text.as_str())
+        .collect();
+    let toolchain = format!(
+        "docker.io/library/rust:{}-bookworm AS build",
+        workspace_field("rust-version")
+    );
+    if froms != [toolchain.as_str(), "docker.io/library/debian:bookworm-slim"] {
+        problems.push(format!(
+            "stages {froms:?}: expected [{toolchain}, debian:bookworm-slim]"
+        ));
+    }
+    for i in all.iter().filter(|i| i.keyword == "RUN") {
+        let ids: Vec<&str> = i
+            .comments
+            .iter()
+            .filter_map(|c| c.strip_prefix("mirrors: "))
+            .collect();
+        let [id] = ids[..] else {
+            problems.push(format!(
+                "RUN {} has {} `# mirrors:` lines, not one",
+                i.text,
+                ids.len()
+            ));
+            continue;
+        };
+        seen.insert(id.to_owned());
+        match steps.get(id) {
+            None => problems.push(format!("`# mirrors: {id}` names no xtask step")),
+            Some(Expect::Exactly(cmd)) if &i.text != cmd => problems.push(format!(
+                "{id}: the Dockerfile runs `{}`, xtask `{cmd}`",
+                i.text
+            )),
+            Some(Expect::Exactly(_)) => {}
+            Some(Expect::Packages { list, subset }) => match apt_packages(&i.text) {
+                None => problems.push(format!("{id}: not a plain apt-get install: {}", i.text)),
+                Some(got) => {
+                    let want: BTreeSet<&String> = list.iter().collect();
+                    let have: BTreeSet<&String> = got.iter().collect();
+                    let ok = if *subset {
+                        have.is_subset(&want)
+                    } else {
+                        have == want
+                    };
+                    if !ok {
+                        problems.push(format!(
+                            "{id}: the Dockerfile installs {got:?}, xtask setup {list:?}"
+                        ));
+                    }
+                }
+            },
+        }
+    }
+    for id in steps.keys() {
+        if !seen.contains(*id) {
+            problems.push(format!("no RUN mirrors the xtask step {id}"));
+        }
+    }
+    problems
+}
+
+#[test]
+fn dockerfile_build_steps_mirror_what_xtask_runs() {
+    let problems = dockerfile_problems(&read("Dockerfile"), &xtask_steps());
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+#[test]
+fn dockerfile_ships_the_agent_and_the_inspection_tools() {
+    let all = instructions(&read("Dockerfile"));
+    let last = |kw: &str| {
+        all.iter()
+            .rfind(|i| i.keyword == kw)
+            .map(|i| i.text.clone())
+    };
+    assert_eq!(
+        last("ENTRYPOINT").as_deref(),
+        Some(r#"["/usr/local/bin/node-agent"]"#)
+    );
+    assert_eq!(
+        last("COPY").as_deref(),
+        Some("--from=build /src/target/release/node-agent /usr/local/bin/node-agent")
+    );
+    let runtime = all.iter().rposition(|i| i.keyword == "FROM").unwrap();
+    let tools: Vec<String> = all[runtime..]
+        .iter()
+        .filter_map(|i| apt_packages(&i.text))
+        .flatten()
+        .collect();
+    assert!(
+        tools.contains(&"bpftool".into()) && tools.contains(&"iproute2".into()),
+        "{tools:?}"
+    );
+    let ignore = read(".dockerignore");
+    assert!(
+        ignore.lines().any(|l| l == "target"),
+        "the build context must not carry target/"
+    );
+}
+
+#[test]
+fn the_dockerfile_check_fails_when_the_two_drift() {
+    let steps = xtask_steps();
+    let good = read("Dockerfile");
+    assert!(dockerfile_problems(&good, &steps).is_empty());
+    let drifted = [
+        // Another bpf-linker version.
+        good.replace("--version 0.13.0", "--version 0.12.0"),
+        // Another LLVM feature.
+        good.replace("--features llvm-22", "--features llvm-21"),
+        // A package list that differs from xtask's PACKAGES.
+        good.replace(
+            "libpolly-22-dev bpftool iproute2 \\",
+            "libpolly-22-dev bpftool \\",
+        ),
+        good.replace("llvm-22-dev libpolly-22-dev", "llvm-21-dev libpolly-22-dev"),
+        // A debug eBPF build, another agent build, another route protocol number.
+        good.replace("build-ebpf --release", "build-ebpf"),
+        good.replace(
+            "cargo build --release -p node-agent",
+            "cargo build -p node-agent",
+        ),
+        good.replace("\"201 node-agent\"", "\"200 node-agent\""),
+        // A step that mirrors nothing, and one that names an unknown step.
+        good.replace("# mirrors: setup:nightly\n", ""),
+        good.replace("# mirrors: setup:nightly", "# mirrors: setup:nightly-2"),
+        // Another toolchain in the base image.
+        good.replace("rust:1.95-bookworm", "rust:1.94-bookworm"),
+    ];
+    for (i, d) in drifted.iter().enumerate() {
+        assert_ne!(d, &good, "drift case {i} did not change the Dockerfile");
+        assert!(
+            !dockerfile_problems(d, &steps).is_empty(),
+            "drift case {i} was not caught"
+        );
+    }
+    // And changes on xtask's side: another PACKAGES list, linker version, or eBPF profile.
+    let src = Sources::read();
+    let moved = [
+        src.setup.replace(
+            "\"bpftool\", \"iproute2\"]",
+            "\"bpftool\", \"iproute2\", \"clang\"]",
+        ),
+        src.setup.replace(
+            "BPF_LINKER_VERSION: &str = \"0.13.0\"",
+            "BPF_LINKER_VERSION: &str = \"0.14.0\"",
+        ),
+        src.setup
+            .replace("\"--features\", \"llvm-22\"", "\"--features\", \"llvm-23\""),
+    ];
+    for (i, setup) in moved.into_iter().enumerate() {
+        assert_ne!(
+            setup, src.setup,
+            "xtask drift case {i} did not change setup.rs"
+        );
+        let steps = steps_from(&Sources {
+            setup,
+            ..Sources::read()
+        });
+        assert!(
+            !dockerfile_problems(&good, &steps).is_empty(),
+            "xtask drift case {i} was not caught"
+        );
+    }
+    let test = src
+        .test
+        .replace("Args { release: true }", "Args { release: false }");
+    assert_ne!(test, src.test);
+    let steps = steps_from(&Sources {
+        test,
+        ..Sources::read()
+    });
+    assert!(!dockerfile_problems(&good, &steps).is_empty());
+}
