@@ -2,10 +2,11 @@
 //! nodes disappeared while it was down (the deletions it never saw) and retry cleanups that had
 //! not succeeded.
 //!
-//! [`format`] is the byte encoding (pure); [`store`] is the file, its lock and its atomic
+//! [`format`] is the byte encoding (pure), framing the compact payload of `payload.rs`; [`store`] is the file, its lock and its atomic
 //! replacement (the only I/O in this crate).
 
 pub mod format;
+mod payload;
 pub mod store;
 
 use std::time::Duration;
