@@ -138,7 +138,10 @@ fn format_uuid(b: &[u8; 16]) -> String {
         text[at] = HEX[usize::from(byte >> 4)];
         text[at + 1] = HEX[usize::from(byte & 0x0F)];
     }
-    text.iter().map(|&c| char::from(c)).collect()
+    // Hex digits and dashes only: ASCII, so the conversion cannot fail.
+    std::str::from_utf8(&text)
+        .map(str::to_owned)
+        .unwrap_or_default()
 }
 
 fn put_ident(out: &mut Vec<u8>, s: &str) {
