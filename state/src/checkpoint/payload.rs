@@ -97,11 +97,11 @@ fn common(a: impl Iterator<Item = u8>, b: impl Iterator<Item = u8>) -> usize {
 }
 
 /// Where each byte's two hex digits start in a UUID's text (`8-4-4-4-12` digits).
-const UUID_HEX_AT: [usize; 16] = [0, 2, 4, 6, 9, 11, 14, 16, 19, 21, 24, 26, 28, 30, 32, 34];
-const UUID_DASH_AT: [usize; 4] = [8, 13, 18, 23];
+static UUID_HEX_AT: [usize; 16] = [0, 2, 4, 6, 9, 11, 14, 16, 19, 21, 24, 26, 28, 30, 32, 34];
+static UUID_DASH_AT: [usize; 4] = [8, 13, 18, 23];
 
 /// The value of each lowercase hex digit; 0xFF for any other byte.
-const HEX_VALUE: [u8; 256] = {
+static HEX_VALUE: [u8; 256] = {
     let mut t = [0xFF; 256];
     let mut i = 0;
     while i < 16 {
