@@ -586,9 +586,31 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             _ => None,
         }
     };
+    // Which restored record an ID belongs to (an index into `restored`, one per name;
+    // `SEVERAL` when records of different names carry it). An ID is a node's, not an address's:
+    // a map entry whose ID the checkpoint gives to another node (its IP was recycled to a new
+    // node, or the node was re-created under a new name) is not inherited, or a dead node's ID
+    // would be handed out again without its cool-down, and shared with its held leftovers.
+    // Without a checkpoint the map entry is all there is, and its ID is inherited.
+    const SEVERAL: usize = usize::MAX;
+    let mut recorded_owner: HashMap<NodeId, usize> = HashMap::with_capacity(restored.len());
+    for (r, rec) in restored.iter().enumerate() {
+        if let Some(id) = rec.node.node_id {
+            recorded_owner
+                .entry(id)
+                .and_modify(|o| *o = SEVERAL)
+                .or_insert(r);
+        }
+    }
+    // Whether the live node with record `record` may take `id` from the map.
+    let inheritable = |id: NodeId, record: Option<usize>| {
+        recorded_owner
+            .get(&id)
+            .is_none_or(|&owner| Some(owner) == record)
+    };
     let mut claimed = IdSet::new();
-    // Pass 0: map IDs the record confirms (or no record contradicts); pass 1: any map ID;
-    // pass 2: the record's ID.
+    // Pass 0: map IDs the record confirms (or no record contradicts); pass 1: any map ID no
+    // other node's record owns; pass 2: the record's ID.
     for pass in 0..3 {
         for &i in candidates.iter().chain(&held) {
             let l = &live[i];
@@ -596,7 +618,11 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
                 continue;
             }
             let record_id = l.record.and_then(|r| restored[r].node.node_id);
-            let mut from_map = l.node.ips().filter_map(map_id);
+            let mut from_map = l
+                .node
+                .ips()
+                .filter_map(map_id)
+                .filter(|id| inheritable(*id, l.record));
             let pick = match pass {
                 0 => {
                     from_map.find(|id| record_id.is_none_or(|r| r == *id) && !claimed.contains(*id))

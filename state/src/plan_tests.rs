@@ -251,9 +251,17 @@ fn ip_recycled_to_new_node_while_down_is_not_deleted() {
             .iter()
             .any(|(oid, _)| *oid == map("10.0.0.2", 2).id())
     );
-    // e keeps the ID the map entry of its IP carries: the entry is already right.
-    assert!(p.allocations.is_empty());
-    assert!(p.checkpoint.nodes.contains(&with_id(e.clone(), 2)));
+    // ID 2 is b's (the checkpoint says so), not the address's: e gets a fresh ID and the entry
+    // is updated in place, so the dead node's ID is not handed out again without cool-down.
+    assert_eq!(p.allocations.len(), 1);
+    let e_id = p.allocations[0].id;
+    assert_ne!(e_id, id(2));
+    assert!(p.checkpoint.nodes.contains(&with_id(e.clone(), e_id.get())));
+    assert!(
+        p.upserts
+            .iter()
+            .any(|u| u.object == map("10.0.0.2", e_id.get()) && u.update)
+    );
     assert_eq!(
         deleted(&p),
         [(
@@ -262,8 +270,20 @@ fn ip_recycled_to_new_node_while_down_is_not_deleted() {
         )]
     );
     k.apply(&p.ops());
-    assert!(k.has(&map("10.0.0.2", 2)));
+    assert!(k.has(&map("10.0.0.2", e_id.get())));
     assert!(k.has(&route("10.1.5.0/24", "10.0.0.2")));
+}
+
+#[test]
+fn ip_recycled_without_a_checkpoint_keeps_the_map_id() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    r.reconcile(None, &[a(), b(), c()], &mut k);
+    // The checkpoint is lost: the map entry is all that says which ID the address had.
+    let e = node("e", &["10.0.0.2"], &["10.1.5.0/24"]);
+    let p = r.plan(None, &[a(), c(), e.clone()], &k);
+    assert!(p.allocations.is_empty());
+    assert!(p.checkpoint.nodes.contains(&with_id(e, 2)));
 }
 
 #[test]
@@ -292,15 +312,24 @@ fn ip_recycled_to_a_node_with_an_id_of_its_own_is_updated_not_deleted() {
 }
 
 #[test]
-fn node_renamed_keeping_its_ips_keeps_its_objects_and_id() {
+fn node_renamed_keeping_its_ips_keeps_its_objects_under_a_fresh_id() {
     let r = Run::new();
     let mut k = Kernel::default();
     let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
     let renamed = node("b-new", &["10.0.0.2"], &["10.1.2.0/24"]);
     let p = r.plan(Some(&cp), &[a(), renamed.clone()], &k);
-    assert!(p.is_empty(), "{p:?}");
-    assert!(p.checkpoint.nodes.contains(&with_id(renamed, 2)));
-    assert!(p.frees.is_empty());
+    // A rename is a new Node object: it gets its own ID, and its objects are updated in place,
+    // never deleted.
+    assert!(p.deletes.is_empty(), "{:?}", p.deletes);
+    assert_eq!(p.allocations.len(), 1);
+    let new_id = p.allocations[0].id;
+    assert!(
+        p.upserts
+            .iter()
+            .all(|u| u.update || u.object.kind() != ObjectKind::MapEntry)
+    );
+    assert!(p.checkpoint.nodes.contains(&with_id(renamed, new_id.get())));
+    assert_eq!(p.frees, [id(2)], "b's ID starts its cool-down");
 }
 
 #[test]

@@ -1,1 +1,50 @@
-fn main() {}
+//! `cargo xtask`: the tasks around the cargo build that cargo cannot express itself.
+
+mod build_ebpf;
+mod cmd;
+mod demo;
+mod setup;
+mod test;
+mod vm;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Install or verify every prerequisite (Debian packages, nightly rust-src, bpf-linker on
+    /// LLVM 22, bpftool). Idempotent; seconds on a ready machine.
+    Setup,
+    /// Build the eBPF object (runs `setup` first) into target/ebpf/node-agent.bpf.o.
+    BuildEbpf(build_ebpf::Args),
+    /// Set up, then run the agent on examples/nodes.yaml in a sandbox namespace, restart it after
+    /// nodes went away, and show the deletes it synthesizes (as root).
+    Demo,
+    /// Set up, build the eBPF object, and run every test tier this machine supports (as root).
+    Test(test::Args),
+    /// Boot Debian kernels (6.1, 6.12) under QEMU and run the kernel-tier tests inside, where
+    /// ESP exists. Downloads and caches each kernel under target/vm/ on first use.
+    VmTest(vm::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Setup => setup::run(),
+        Command::BuildEbpf(args) => {
+            setup::run()?;
+            build_ebpf::run(&args)
+        }
+        Command::Test(args) => test::run(&args),
+        Command::Demo => demo::run(),
+        Command::VmTest(args) => match vm::run(&args)? {
+            0 => Ok(()),
+            rc => std::process::exit(rc),
+        },
+    }
+}

@@ -1,0 +1,64 @@
+//! What the agent needs to know to run, independent of how the command line spells it.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::datapath::DatapathConfig;
+
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// The node this agent runs on: never programmed as a remote node.
+    pub node_name: String,
+    /// Holds the lock and the checkpoint (`nodes.ckpt`).
+    pub state_dir: PathBuf,
+    pub datapath: DatapathConfig,
+    /// Route protocol number that marks our routes.
+    pub route_protocol: u8,
+    pub route_table: u32,
+    /// Largest share of known remote nodes one prune may delete without confirmation.
+    pub max_prune_ratio: f64,
+    /// Delete even when the brake would hold.
+    pub force_prune: bool,
+    /// How long a held prune must persist, across a fresh full list, before it goes ahead.
+    pub prune_confirm_delay: Duration,
+    /// Full kernel dump and repair interval.
+    pub resync_interval: Duration,
+    /// Wait between source events and the reconcile they trigger, to coalesce bursts.
+    pub debounce: Duration,
+    /// Shortest interval between two checkpoint writes.
+    pub checkpoint_interval: Duration,
+    /// Whether ExternalIPs get map entries (InternalIPs always do).
+    pub include_external_ips: bool,
+    /// How long a freed node ID rests before reuse.
+    pub id_cooldown: Duration,
+    /// With `--once`: how long to wait for the source's first full list.
+    pub sync_timeout: Duration,
+    /// The IPsec key file; `None` runs without xfrm state.
+    pub ipsec_key_file: Option<PathBuf>,
+}
+
+impl AgentConfig {
+    pub fn new(
+        node_name: impl Into<String>,
+        state_dir: impl Into<PathBuf>,
+        bpffs: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            node_name: node_name.into(),
+            state_dir: state_dir.into(),
+            datapath: DatapathConfig::new(bpffs),
+            route_protocol: crate::backends::routes::DEFAULT_ROUTE_PROTOCOL,
+            route_table: crate::backends::routes::MAIN_TABLE,
+            max_prune_ratio: 0.5,
+            force_prune: false,
+            prune_confirm_delay: Duration::from_secs(60),
+            resync_interval: Duration::from_secs(300),
+            debounce: Duration::from_millis(100),
+            checkpoint_interval: Duration::from_secs(1),
+            include_external_ips: false,
+            id_cooldown: Duration::from_secs(15 * 60),
+            sync_timeout: Duration::from_secs(120),
+            ipsec_key_file: None,
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! `node-agent run` and `node-agent plan`: the agent's main job, and its dry run.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tokio::sync::mpsc;
+
+use super::{BpffsArg, Output};
+use crate::agent::{self, AgentConfig, ExitStatus};
+use crate::source::file::FileSource;
+use crate::source::kube::KubeSource;
+use crate::telemetry::{self, Telemetry};
+use std::sync::Arc;
+
+/// Where the nodes come from: the Kubernetes API (the default: in-cluster service account, or
+/// `--kubeconfig`), or a NodeList file (`--nodes-file`).
+#[derive(Debug, clap::Args)]
+pub struct SourceArgs {
+    /// Source: a Kubernetes NodeList file (YAML or JSON, e.g. `kubectl get nodes -o yaml`),
+    /// watched for changes. Each successful parse is a full relist; the first marks the source
+    /// as synced. Without it the agent watches Nodes through the Kubernetes API.
+    #[arg(long, env = "NODE_AGENT_NODES_FILE", conflicts_with = "kubeconfig")]
+    pub nodes_file: Option<PathBuf>,
+    /// Source: the Kubernetes API through this kubeconfig instead of the pod's in-cluster
+    /// service account. The first complete list marks the source as synced; API errors (403
+    /// included) never make nodes look deleted.
+    #[arg(long, env = "NODE_AGENT_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// How often the nodes file is checked for changes.
+    #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = parse_duration)]
+    pub nodes_file_poll: Duration,
+    /// How often the nodes file is re-read even when unchanged (a fresh full list).
+    #[arg(long, env = "NODE_AGENT_RELIST_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub relist_interval: Duration,
+}
+
+/// Everything about the node and the kernel state the agent owns.
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {
+    /// This node's name; required (also read from NODE_NAME, as a DaemonSet sets it).
+    #[arg(long, env = "NODE_AGENT_NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Directory for the lock and the checkpoint (`nodes.ckpt`); created 0700.
+    #[arg(long, env = "NODE_AGENT_STATE_DIR", default_value = "/run/node-agent")]
+    pub state_dir: PathBuf,
+    #[command(flatten)]
+    pub bpffs: BpffsArg,
+    /// Interface to attach the tc classifiers to (ingress and egress); repeatable.
+    #[arg(
+        long = "datapath-iface",
+        env = "NODE_AGENT_DATAPATH_IFACE",
+        value_delimiter = ','
+    )]
+    pub datapath_ifaces: Vec<String>,
+    /// Capacity of the node-ID map when it is first created; an existing pin must match.
+    #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX", default_value_t = node_agent_common::DEFAULT_NODE_MAP_MAX)]
+    pub node_map_max: u32,
+    /// skb->mark bits that carry the node ID on ingress (one run of at least 16 bits).
+    #[arg(long, env = "NODE_AGENT_MARK_MASK", default_value = "0xffff0000", value_parser = parse_u32)]
+    pub mark_mask: u32,
+    /// Route protocol number marking our routes (name it in /etc/iproute2/rt_protos.d).
+    #[arg(long, env = "NODE_AGENT_ROUTE_PROTOCOL", default_value_t = crate::backends::routes::DEFAULT_ROUTE_PROTOCOL)]
+    pub route_protocol: u8,
+    /// Routing table for pod CIDR routes (254 is main).
+    #[arg(long, env = "NODE_AGENT_ROUTE_TABLE", default_value_t = crate::backends::routes::MAIN_TABLE)]
+    pub route_table: u32,
+    /// Largest share of known remote nodes one prune may delete before the brake holds it.
+    #[arg(long, env = "NODE_AGENT_MAX_PRUNE_RATIO", default_value_t = 0.5)]
+    pub max_prune_ratio: f64,
+    /// Delete stale nodes even when the brake would hold them.
+    #[arg(long, env = "NODE_AGENT_FORCE_PRUNE")]
+    pub force_prune: bool,
+    /// As a daemon, a held prune goes ahead once a fresh full list at least this much later
+    /// still asks for it.
+    #[arg(long, env = "NODE_AGENT_PRUNE_CONFIRM_DELAY", default_value = "60s", value_parser = parse_duration)]
+    pub prune_confirm_delay: Duration,
+    /// Full kernel dump and repair interval.
+    #[arg(long, env = "NODE_AGENT_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
+    pub resync_interval: Duration,
+    /// Also map ExternalIPs to node IDs (InternalIPs always are).
+    #[arg(long, env = "NODE_AGENT_INCLUDE_EXTERNAL_IPS")]
+    pub include_external_ips: bool,
+    /// How long a freed node ID rests before it is handed out again.
+    #[arg(long, env = "NODE_AGENT_ID_COOLDOWN", default_value = "15m", value_parser = parse_duration)]
+    pub id_cooldown: Duration,
+    /// IPsec key file, one key per line: `<spi 1-15> rfc4106(gcm(aes)) 0x<key+salt hex> <icv
+    /// bits>`; the last line is the active key. Enables xfrm states and policies toward every
+    /// remote node; start-up fails if the kernel has no ESP.
+    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_FILE")]
+    pub ipsec_key_file: Option<PathBuf>,
+    /// Shortest interval between two checkpoint writes (changes in between are coalesced; a
+    /// final write always happens on SIGTERM).
+    #[arg(long, env = "NODE_AGENT_CHECKPOINT_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub checkpoint_interval: Duration,
+    /// With --once or --dry-run: how long to wait for the first full list of nodes.
+    #[arg(long, env = "NODE_AGENT_SYNC_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    pub sync_timeout: Duration,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    #[command(flatten)]
+    pub agent: AgentArgs,
+    /// Sync, reconcile to convergence, write the checkpoint, and exit (0 converged, 3 brake
+    /// held, 1 operations failed).
+    #[arg(long, env = "NODE_AGENT_ONCE")]
+    pub once: bool,
+    /// Plan and print the plan without touching the kernel or the checkpoint.
+    #[arg(long, env = "NODE_AGENT_DRY_RUN")]
+    pub dry_run: bool,
+    /// With --once: `json` prints one summary object on stdout.
+    #[arg(long, env = "NODE_AGENT_OUTPUT", value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+    /// Address for /metrics (Prometheus), /healthz and /readyz.
+    #[arg(
+        long,
+        env = "NODE_AGENT_METRICS_ADDR",
+        default_value = "127.0.0.1:9965"
+    )]
+    pub metrics_addr: std::net::SocketAddr,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    #[command(flatten)]
+    pub agent: AgentArgs,
+    /// `text` for a table, `json` for tools.
+    #[arg(long, value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+}
+
+/// Parses `100ms`, `30s`, `5m`, `1h` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 30s or 5m"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_u32(s: &str) -> Result<u32, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    parsed.map_err(|e| format!("{s:?}: {e}"))
+}
+
+impl AgentArgs {
+    pub fn config(&self) -> anyhow::Result<AgentConfig> {
+        let node_name = self
+            .node_name
+            .clone()
+            .or_else(|| std::env::var("NODE_NAME").ok())
+            .filter(|n| !n.is_empty());
+        let Some(node_name) = node_name else {
+            bail!("the local node's name is required: pass --node-name or set NODE_NAME");
+        };
+        if !(0.0..=1.0).contains(&self.max_prune_ratio) {
+            bail!(
+                "--max-prune-ratio must be between 0 and 1, got {}",
+                self.max_prune_ratio
+            );
+        }
+        let mut c = AgentConfig::new(node_name, &self.state_dir, &self.bpffs.bpffs);
+        c.datapath.ifaces = self.datapath_ifaces.clone();
+        c.datapath.node_map_max = self.node_map_max;
+        c.datapath.mark_mask = self.mark_mask;
+        c.route_protocol = self.route_protocol;
+        c.route_table = self.route_table;
+        c.max_prune_ratio = self.max_prune_ratio;
+        c.force_prune = self.force_prune;
+        c.prune_confirm_delay = self.prune_confirm_delay;
+        c.resync_interval = self.resync_interval;
+        c.include_external_ips = self.include_external_ips;
+        c.id_cooldown = self.id_cooldown;
+        c.sync_timeout = self.sync_timeout;
+        c.checkpoint_interval = self.checkpoint_interval;
+        c.ipsec_key_file = self.ipsec_key_file.clone();
+        Ok(c)
+    }
+}
+
+/// Starts the configured source; a Kubernetes client that cannot be built fails here, at
+/// start-up, rather than reading as "no nodes".
+async fn spawn_source(
+    args: &SourceArgs,
+) -> anyhow::Result<mpsc::Receiver<crate::source::SourceEvent>> {
+    let (tx, rx) = mpsc::channel(1024);
+    match &args.nodes_file {
+        Some(path) => {
+            let source = FileSource {
+                path: path.clone(),
+                poll: args.nodes_file_poll,
+                relist: args.relist_interval,
+            };
+            tokio::spawn(source.run(tx));
+        }
+        None => {
+            let source = KubeSource {
+                kubeconfig: args.kubeconfig.clone(),
+            };
+            let client = source.client().await?;
+            tokio::spawn(source.run(client, tx));
+        }
+    }
+    Ok(rx)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Returns the process exit status.
+pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
+    let config = args.agent.config()?;
+    runtime()?.block_on(async {
+        let rx = spawn_source(&args.source).await?;
+        if args.once || args.dry_run {
+            let (status, report, plan) = agent::run_once(config, args.dry_run, rx).await?;
+            match (args.output, plan) {
+                (Output::Json, Some(plan)) => writeln!(out, "{}", serde_json::to_string_pretty(&plan)?)?,
+                (Output::Json, None) => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
+                (Output::Text, Some(plan)) => write!(out, "{}", agent::report::plan_table(&plan))?,
+                (Output::Text, None) => {
+                    writeln!(
+                        out,
+                        "synced, {} live nodes, {} restored, {} pruned, {} kernel writes, {} node errors",
+                        report.live_nodes,
+                        report.restored_nodes,
+                        report.pruned_nodes,
+                        report.kernel_writes,
+                        report.errors.len()
+                    )?;
+                    for e in &report.errors {
+                        writeln!(out, "node {}: {}", e.node, e.error)?;
+                    }
+                    for f in &report.failed_ops {
+                        writeln!(out, "failed: {} (node {}): {}", f.op, f.node.as_deref().unwrap_or("-"), f.error)?;
+                    }
+                }
+            }
+            if let Some(b) = &report.brake {
+                eprintln!("node-agent: brake held: {} stale nodes would have been deleted: {}", b.stale_nodes, b.message);
+            }
+            Ok(status.code())
+        } else {
+            let telemetry = Arc::new(Telemetry::new(config.resync_interval.max(Duration::from_secs(60)) * 2));
+            let addr = telemetry::http::serve(args.metrics_addr, telemetry.clone())
+                .await
+                .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
+            tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+            agent::run(config, telemetry, rx).await?;
+            Ok(ExitStatus::Converged.code())
+        }
+    })
+}
+
+/// `node-agent plan`: what a reconcile would do now. Nothing is changed.
+pub fn plan(args: &PlanArgs, out: &mut impl Write) -> anyhow::Result<u8> {
+    let config = args.agent.config()?;
+    runtime()?.block_on(async {
+        let rx = spawn_source(&args.source).await?;
+        let (status, _, plan) = agent::run_once(config, true, rx).await?;
+        let plan = plan.expect("a dry run returns its plan");
+        match args.output {
+            Output::Json => writeln!(out, "{}", serde_json::to_string_pretty(&plan)?)?,
+            Output::Text => write!(out, "{}", agent::report::plan_table(&plan))?,
+        }
+        Ok(status.code())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("100ms").unwrap(), Duration::from_millis(100));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
+        assert!(parse_duration("5 parsecs").is_err());
+    }
+
+    #[test]
+    fn masks_parse_in_hex_or_decimal() {
+        assert_eq!(parse_u32("0xffff0000").unwrap(), 0xffff_0000);
+        assert_eq!(parse_u32("4096").unwrap(), 4096);
+        assert!(parse_u32("0xnope").is_err());
+    }
+}

@@ -1,0 +1,156 @@
+//! Attaching the classifiers so that an agent restart never detaches them.
+//!
+//! On kernels with TCX (6.6+) each attachment is a BPF link pinned under
+//! `<bpffs>/node-agent/links/`. A new agent finds the pin and swaps its freshly loaded program
+//! into the existing link with `bpf_link_update`, which is atomic: there is no instant at which the
+//! interface runs without our program, and never two copies of it. On older kernels the
+//! classifier is a netlink tc filter at a fixed priority and handle; such filters outlive the
+//! process by themselves, and a new agent replaces the filter in place.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use aya::pin::PinError;
+use aya::programs::links::{FdLink, LinkError, PinnedLink};
+use aya::programs::tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle};
+use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
+use aya::sys::SyscallError;
+use aya::util::KernelVersion;
+
+use super::DatapathError;
+
+/// Priority of our netlink tc filter (pre-TCX kernels). Fixed, so a restarted agent finds and
+/// replaces its predecessor's filter instead of stacking a second one.
+const NETLINK_PRIORITY: u16 = 0x4e41;
+/// Handle of our netlink tc filter.
+const NETLINK_HANDLE: u32 = 1;
+
+/// Why an attachment failed; each variant is the layer that refused.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error("pinning the link: {0}")]
+    Pin(#[from] PinError),
+    #[error(transparent)]
+    Tc(#[from] tc::TcError),
+    #[error("removing the stale link pin {path}: {source}")]
+    Unpin { path: PathBuf, source: io::Error },
+}
+
+/// How the program ended up attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attachment {
+    /// A new attachment was created.
+    Created,
+    /// A previous agent's attachment now runs this agent's program.
+    TakenOver,
+}
+
+pub(super) fn direction_name(dir: TcAttachType) -> &'static str {
+    match dir {
+        TcAttachType::Ingress => "ingress",
+        TcAttachType::Egress => "egress",
+        TcAttachType::Custom(_) => "custom",
+    }
+}
+
+/// Attaches `prog` to `iface` in direction `dir`, taking over a previous agent's attachment.
+pub(super) fn attach(
+    prog: &mut SchedClassifier,
+    iface: &str,
+    dir: TcAttachType,
+    link_dir: &Path,
+) -> Result<Attachment, DatapathError> {
+    let err = |source: AttachError| DatapathError::Attach {
+        iface: iface.to_owned(),
+        direction: direction_name(dir),
+        source,
+    };
+    if has_tcx() {
+        attach_tcx(prog, iface, dir, link_dir).map_err(err)
+    } else {
+        attach_netlink(prog, iface, dir).map_err(err)
+    }
+}
+
+/// TCX links arrived in 6.6; before that tc programs attach through netlink.
+fn has_tcx() -> bool {
+    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
+}
+
+fn link_pin(link_dir: &Path, iface: &str, dir: TcAttachType) -> PathBuf {
+    link_dir.join(format!("{iface}-{}", direction_name(dir)))
+}
+
+fn attach_tcx(
+    prog: &mut SchedClassifier,
+    iface: &str,
+    dir: TcAttachType,
+    link_dir: &Path,
+) -> Result<Attachment, AttachError> {
+    let pin = link_pin(link_dir, iface, dir);
+    match PinnedLink::from_pin(&pin) {
+        Ok(old) => {
+            let link = SchedClassifierLink::try_from(FdLink::from(old))?;
+            match prog.attach_to_link(link) {
+                Ok(id) => {
+                    // The pin keeps the link alive; our fd to it may close.
+                    drop(prog.take_link(id)?);
+                    return Ok(Attachment::TakenOver);
+                }
+                Err(e) => {
+                    // The link outlived its interface (deleted and re-created): it cannot be
+                    // updated. Its pin is all that is left of it.
+                    tracing::warn!(pin = %pin.display(), error = %e, "stale tc link pin, replacing it");
+                    std::fs::remove_file(&pin).map_err(|source| AttachError::Unpin {
+                        path: pin.clone(),
+                        source,
+                    })?;
+                }
+            }
+        }
+        Err(LinkError::SyscallError(SyscallError { io_error, .. }))
+            if io_error.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    let id =
+        prog.attach_with_options(iface, dir, TcAttachOptions::TcxOrder(LinkOrder::default()))?;
+    let link = FdLink::try_from(prog.take_link(id)?)?;
+    link.pin(&pin)?;
+    Ok(Attachment::Created)
+}
+
+fn attach_netlink(
+    prog: &mut SchedClassifier,
+    iface: &str,
+    dir: TcAttachType,
+) -> Result<Attachment, AttachError> {
+    match tc::qdisc_add_clsact(iface) {
+        Ok(()) => {}
+        Err(tc::TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let handle = TcHandle::from(NETLINK_HANDLE);
+    let existing = SchedClassifierLink::attached(iface, dir, NETLINK_PRIORITY, handle, None)
+        .map_err(tc::TcError::IoError)?;
+    let (id, outcome) = match prog.attach_to_link(existing) {
+        Ok(id) => (id, Attachment::TakenOver),
+        Err(_) => {
+            let options = TcAttachOptions::Netlink(NlOptions {
+                priority: NETLINK_PRIORITY,
+                handle,
+                ..NlOptions::default()
+            });
+            (
+                prog.attach_with_options(iface, dir, options)?,
+                Attachment::Created,
+            )
+        }
+    };
+    // Dropping the link would delete the filter; it must outlive this process.
+    std::mem::forget(prog.take_link(id)?);
+    Ok(outcome)
+}

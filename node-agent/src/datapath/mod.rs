@@ -1,0 +1,314 @@
+//! Loading the tc datapath: the pinned maps, the classifiers, and their log stream.
+//!
+//! The maps live under `<bpffs>/node-agent/` and outlive the agent: they hold the node IDs the
+//! datapath is using right now, and the next agent restores IDs from them. A restart therefore
+//! reuses them (after checking their layout) and takes over the attached programs without
+//! detaching them first (see [`attach`]).
+
+pub mod attach;
+pub mod log_forward;
+pub mod object;
+pub mod pins;
+
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use aya::maps::MapType;
+use aya::programs::{SchedClassifier, TcAttachType};
+use aya::{Ebpf, EbpfLoader};
+use node_agent_common as abi;
+
+use self::attach::{Attachment, direction_name};
+use self::log_forward::LogForwarder;
+use self::pins::MapLayout;
+
+/// `statfs` magic of a bpffs mount.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error(
+        "this node-agent was built without its eBPF object; run `cargo xtask build-ebpf` and \
+         rebuild the agent"
+    )]
+    ObjectMissing,
+    #[error("{path} is not a bpffs mount (mount one with `mount -t bpf bpf {path}`)")]
+    NotBpffs { path: PathBuf },
+    #[error("checking {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("reading the pinned map {pin}: {source}")]
+    PinInfo {
+        pin: PathBuf,
+        source: aya::maps::MapError,
+    },
+    #[error(
+        "the pinned map {pin} is incompatible with this agent: it is ({found}), this agent needs \
+         ({expected}); nothing was changed. If the capacity differs, start the agent with the \
+         pin's capacity; otherwise drain the node and remove the pin"
+    )]
+    PinMismatch {
+        pin: PathBuf,
+        found: MapLayout,
+        expected: MapLayout,
+    },
+    #[error("node-ID map capacity must be 1..=65535 entries, got {0}")]
+    BadCapacity(u32),
+    #[error("mark mask {0:#010x} must be one contiguous run of at least 16 bits")]
+    BadMarkMask(u32),
+    #[error("loading the eBPF object: {0}")]
+    Load(#[source] Box<aya::EbpfError>),
+    #[error("loading program {name}: {source}")]
+    Program {
+        name: &'static str,
+        source: Box<aya::programs::ProgramError>,
+    },
+    #[error("attaching to {iface} ({direction}): {source}")]
+    Attach {
+        iface: String,
+        direction: &'static str,
+        source: attach::AttachError,
+    },
+}
+
+/// What to load and where to attach it.
+#[derive(Clone, Debug)]
+pub struct DatapathConfig {
+    /// Root of a bpffs mount; our pins go under `node-agent/` in it.
+    pub bpffs: PathBuf,
+    /// Capacity of `node_ids` when it is first created; an existing pin must match it.
+    pub node_map_max: u32,
+    /// `skb->mark` bits that carry the node ID on ingress.
+    pub mark_mask: u32,
+    /// Interfaces to attach the classifiers to, on ingress and egress.
+    pub ifaces: Vec<String>,
+}
+
+impl DatapathConfig {
+    pub fn new(bpffs: impl Into<PathBuf>) -> Self {
+        Self {
+            bpffs: bpffs.into(),
+            node_map_max: abi::DEFAULT_NODE_MAP_MAX,
+            mark_mask: abi::DEFAULT_MARK_MASK,
+            ifaces: Vec::new(),
+        }
+    }
+
+    /// The directory holding our pins.
+    pub fn pin_dir(&self) -> PathBuf {
+        pin_dir(&self.bpffs)
+    }
+}
+
+/// `<bpffs>/node-agent`.
+pub fn pin_dir(bpffs: &Path) -> PathBuf {
+    bpffs.join(abi::PIN_DIR)
+}
+
+/// Path of the pinned node-ID map under a bpffs root.
+pub fn node_ids_pin(bpffs: &Path) -> PathBuf {
+    pin_dir(bpffs).join(abi::NODE_IDS_PIN)
+}
+
+/// Path of the pinned counters map under a bpffs root.
+pub fn node_stats_pin(bpffs: &Path) -> PathBuf {
+    pin_dir(bpffs).join(abi::NODE_STATS_PIN)
+}
+
+/// The loaded datapath. Dropping it leaves the maps pinned and the programs attached: that is
+/// what lets the next agent take over without a gap.
+pub struct Datapath {
+    ebpf: Ebpf,
+    _logs: Option<LogForwarder>,
+    attachments: Vec<(String, TcAttachType, Attachment)>,
+}
+
+impl Datapath {
+    /// Loads the embedded object, reusing compatible pins, and attaches to every configured
+    /// interface.
+    pub fn load(config: &DatapathConfig) -> Result<Self, DatapathError> {
+        let bytes = object::bytes().ok_or(DatapathError::ObjectMissing)?;
+        Self::load_object(bytes, config)
+    }
+
+    fn load_object(bytes: &[u8], config: &DatapathConfig) -> Result<Self, DatapathError> {
+        if config.node_map_max == 0 || config.node_map_max > u32::from(u16::MAX) {
+            return Err(DatapathError::BadCapacity(config.node_map_max));
+        }
+        let mask = config.mark_mask;
+        let shift = mask.trailing_zeros();
+        if mask.count_ones() < 16 || (mask >> shift).count_ones() != (mask >> shift).trailing_ones()
+        {
+            return Err(DatapathError::BadMarkMask(mask));
+        }
+        check_bpffs(&config.bpffs)?;
+        let dir = config.pin_dir();
+        let link_dir = dir.join("links");
+        for d in [&dir, &link_dir] {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(d)
+                .map_err(|source| DatapathError::Io {
+                    path: d.clone(),
+                    source,
+                })?;
+        }
+
+        let ids_pin = node_ids_pin(&config.bpffs);
+        let stats_pin = node_stats_pin(&config.bpffs);
+        check_pin(&ids_pin, node_ids_layout(config.node_map_max))?;
+        check_pin(&stats_pin, node_stats_layout())?;
+
+        let mut ebpf = EbpfLoader::new()
+            .map_pin_path(abi::NODE_IDS_MAP, ids_pin.as_path())
+            .map_pin_path(abi::NODE_STATS_MAP, stats_pin.as_path())
+            .map_max_entries(abi::NODE_IDS_MAP, config.node_map_max)
+            .override_global(abi::MARK_MASK_GLOBAL, &mask, true)
+            .override_global(abi::MARK_SHIFT_GLOBAL, &shift, true)
+            .load(bytes)
+            .map_err(|e| DatapathError::Load(Box::new(e)))?;
+
+        // The log ring buffer must stay open while programs load and run.
+        let logs = match LogForwarder::start(&mut ebpf) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::warn!(error = %e, "eBPF log forwarding unavailable");
+                None
+            }
+        };
+
+        let mut attachments = Vec::new();
+        for (name, dir) in [
+            (abi::INGRESS_PROG, TcAttachType::Ingress),
+            (abi::EGRESS_PROG, TcAttachType::Egress),
+        ] {
+            let prog_err = |e: aya::programs::ProgramError| DatapathError::Program {
+                name,
+                source: Box::new(e),
+            };
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or_else(|| prog_err(aya::programs::ProgramError::NotLoaded))?
+                .try_into()
+                .map_err(prog_err)?;
+            prog.load().map_err(prog_err)?;
+            for iface in &config.ifaces {
+                let outcome = attach::attach(prog, iface, dir, &link_dir)?;
+                tracing::info!(
+                    iface,
+                    direction = direction_name(dir),
+                    ?outcome,
+                    "classifier attached"
+                );
+                attachments.push((iface.clone(), dir, outcome));
+            }
+        }
+        Ok(Self {
+            ebpf,
+            _logs: logs,
+            attachments,
+        })
+    }
+
+    /// Each interface and direction we attached to, and whether we took it over.
+    pub fn attachments(&self) -> &[(String, TcAttachType, Attachment)] {
+        &self.attachments
+    }
+
+    /// The loaded object, for tests and tools that inspect it.
+    pub fn ebpf(&self) -> &Ebpf {
+        &self.ebpf
+    }
+}
+
+fn check_bpffs(path: &Path) -> Result<(), DatapathError> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
+        DatapathError::NotBpffs {
+            path: path.to_owned(),
+        }
+    })?;
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a properly sized out-parameter.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(DatapathError::Io {
+            path: path.to_owned(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    if st.f_type as i64 != BPF_FS_MAGIC {
+        return Err(DatapathError::NotBpffs {
+            path: path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn check_pin(pin: &Path, expected: MapLayout) -> Result<(), DatapathError> {
+    let found = MapLayout::of_pin(pin).map_err(|source| DatapathError::PinInfo {
+        pin: pin.to_owned(),
+        source,
+    })?;
+    match found {
+        Some(found) if found != expected => Err(DatapathError::PinMismatch {
+            pin: pin.to_owned(),
+            found,
+            expected,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The layout `node_ids` must have for this build.
+pub fn node_ids_layout(max_entries: u32) -> MapLayout {
+    MapLayout {
+        map_type: MapType::Hash,
+        key_size: size_of::<abi::NodeKey>() as u32,
+        value_size: size_of::<abi::NodeValue>() as u32,
+        max_entries,
+    }
+}
+
+/// The layout `node_stats` must have for this build.
+pub fn node_stats_layout() -> MapLayout {
+    MapLayout {
+        map_type: MapType::PerCpuArray,
+        key_size: size_of::<u32>() as u32,
+        value_size: size_of::<abi::NodeStats>() as u32,
+        max_entries: abi::NODE_STATS_ENTRIES,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_object_error_names_the_build_command() {
+        assert!(
+            DatapathError::ObjectMissing
+                .to_string()
+                .contains("cargo xtask build-ebpf")
+        );
+    }
+
+    #[test]
+    fn mark_masks_must_be_one_run_of_at_least_16_bits() {
+        let with = |mask| {
+            let mut c = DatapathConfig::new("/nonexistent");
+            c.mark_mask = mask;
+            Datapath::load_object(&[], &c).err().map(|e| e.to_string())
+        };
+        for bad in [0x0000_FF00, 0xFF00_FF00, 0x00FF_0000, 0] {
+            assert!(
+                with(bad).unwrap().contains("mark mask"),
+                "{bad:#x} accepted"
+            );
+        }
+        // A good mask gets past the check and fails later, on the missing bpffs.
+        assert!(with(0xFFFF_0000).unwrap().contains("/nonexistent"));
+        assert!(with(0x0FFF_F000).unwrap().contains("/nonexistent"));
+    }
+}

@@ -1,0 +1,369 @@
+//! The IPsec key file: the SPI and AEAD key every node uses for its ESP states.
+//!
+//! # Format
+//!
+//! One key per line, four whitespace-separated fields, Cilium's format:
+//!
+//! ```text
+//! # <spi> <aead-algorithm> <hex-key> <icv-bits>
+//! 3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128
+//! ```
+//!
+//! - `spi`: 1..=15, decimal. It must fit the 4 SPI bits of the xfrm mark
+//!   ([`state::objects::mark`]); the kernel SPI of our states is the same number.
+//! - `aead-algorithm`: `rfc4106(gcm(aes))` (AES-GCM for ESP), the only one accepted.
+//! - `hex-key`: the key followed by the 4-byte salt, hex, with or without `0x`: 16, 24 or 32 key
+//!   bytes + 4 salt bytes (20, 28 or 36 bytes, 40, 56 or 72 hex digits).
+//! - `icv-bits`: the ICV (tag) length, 64, 96 or 128.
+//!
+//! `#` starts a comment (whole line or trailing); blank lines are ignored.
+//!
+//! **Several lines**: every key line must be valid (a typo in a newly appended key is an error,
+//! never silently skipped in favour of the older key), and the **last** line is the active key.
+//! Rotation therefore means appending a line with a new SPI; the SPI is part of the xfrm mark and
+//! identity, so the new states and policies sit next to the old ones until those are deleted.
+//!
+//! # Secrecy
+//!
+//! Key material never leaves [`IpsecKey`] except through [`IpsecKey::key_bytes`], which only the
+//! xfrm backend calls to build its netlink messages. `IpsecKey`'s `Debug` redacts the key, it
+//! implements neither `Display` nor `Serialize`, errors never quote the line they complain about
+//! (only its number and what is wrong), and the key bytes are overwritten when the key is
+//! dropped. A key file readable by group or others draws a warning naming the path and the mode.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// The only AEAD algorithm accepted.
+pub const RFC4106_GCM_AES: &str = "rfc4106(gcm(aes))";
+/// Bytes of salt that follow the key for `rfc4106(gcm(aes))`.
+pub const RFC4106_SALT_LEN: usize = 4;
+
+/// One ESP key: SPI, AEAD algorithm, key material (key + salt) and ICV length.
+pub struct IpsecKey {
+    spi: u8,
+    algorithm: String,
+    key: Vec<u8>,
+    icv_bits: u32,
+}
+
+impl IpsecKey {
+    /// The SPI, 1..=15: the kernel SPI of our states and the SPI bits of our marks.
+    pub fn spi(&self) -> u8 {
+        self.spi
+    }
+
+    /// The AEAD algorithm name as the kernel's crypto API knows it.
+    pub fn algorithm(&self) -> &str {
+        &self.algorithm
+    }
+
+    /// The ICV length in bits.
+    pub fn icv_bits(&self) -> u32 {
+        self.icv_bits
+    }
+
+    /// Length of the key material (key + salt) in bytes.
+    pub fn key_len(&self) -> usize {
+        self.key.len()
+    }
+
+    /// The key material (key + salt). Secret: for building kernel messages only.
+    pub fn key_bytes(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// Parses a key file's text; the last key line is the active key. `path` only labels errors.
+    pub fn parse(text: &str, path: Option<&Path>) -> Result<Self, KeyError> {
+        let err = |line: usize, kind: KeyErrorKind| KeyError {
+            path: path.map(Path::to_path_buf),
+            line: Some(line),
+            kind,
+        };
+        let mut active = None;
+        for (i, raw) in text.lines().enumerate() {
+            let n = i + 1;
+            let content = raw.split('#').next().unwrap_or("").trim();
+            if content.is_empty() {
+                continue;
+            }
+            let fields: Vec<&str> = content.split_whitespace().collect();
+            if fields.len() != 4 {
+                return Err(err(n, KeyErrorKind::FieldCount(fields.len())));
+            }
+            let spi = match fields[0].parse::<u8>() {
+                Ok(s @ 1..=15) => s,
+                _ => return Err(err(n, KeyErrorKind::BadSpi)),
+            };
+            let algorithm = fields[1];
+            if algorithm != RFC4106_GCM_AES {
+                return Err(err(n, KeyErrorKind::UnknownAlgorithm(sanitize(algorithm))));
+            }
+            let key = decode_hex(fields[2]).map_err(|k| err(n, k))?;
+            if !matches!(key.len().checked_sub(RFC4106_SALT_LEN), Some(16 | 24 | 32)) {
+                let len = key.len();
+                drop(Secret(key));
+                return Err(err(n, KeyErrorKind::KeyLength(len)));
+            }
+            let icv_bits = match fields[3].parse::<u32>() {
+                Ok(b @ (64 | 96 | 128)) => b,
+                _ => {
+                    drop(Secret(key));
+                    return Err(err(n, KeyErrorKind::BadIcv));
+                }
+            };
+            active = Some(IpsecKey {
+                spi,
+                algorithm: algorithm.to_owned(),
+                key,
+                icv_bits,
+            });
+        }
+        active.ok_or(KeyError {
+            path: path.map(Path::to_path_buf),
+            line: None,
+            kind: KeyErrorKind::NoKey,
+        })
+    }
+}
+
+impl fmt::Debug for IpsecKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IpsecKey")
+            .field("spi", &self.spi)
+            .field("algorithm", &self.algorithm)
+            .field("key", &format_args!("<redacted {} bytes>", self.key.len()))
+            .field("icv_bits", &self.icv_bits)
+            .finish()
+    }
+}
+
+impl Drop for IpsecKey {
+    fn drop(&mut self) {
+        wipe(&mut self.key);
+    }
+}
+
+/// Key bytes on their way out of a failed parse: wiped on drop.
+struct Secret(Vec<u8>);
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        wipe(&mut self.0);
+    }
+}
+
+fn wipe(bytes: &mut [u8]) {
+    for b in bytes.iter_mut() {
+        // SAFETY: `b` is a valid, aligned, exclusive reference. Volatile so the store survives
+        // optimisation although the memory is freed right after.
+        unsafe { std::ptr::write_volatile(b, 0) };
+    }
+    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+fn decode_hex(field: &str) -> Result<Vec<u8>, KeyErrorKind> {
+    let digits = field
+        .strip_prefix("0x")
+        .or_else(|| field.strip_prefix("0X"))
+        .unwrap_or(field);
+    if digits.is_empty() {
+        return Err(KeyErrorKind::EmptyKey);
+    }
+    if let Some(pos) = digits.bytes().position(|c| !c.is_ascii_hexdigit()) {
+        return Err(KeyErrorKind::BadHex { position: pos + 1 });
+    }
+    if !digits.len().is_multiple_of(2) {
+        return Err(KeyErrorKind::OddLength(digits.len()));
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).unwrap_or(0) as u8;
+    Ok(digits
+        .as_bytes()
+        .chunks_exact(2)
+        .map(|p| (nibble(p[0]) << 4) | nibble(p[1]))
+        .collect())
+}
+
+/// Quotes at most a short, printable prefix of a non-secret field (the algorithm name).
+fn sanitize(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .take(40)
+        .map(|c| if c.is_ascii_graphic() { c } else { '?' })
+        .collect();
+    if s.chars().count() > 40 {
+        out.push('…');
+    }
+    out
+}
+
+/// A key file loaded from disk, with what was worth warning about.
+#[derive(Debug)]
+pub struct KeyFile {
+    pub path: PathBuf,
+    pub key: IpsecKey,
+    /// Warnings already logged with `tracing::warn!` (e.g. a group- or world-readable file).
+    pub warnings: Vec<String>,
+}
+
+impl KeyFile {
+    /// Reads and validates the key file at `path`; warns (log and [`KeyFile::warnings`]) when
+    /// group or others can read it.
+    pub fn load(path: &Path) -> Result<Self, KeyError> {
+        use std::os::unix::fs::PermissionsExt;
+        let io = |source: std::io::Error| KeyError {
+            path: Some(path.to_path_buf()),
+            line: None,
+            kind: KeyErrorKind::Io(source),
+        };
+        let mode = std::fs::metadata(path).map_err(io)?.permissions().mode() & 0o7777;
+        let mut warnings = Vec::new();
+        if mode & 0o044 != 0 {
+            let w = format!(
+                "IPsec key file {} is readable by group or others (mode {mode:04o}); \
+                 make it 0400 or 0600",
+                path.display()
+            );
+            tracing::warn!(path = %path.display(), mode = %format_args!("{mode:04o}"), "{w}");
+            warnings.push(w);
+        }
+        let text = Secret(std::fs::read(path).map_err(io)?);
+        let text = std::str::from_utf8(&text.0).map_err(|_| KeyError {
+            path: Some(path.to_path_buf()),
+            line: None,
+            kind: KeyErrorKind::NotUtf8,
+        })?;
+        let key = IpsecKey::parse(text, Some(path))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            key,
+            warnings,
+        })
+    }
+}
+
+/// Why a key file was rejected: where (path, line) and what is wrong, never the key itself.
+#[derive(Debug)]
+pub struct KeyError {
+    pub path: Option<PathBuf>,
+    /// 1-based line number, when the problem is on one line.
+    pub line: Option<usize>,
+    pub kind: KeyErrorKind,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeyErrorKind {
+    #[error("expected 4 fields `<spi> <aead-algorithm> <hex-key> <icv-bits>`, found {0}")]
+    FieldCount(usize),
+    #[error("SPI must be a decimal number 1..=15 (it fills the 4 SPI bits of the xfrm mark)")]
+    BadSpi,
+    #[error("unknown AEAD algorithm `{0}`; supported: rfc4106(gcm(aes))")]
+    UnknownAlgorithm(String),
+    #[error("empty key")]
+    EmptyKey,
+    #[error("key is not hex: character {position} of the key is not a hex digit")]
+    BadHex { position: usize },
+    #[error("key has an odd number of hex digits ({0})")]
+    OddLength(usize),
+    #[error(
+        "key is {0} bytes; rfc4106(gcm(aes)) needs 16, 24 or 32 key bytes plus 4 salt bytes \
+         (20, 28 or 36 bytes)"
+    )]
+    KeyLength(usize),
+    #[error("ICV length must be 64, 96 or 128 bits")]
+    BadIcv,
+    #[error("no key line (only comments or blank lines)")]
+    NoKey,
+    #[error("not valid UTF-8")]
+    NotUtf8,
+    #[error("{0}")]
+    Io(std::io::Error),
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("IPsec key file")?;
+        if let Some(p) = &self.path {
+            write!(f, " {}", p.display())?;
+        }
+        if let Some(n) = self.line {
+            write!(f, " line {n}")?;
+        }
+        write!(f, ": {}", self.kind)
+    }
+}
+
+impl std::error::Error for KeyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.kind {
+            KeyErrorKind::Io(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEX: &str = "0102030405060708090a0b0c0d0e0f1011121314";
+
+    #[test]
+    fn parses_a_valid_key_and_the_last_line_wins() {
+        let text = format!(
+            "# comment\n\n2 rfc4106(gcm(aes)) 0x{HEX} 96\n  3 rfc4106(gcm(aes)) {HEX} 128 # new\n"
+        );
+        let k = IpsecKey::parse(&text, None).unwrap();
+        assert_eq!(k.spi(), 3);
+        assert_eq!(k.algorithm(), RFC4106_GCM_AES);
+        assert_eq!(k.icv_bits(), 128);
+        assert_eq!(k.key_len(), 20);
+        assert_eq!(k.key_bytes()[0], 1);
+        assert_eq!(k.key_bytes()[19], 0x14);
+    }
+
+    #[test]
+    fn every_invalid_case_names_its_line_and_never_the_key() {
+        let good = format!("1 rfc4106(gcm(aes)) 0x{HEX} 128\n");
+        let cases: Vec<(String, &str)> = vec![
+            (format!("0 rfc4106(gcm(aes)) 0x{HEX} 128"), "SPI"),
+            (format!("16 rfc4106(gcm(aes)) 0x{HEX} 128"), "SPI"),
+            (format!("x rfc4106(gcm(aes)) 0x{HEX} 128"), "SPI"),
+            (format!("3 cbc(aes) 0x{HEX} 128"), "unknown AEAD algorithm"),
+            (format!("3 0x{HEX} 128"), "expected 4 fields"),
+            (format!("3 rfc4106(gcm(aes)) 0x{HEX}zz 128"), "not hex"),
+            (format!("3 rfc4106(gcm(aes)) 0x{HEX}1 128"), "odd number"),
+            (
+                format!("3 rfc4106(gcm(aes)) 0x{} 128", &HEX[..32]),
+                "16 bytes",
+            ),
+            ("3 rfc4106(gcm(aes)) 0x 128".to_string(), "empty key"),
+            (format!("3 rfc4106(gcm(aes)) 0x{HEX} 100"), "ICV"),
+            (format!("3 rfc4106(gcm(aes)) 0x{HEX} 128 extra"), "found 5"),
+        ];
+        for (line, want) in cases {
+            let text = format!("# header\n{good}\n{line}\n");
+            let e = IpsecKey::parse(&text, Some(Path::new("/k"))).unwrap_err();
+            let msg = e.to_string();
+            let dbg = format!("{e:?}");
+            assert!(msg.starts_with("IPsec key file /k line 4: "), "{msg}");
+            assert!(msg.contains(want), "{line}: {msg}");
+            for s in [&msg, &dbg] {
+                assert!(
+                    !s.contains(HEX) && !s.contains(&HEX[..16]),
+                    "key leaked: {s}"
+                );
+            }
+        }
+        let e = IpsecKey::parse("# only a comment\n", None).unwrap_err();
+        assert!(e.to_string().contains("no key line"), "{e}");
+    }
+
+    #[test]
+    fn debug_redacts_the_key() {
+        let k = IpsecKey::parse(&format!("5 rfc4106(gcm(aes)) {HEX} 64"), None).unwrap();
+        let dbg = format!("{k:?} {k:#?}");
+        assert!(!dbg.contains(HEX) && !dbg.contains("[1, 2, 3"), "{dbg}");
+        assert!(dbg.contains("redacted 20 bytes"), "{dbg}");
+    }
+}

@@ -1,0 +1,209 @@
+//! The live view, folded from source events.
+//!
+//! Like kube-runtime's reflector store, with one more rule: a node whose new record is
+//! malformed keeps its last good record (and the error is reported), because dropping it would
+//! make its kernel state look stale and get it deleted over a typo (invariant 12).
+
+use std::collections::BTreeMap;
+
+use state::node::{Node, NodeError, RawNode};
+use state::plan::LiveView;
+
+use super::SourceEvent;
+
+#[derive(Debug, Default)]
+pub struct LiveState {
+    nodes: BTreeMap<String, Node>,
+    /// Nodes whose latest record failed validation, with the reason.
+    errors: BTreeMap<String, NodeError>,
+    /// The full list being received, between `Init` and `InitDone`.
+    relist: Option<BTreeMap<String, Node>>,
+    relist_errors: BTreeMap<String, NodeError>,
+    synced: bool,
+    relists: u64,
+    source_errors: u64,
+    last_error: Option<String>,
+}
+
+impl LiveState {
+    /// Folds one event in; returns whether the live view (or its sync state) changed.
+    pub fn apply(&mut self, event: SourceEvent) -> bool {
+        match event {
+            SourceEvent::Init => {
+                self.relist = Some(BTreeMap::new());
+                self.relist_errors.clear();
+                false
+            }
+            SourceEvent::InitApply(raw) => {
+                let previous = &self.nodes;
+                if let Some(buf) = self.relist.as_mut() {
+                    Self::fold(buf, &mut self.relist_errors, previous, raw);
+                }
+                false
+            }
+            SourceEvent::InitDone => {
+                let Some(new) = self.relist.take() else {
+                    return false;
+                };
+                let changed = !self.synced || new != self.nodes;
+                self.nodes = new;
+                self.errors = std::mem::take(&mut self.relist_errors);
+                self.synced = true;
+                self.relists += 1;
+                self.last_error = None;
+                changed
+            }
+            SourceEvent::Apply(raw) => {
+                let before = self.nodes.get(&raw.name).cloned();
+                let previous = self.nodes.clone();
+                Self::fold(&mut self.nodes, &mut self.errors, &previous, raw.clone());
+                self.nodes.get(&raw.name) != before.as_ref()
+            }
+            SourceEvent::Delete(name) => {
+                self.errors.remove(&name);
+                self.nodes.remove(&name).is_some()
+            }
+            SourceEvent::Error(msg) => {
+                self.source_errors += 1;
+                self.last_error = Some(msg);
+                false
+            }
+        }
+    }
+
+    fn fold(
+        into: &mut BTreeMap<String, Node>,
+        errors: &mut BTreeMap<String, NodeError>,
+        previous: &BTreeMap<String, Node>,
+        raw: RawNode,
+    ) {
+        let name = raw.name.clone();
+        match Node::from_raw(raw) {
+            Ok(node) => {
+                errors.remove(&name);
+                into.insert(name, node);
+            }
+            Err(e) => {
+                if let Some(good) = previous.get(&name) {
+                    into.insert(name.clone(), good.clone());
+                }
+                errors.insert(name, e);
+            }
+        }
+    }
+
+    pub fn view(&self) -> LiveView {
+        LiveView {
+            nodes: self.nodes.values().cloned().collect(),
+            synced: self.synced,
+        }
+    }
+
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    /// Completed full lists so far; the brake waits for a newer one before it lets go.
+    pub fn relists(&self) -> u64 {
+        self.relists
+    }
+
+    /// Nodes skipped or kept at their last good record because their input is malformed.
+    pub fn errors(&self) -> &BTreeMap<String, NodeError> {
+        &self.errors
+    }
+
+    pub fn source_errors(&self) -> u64 {
+        self.source_errors
+    }
+
+    pub fn last_error(&self) -> Option<&str> {
+        self.last_error.as_deref()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Node> {
+        self.nodes.get(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(name: &str, ip: &str) -> RawNode {
+        RawNode {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            addresses: vec![("InternalIP".into(), ip.into())],
+            pod_cidrs: vec![],
+            boot_id: String::new(),
+        }
+    }
+
+    fn relist(s: &mut LiveState, nodes: &[RawNode]) -> bool {
+        s.apply(SourceEvent::Init);
+        for n in nodes {
+            s.apply(SourceEvent::InitApply(n.clone()));
+        }
+        s.apply(SourceEvent::InitDone)
+    }
+
+    #[test]
+    fn not_synced_until_the_first_full_list_completes() {
+        let mut s = LiveState::default();
+        s.apply(SourceEvent::Init);
+        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        assert!(!s.view().synced);
+        assert!(
+            s.view().nodes.is_empty(),
+            "a partial list is not the live view"
+        );
+        assert!(s.apply(SourceEvent::InitDone));
+        assert!(s.view().synced);
+        assert_eq!(s.view().nodes.len(), 1);
+    }
+
+    #[test]
+    fn a_relist_replaces_the_view_so_missed_deletes_show() {
+        let mut s = LiveState::default();
+        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "10.0.0.2")]);
+        assert!(relist(&mut s, &[raw("a", "10.0.0.1")]));
+        assert_eq!(s.view().nodes.len(), 1);
+        assert_eq!(s.relists(), 2);
+        assert!(
+            !relist(&mut s, &[raw("a", "10.0.0.1")]),
+            "an identical relist changes nothing"
+        );
+    }
+
+    #[test]
+    fn errors_keep_the_view() {
+        let mut s = LiveState::default();
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        assert!(!s.apply(SourceEvent::Error("connection reset".into())));
+        assert_eq!(s.view().nodes.len(), 1);
+        assert_eq!(s.last_error(), Some("connection reset"));
+    }
+
+    #[test]
+    fn a_malformed_update_keeps_the_last_good_record() {
+        let mut s = LiveState::default();
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        s.apply(SourceEvent::Apply(raw("a", "not-an-ip")));
+        assert_eq!(s.get("a").unwrap().addresses[0].ip.to_string(), "10.0.0.1");
+        assert!(s.errors().contains_key("a"));
+        relist(&mut s, &[raw("a", "10.0.0.1"), raw("bad", "10.0.0.300")]);
+        assert!(s.errors().contains_key("bad") && !s.errors().contains_key("a"));
+        assert!(s.get("bad").is_none(), "a node never seen valid is skipped");
+    }
+
+    #[test]
+    fn apply_and_delete_between_relists() {
+        let mut s = LiveState::default();
+        relist(&mut s, &[]);
+        assert!(s.apply(SourceEvent::Apply(raw("a", "10.0.0.1"))));
+        assert!(!s.apply(SourceEvent::Apply(raw("a", "10.0.0.1"))));
+        assert!(s.apply(SourceEvent::Delete("a".into())));
+        assert!(s.view().nodes.is_empty());
+    }
+}

@@ -1,0 +1,32 @@
+//! Node sources: where the agent learns which nodes exist.
+//!
+//! Every source speaks the same event protocol, modelled on kube-runtime's watcher: a full
+//! relist is `Init`, one `InitApply` per node, then `InitDone`; between relists, `Apply` and
+//! `Delete` carry single changes. The first `InitDone` is the sync barrier: before it nothing may
+//! be pruned (invariant 1). An `Error` never reads as "no nodes": the live view stays as it was.
+//! [`live::LiveState`] folds the events into the planner's live view, so the Kubernetes watcher
+//! and the NodeList file plug in the same way.
+
+pub mod file;
+pub mod kube;
+pub mod live;
+pub mod node_object;
+
+use state::node::RawNode;
+
+/// One message from a node source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceEvent {
+    /// A full list starts; the nodes that follow replace the live view at `InitDone`.
+    Init,
+    /// One node of the full list.
+    InitApply(RawNode),
+    /// The full list is complete.
+    InitDone,
+    /// A node was added or changed.
+    Apply(RawNode),
+    /// A node was deleted.
+    Delete(String),
+    /// The source could not read the nodes; what it said before still holds.
+    Error(String),
+}

@@ -1,0 +1,137 @@
+//! The Prometheus metrics, all prefixed `node_agent_`. `docs/operations.md` lists what to alert on.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// `live` or `pending_delete`.
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// `map_entry`, `route`, `xfrm_state`, `xfrm_policy`.
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabels {
+    pub kind: String,
+    /// `upsert` or `delete`.
+    pub op: String,
+    /// `ok` or `error`.
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: String,
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    pub registry: Registry,
+    pub nodes: Family<StateLabel, Gauge>,
+    pub kernel_objects: Family<KindLabel, Gauge>,
+    pub operations: Family<OpLabels, Counter>,
+    pub reconcile_duration: Histogram,
+    pub brake_held: Gauge,
+    pub checkpoint_writes: Family<ResultLabel, Counter>,
+    pub source_synced: Gauge,
+    pub source_relists: Counter,
+    pub source_errors: Counter,
+    pub node_input_errors: Gauge,
+    pub node_map_fill_ratio: Gauge<f64, AtomicU64>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("node_agent");
+        let m = Self {
+            nodes: Family::default(),
+            kernel_objects: Family::default(),
+            operations: Family::default(),
+            reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            brake_held: Gauge::default(),
+            checkpoint_writes: Family::default(),
+            source_synced: Gauge::default(),
+            source_relists: Counter::default(),
+            source_errors: Counter::default(),
+            node_input_errors: Gauge::default(),
+            node_map_fill_ratio: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "nodes",
+            "Remote nodes by state (live, pending_delete)",
+            m.nodes.clone(),
+        );
+        registry.register(
+            "kernel_objects",
+            "Objects of ours in the kernel by kind, at the last dump",
+            m.kernel_objects.clone(),
+        );
+        registry.register(
+            "plan_operations",
+            "Kernel operations applied, by kind, op and result",
+            m.operations.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "Time of one reconcile: dump, plan, apply",
+            m.reconcile_duration.clone(),
+        );
+        registry.register(
+            "brake_held",
+            "1 while the mass-deletion brake holds stale-node deletions",
+            m.brake_held.clone(),
+        );
+        registry.register(
+            "checkpoint_writes",
+            "Checkpoint writes by result (ok, error)",
+            m.checkpoint_writes.clone(),
+        );
+        registry.register(
+            "source_synced",
+            "1 once the node source completed its first full list",
+            m.source_synced.clone(),
+        );
+        registry.register(
+            "source_relists",
+            "Full lists completed by the node source",
+            m.source_relists.clone(),
+        );
+        registry.register(
+            "source_errors",
+            "Errors reported by the node source (API errors, parse errors)",
+            m.source_errors.clone(),
+        );
+        registry.register(
+            "node_input_errors",
+            "Nodes skipped or held for malformed or conflicting input",
+            m.node_input_errors.clone(),
+        );
+        registry.register(
+            "node_map_fill_ratio",
+            "Entries in the node-ID map over its capacity",
+            m.node_map_fill_ratio.clone(),
+        );
+        Self { registry, ..m }
+    }
+}
+
+impl Metrics {
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

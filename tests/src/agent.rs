@@ -1,0 +1,267 @@
+//! Driving the real `node-agent` binary in a sandbox: NodeList files, runs, and what the kernel
+//! holds afterwards.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{agent_bin, ip};
+
+/// A remote or local node as a test describes it.
+#[derive(Clone, Debug)]
+pub struct TestNode {
+    pub name: String,
+    pub ips: Vec<String>,
+    pub cidrs: Vec<String>,
+}
+
+impl TestNode {
+    /// Node `name` with IPv4 `10.88.1.<i>` and pod CIDR `10.244.<i>.0/24`.
+    pub fn v4(name: &str, i: u32) -> Self {
+        Self {
+            name: name.into(),
+            ips: vec![format!("10.88.{}.{}", i / 250 + 1, i % 250 + 1)],
+            cidrs: vec![format!("10.{}.{}.0/24", 100 + i / 250, i % 250)],
+        }
+    }
+
+    /// Adds IPv6 `fd00:88::<i>` and `fd00:244:<i>::/64`.
+    pub fn dual(name: &str, i: u32) -> Self {
+        let mut n = Self::v4(name, i);
+        n.ips.push(format!("fd00:88::{:x}", i + 0x100));
+        n.cidrs.push(format!("fd00:244:{:x}::/64", i + 1));
+        n
+    }
+}
+
+/// A NodeList in the YAML `kubectl get nodes -o yaml` writes.
+pub fn node_list(nodes: &[TestNode]) -> String {
+    let mut s = String::from("apiVersion: v1\nkind: List\nitems:\n");
+    for n in nodes {
+        let _ = writeln!(
+            s,
+            "- apiVersion: v1\n  kind: Node\n  metadata: {{name: {}, uid: uid-{}}}\n  spec: {{podCIDRs: [{}]}}\n  status:\n    addresses: [{}]\n    nodeInfo: {{bootID: boot-{}, machineID: m, systemUUID: s, kernelVersion: k, osImage: o, containerRuntimeVersion: c, kubeletVersion: v, kubeProxyVersion: v, operatingSystem: linux, architecture: amd64}}",
+            n.name,
+            n.name,
+            n.cidrs
+                .iter()
+                .map(|c| format!("\"{c}\""))
+                .collect::<Vec<_>>()
+                .join(", "),
+            n.ips
+                .iter()
+                .map(|i| format!("{{type: InternalIP, address: \"{i}\"}}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            n.name
+        );
+    }
+    s
+}
+
+/// The local node every test cluster has.
+pub fn local_node() -> TestNode {
+    TestNode {
+        name: "local".into(),
+        ips: vec!["10.88.0.1".into(), "fd00:88::1".into()],
+        cidrs: vec!["10.99.0.0/24".into()],
+    }
+}
+
+/// An agent set-up inside a sandbox: a link on which every test gateway is on-link, a state
+/// dir and a nodes file.
+pub struct AgentEnv {
+    pub bpffs: PathBuf,
+    pub state_dir: PathBuf,
+    pub nodes_file: PathBuf,
+}
+
+impl AgentEnv {
+    pub fn new(bpffs: &Path) -> Self {
+        ip(&["link", "add", "gw0", "type", "veth", "peer", "name", "gw1"]);
+        ip(&["addr", "add", "10.88.0.1/16", "dev", "gw0"]);
+        ip(&["addr", "add", "fd00:88::1/64", "dev", "gw0", "nodad"]);
+        ip(&["link", "set", "gw0", "up"]);
+        ip(&["link", "set", "gw1", "up"]);
+        let base = bpffs.parent().unwrap().to_owned();
+        Self {
+            bpffs: bpffs.to_owned(),
+            state_dir: base.join("state"),
+            nodes_file: base.join("nodes.yaml"),
+        }
+    }
+
+    /// Writes the nodes file: the local node plus `remote`.
+    pub fn write_nodes(&self, remote: &[TestNode]) {
+        let mut all = vec![local_node()];
+        all.extend_from_slice(remote);
+        let tmp = self.nodes_file.with_extension("tmp");
+        std::fs::write(&tmp, node_list(&all)).unwrap();
+        std::fs::rename(&tmp, &self.nodes_file).unwrap();
+    }
+
+    /// `node-agent run` with this environment's flags and `extra`.
+    pub fn command(&self, extra: &[&str]) -> Command {
+        let mut c = Command::new(agent_bin());
+        c.arg("run")
+            .arg("--nodes-file")
+            .arg(&self.nodes_file)
+            .args([
+                "--node-name",
+                "local",
+                "--datapath-iface",
+                "gw0",
+                "--nodes-file-poll",
+                "50ms",
+            ])
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .args(extra)
+            .env("NODE_AGENT_LOG", "info");
+        c
+    }
+
+    /// `run --once --output json`: exit code and the report.
+    pub fn once(&self, extra: &[&str]) -> (i32, serde_json::Value, String) {
+        let mut args = vec!["--once", "--output", "json", "--sync-timeout", "90s"];
+        args.extend_from_slice(extra);
+        let out: Output = self.command(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let report = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr:\n{stderr}"));
+        (out.status.code().unwrap_or(-1), report, stderr)
+    }
+
+    /// Starts the daemon in the background, its log going to [`Self::log`] (a file, not a pipe:
+    /// nobody reads the pipe while the test waits, and a full pipe would stall the agent).
+    pub fn spawn(&self, extra: &[&str]) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log())
+            .unwrap();
+        self.command(extra)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    /// Where daemons started by [`Self::spawn`] log.
+    pub fn log(&self) -> PathBuf {
+        self.state_dir.with_file_name("agent.log")
+    }
+
+    /// `ip -> node ID` of the pinned map.
+    pub fn map(&self) -> BTreeMap<String, u16> {
+        let pin = node_agent::datapath::node_ids_pin(&self.bpffs);
+        let dump = node_agent::node_map::NodeMap::open(&pin)
+            .unwrap()
+            .dump()
+            .unwrap();
+        dump.entries
+            .iter()
+            .map(|e| (e.ip.to_string(), e.node_id))
+            .collect()
+    }
+
+    /// `dst -> gateway` of our routes (protocol 201), both families.
+    pub fn routes(&self) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for family in ["-4", "-6"] {
+            let o = ip(&[family, "-j", "route", "show", "proto", "201"]);
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            for r in v.as_array().unwrap() {
+                out.insert(
+                    r["dst"].as_str().unwrap().to_owned(),
+                    r["gateway"].as_str().unwrap_or("-").to_owned(),
+                );
+            }
+        }
+        out
+    }
+
+    /// [`wait_for`], with the daemon's log in the failure message.
+    pub fn wait(&self, what: &str, timeout: Duration, cond: impl FnMut() -> bool) {
+        if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for(what, timeout, cond)
+        })) {
+            let log = std::fs::read_to_string(self.log()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!(
+                "{}\nagent log (last 40 lines):\n{}",
+                e.downcast_ref::<String>().cloned().unwrap_or_default(),
+                tail.join("\n")
+            );
+        }
+    }
+
+    pub fn checkpoint(&self) -> PathBuf {
+        self.state_dir.join("nodes.ckpt")
+    }
+}
+
+/// What the kernel must hold for `nodes`: every IP mapped, every CIDR routed via the node's
+/// address of its family.
+pub fn expected_routes(nodes: &[TestNode]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for n in nodes {
+        for c in &n.cidrs {
+            let v6 = c.contains(':');
+            let gw = n.ips.iter().find(|i| i.contains(':') == v6).unwrap();
+            out.insert(c.clone(), gw.clone());
+        }
+    }
+    out
+}
+
+pub fn expected_ips(nodes: &[TestNode]) -> Vec<String> {
+    let mut ips: Vec<String> = nodes.iter().flat_map(|n| n.ips.clone()).collect();
+    ips.sort();
+    ips
+}
+
+/// Polls `cond` every 20 ms until it holds, panicking with `what` after `timeout`.
+pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `GET path` on the agent's metrics address inside the sandbox: status code and body.
+pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let status = raw.split_whitespace().nth(1)?.parse().ok()?;
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// The value of one sample line (`name{labels} value`) in Prometheus text.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}

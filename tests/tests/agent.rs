@@ -1,0 +1,509 @@
+//! End to end: the real `node-agent` binary, driven by a NodeList file, in a sandbox (own
+//! network and mount namespaces, private bpffs) per test.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use node_agent_tests::agent::{AgentEnv, TestNode, expected_ips, expected_routes};
+use node_agent_tests::{can_sandbox, ip, sandbox, skip};
+
+macro_rules! require_sandbox {
+    ($name:literal) => {
+        if let Err(why) = can_sandbox() {
+            skip($name, &why);
+            return;
+        }
+    };
+}
+
+/// Generous: the same tests run under QEMU's TCG emulation in the VM tier.
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+fn cluster(n: u32) -> Vec<TestNode> {
+    (1..=n)
+        .map(|i| TestNode::dual(&format!("node-{i:04}"), i))
+        .collect()
+}
+
+/// The kernel holds exactly what `nodes` need, and nothing else of ours.
+fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
+    let map = env.map();
+    assert_eq!(
+        map.keys().cloned().collect::<Vec<_>>(),
+        expected_ips(nodes),
+        "map entries"
+    );
+    assert_eq!(env.routes(), expected_routes(nodes), "routes");
+}
+
+fn ids_of(env: &AgentEnv, nodes: &[TestNode]) -> BTreeMap<String, u16> {
+    let map = env.map();
+    nodes
+        .iter()
+        .map(|n| (n.name.clone(), map[&n.ips[0]]))
+        .collect()
+}
+
+#[test]
+fn restart_with_churn_leaves_exactly_the_live_nodes() {
+    require_sandbox!("restart_with_churn_leaves_exactly_the_live_nodes");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let before = cluster(10);
+        env.write_nodes(&before);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(report["live_nodes"], 11);
+        assert_exact(&env, &before);
+        let ids_before = ids_of(&env, &before);
+
+        // While the agent is down:
+        let mut after = before.clone();
+        after.retain(|n| n.name != "node-0001"); // deleted
+        let changed = after.iter_mut().find(|n| n.name == "node-0002").unwrap();
+        *changed = TestNode::dual("node-0002", 102); // new IPs and pod CIDRs
+        let recycled_ip = before[2].ips.clone();
+        after.retain(|n| n.name != "node-0003"); // deleted, and its IPs go to a new node
+        let mut newcomer = TestNode::dual("node-0103", 103);
+        newcomer.ips = recycled_ip;
+        after.push(newcomer);
+        let renamed = after.iter_mut().find(|n| n.name == "node-0004").unwrap();
+        renamed.name = "node-0004-renamed".into(); // renamed, same IPs
+        after.push(TestNode::dual("node-0111", 111)); // added
+        env.write_nodes(&after);
+
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert!(report["brake"].is_null(), "{report}");
+        assert_exact(&env, &after);
+        let pruned: Vec<String> = serde_json::from_value(report["pruned"].clone()).unwrap();
+        assert!(pruned.contains(&"node-0001".to_string()), "{report}");
+        // Survivors keep their IDs, the changed node included.
+        let ids_after = ids_of(&env, &after);
+        for name in ["node-0002", "node-0005", "node-0006", "node-0010"] {
+            assert_eq!(ids_after[name], ids_before[name], "{name} changed ID");
+        }
+        // The recycled IP does not keep pointing at the dead node's ID.
+        assert_ne!(
+            ids_after["node-0103"], ids_before["node-0003"],
+            "recycled IP kept a dead node's ID"
+        );
+        let ids: std::collections::BTreeSet<u16> = ids_after.values().copied().collect();
+        assert_eq!(ids.len(), after.len(), "IDs are unique: {ids_after:?}");
+
+        // An unchanged restart writes nothing.
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+        assert_exact(&env, &after);
+    });
+}
+
+#[test]
+fn sigterm_writes_the_final_checkpoint() {
+    require_sandbox!("sigterm_writes_the_final_checkpoint");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        // Coalescing holds every write after the first for an hour: only SIGTERM can write.
+        let mut child = env.spawn(&["--checkpoint-interval", "1h"]);
+        env.wait("the first checkpoint", TIMEOUT, || {
+            env.checkpoint().exists()
+        });
+        let first = std::fs::read(env.checkpoint()).unwrap();
+        let mut more = nodes.clone();
+        more.push(TestNode::dual("node-0042", 42));
+        env.write_nodes(&more);
+        env.wait("the new node's route", TIMEOUT, || {
+            env.routes().contains_key("10.100.42.0/24")
+        });
+        assert_eq!(
+            std::fs::read(env.checkpoint()).unwrap(),
+            first,
+            "written before SIGTERM"
+        );
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+        assert!(status.success(), "exit status {status}");
+        let out = std::process::Command::new(node_agent_tests::agent_bin())
+            .args(["state", "show", "--output", "json", "--state-dir"])
+            .arg(&env.state_dir)
+            .output()
+            .unwrap();
+        let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let names: Vec<&str> = shown["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["name"].as_str().unwrap())
+            .collect();
+        assert!(names.contains(&"node-0042"), "{names:?}");
+        assert!(
+            !names.contains(&"local"),
+            "the local node is never checkpointed"
+        );
+        // The datapath stays attached after the agent has gone.
+        assert_eq!(
+            node_agent_tests::attached("gw0", aya::programs::TcAttachType::Ingress),
+            1
+        );
+    });
+}
+
+#[test]
+fn kill_9_mid_reconcile_then_restart_converges_exactly() {
+    require_sandbox!("kill_9_mid_reconcile_then_restart_converges_exactly");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let big = cluster(2000);
+        env.write_nodes(&big);
+        let mut child = env.spawn(&[]);
+        // Kill it once it has started writing, before it can have finished.
+        env.wait("the first routes", TIMEOUT, || {
+            !env.routes().is_empty() || child.try_wait().unwrap().is_some()
+        });
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let partial = env.routes().len();
+        node_agent_tests::report(&format!("kill -9 after {partial} of {} routes", 4000));
+
+        // Meanwhile a quarter of the nodes went away.
+        let after: Vec<TestNode> = big
+            .iter()
+            .filter(|n| !n.name.ends_with(['1', '3']))
+            .cloned()
+            .collect();
+        env.write_nodes(&after);
+        let (code, report, err) = env.once(&["--force-prune"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            report["failed_ops"].as_array().unwrap().is_empty(),
+            "{report}"
+        );
+        assert_exact(&env, &after);
+        let (_, report, _) = env.once(&[]);
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+    });
+}
+
+#[test]
+fn corrupt_checkpoint_is_moved_aside_and_the_agent_converges() {
+    require_sandbox!("corrupt_checkpoint_is_moved_aside_and_the_agent_converges");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(4);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        std::fs::write(env.checkpoint(), b"NAGCKPT\0 this is not a checkpoint").unwrap();
+        let fewer = &nodes[..2];
+        env.write_nodes(fewer);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert!(err.contains("moved aside"), "{err}");
+        let aside: Vec<_> = std::fs::read_dir(&env.state_dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("nodes.ckpt.corrupt-")
+            })
+            .collect();
+        assert_eq!(aside.len(), 1, "the corrupt file is kept aside");
+        // Without the checkpoint, the orphan sweep removes the two dropped nodes' objects.
+        assert_exact(&env, fewer);
+        assert_eq!(report["restored_nodes"], 0);
+    });
+}
+
+#[test]
+fn lost_checkpoint_orphans_are_swept_and_foreign_objects_stay() {
+    require_sandbox!("lost_checkpoint_orphans_are_swept_and_foreign_objects_stay");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(4);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        ip(&[
+            "route",
+            "add",
+            "10.55.0.0/24",
+            "via",
+            "10.88.0.9",
+            "proto",
+            "static",
+        ]);
+        ip(&[
+            "-6",
+            "route",
+            "add",
+            "fd00:55::/64",
+            "via",
+            "fd00:88::9",
+            "proto",
+            "static",
+        ]);
+        std::fs::remove_file(env.checkpoint()).unwrap();
+        env.write_nodes(&nodes[1..]);
+        let (code, _, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes[1..]);
+        let v4 = String::from_utf8(ip(&["route", "show", "proto", "static"]).stdout).unwrap();
+        assert!(v4.contains("10.55.0.0/24"), "{v4}");
+        let v6 = String::from_utf8(ip(&["-6", "route", "show", "proto", "static"]).stdout).unwrap();
+        assert!(v6.contains("fd00:55::/64"), "{v6}");
+    });
+}
+
+#[test]
+fn a_second_instance_is_refused() {
+    require_sandbox!("a_second_instance_is_refused");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        env.write_nodes(&cluster(2));
+        let mut first = env.spawn(&[]);
+        env.wait("the first instance to be ready", TIMEOUT, || {
+            env.checkpoint().exists()
+        });
+        let out = env.command(&["--once"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("already running") && err.contains(&first.id().to_string()),
+            "names the holder's PID: {err}"
+        );
+        first.kill().unwrap();
+        first.wait().unwrap();
+    });
+}
+
+#[test]
+fn the_brake_holds_and_force_prune_releases_it() {
+    require_sandbox!("the_brake_holds_and_force_prune_releases_it");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(10);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        env.write_nodes(&nodes[..2]); // 8 of 10 gone at once: looks like a partial list
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 3, "brake held exits 3: {err}");
+        assert_eq!(report["brake"]["stale_nodes"], 8, "{report}");
+        assert!(err.contains("8 stale nodes"), "{err}");
+        assert_exact(&env, &nodes); // nothing deleted
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 3, "still held without confirmation: {err} {report}");
+        let (code, report, err) = env.once(&["--force-prune"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(report["pruned_nodes"], 8, "{report}");
+        assert_exact(&env, &nodes[..2]);
+    });
+}
+
+#[test]
+fn the_daemon_deletes_held_nodes_after_a_confirming_relist() {
+    require_sandbox!("the_daemon_deletes_held_nodes_after_a_confirming_relist");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(10);
+        env.write_nodes(&nodes);
+        let mut child = env.spawn(&["--prune-confirm-delay", "1s", "--relist-interval", "300ms"]);
+        env.wait("all routes", TIMEOUT, || env.routes().len() == 20);
+        env.write_nodes(&nodes[..2]);
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(env.routes().len(), 20, "deleted before the confirm delay");
+        env.wait("the confirmed prune", TIMEOUT, || env.routes().len() == 4);
+        assert_exact(&env, &nodes[..2]);
+        child.kill().unwrap();
+        child.wait().unwrap();
+    });
+}
+
+#[test]
+fn bad_nodes_are_reported_and_the_rest_are_programmed() {
+    require_sandbox!("bad_nodes_are_reported_and_the_rest_are_programmed");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let good = cluster(3);
+        let mut all = good.clone();
+        let mut bad_ip = TestNode::v4("bad-ip", 50);
+        bad_ip.ips = vec!["10.88.300.1".into()];
+        let mut bad_cidr = TestNode::v4("bad-cidr", 51);
+        bad_cidr.cidrs = vec!["10.1.2.3/33".into()];
+        let mut dup = TestNode::v4("zz-duplicate-ip", 52);
+        dup.ips = good[0].ips[..1].to_vec();
+        all.extend([bad_ip, bad_cidr, dup]);
+        env.write_nodes(&all);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        let errors = report["errors"].as_array().unwrap();
+        let named: Vec<&str> = errors.iter().map(|e| e["node"].as_str().unwrap()).collect();
+        for n in ["bad-ip", "bad-cidr", "zz-duplicate-ip"] {
+            assert!(named.contains(&n), "{n} not reported: {report}");
+        }
+        assert_exact(&env, &good);
+    });
+}
+
+/// Whether this kernel can create an ESP state, asked through `ip`, independently of the agent.
+fn kernel_has_esp() -> bool {
+    let ok = std::process::Command::new("ip")
+        .args([
+            "xfrm",
+            "state",
+            "add",
+            "src",
+            "192.0.2.1",
+            "dst",
+            "192.0.2.2",
+            "proto",
+            "esp",
+            "spi",
+            "0x4e41",
+            "mode",
+            "tunnel",
+            "aead",
+            "rfc4106(gcm(aes))",
+            "0x0102030405060708090a0b0c0d0e0f1011121314",
+            "128",
+        ])
+        .output()
+        .unwrap()
+        .status
+        .success();
+    if ok {
+        ip(&["xfrm", "state", "flush"]);
+    }
+    ok
+}
+
+/// The xfrm objects of ours in the kernel: (kind, remote endpoint or CIDR, node ID in the mark).
+fn xfrm_objects() -> Vec<(String, String, u16)> {
+    use node_agent::backends::xfrm::XfrmBackend;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let x = XfrmBackend::new(None).unwrap();
+        let mut out = Vec::new();
+        for s in x.dump_states().await.unwrap() {
+            let (kind, remote) = match s.dir {
+                state::objects::XfrmDir::Out => ("state-out", s.dst),
+                state::objects::XfrmDir::In => ("state-in", s.src),
+            };
+            out.push((kind.to_owned(), remote.to_string(), s.node_id.get()));
+        }
+        for p in x.dump_policies().await.unwrap() {
+            out.push((
+                format!("policy-out via {}", p.tmpl_dst),
+                p.dst.to_string(),
+                p.node_id.get(),
+            ));
+        }
+        out.sort();
+        out
+    })
+}
+
+/// What the kernel must hold with IPsec for `nodes`, the node IDs taken from the map: both
+/// states per remote address, a policy per pod CIDR; every mark carries the map's ID.
+fn expected_xfrm(env: &AgentEnv, nodes: &[TestNode]) -> Vec<(String, String, u16)> {
+    let map = env.map();
+    let mut out = Vec::new();
+    for n in nodes {
+        let id = map[&n.ips[0]];
+        for ip in &n.ips {
+            assert_eq!(map[ip], id, "{} maps to one ID", n.name);
+            out.push(("state-out".to_owned(), ip.clone(), id));
+            out.push(("state-in".to_owned(), ip.clone(), id));
+        }
+        for c in &n.cidrs {
+            let gw = n
+                .ips
+                .iter()
+                .find(|i| i.contains(':') == c.contains(':'))
+                .unwrap();
+            out.push((format!("policy-out via {gw}"), c.clone(), id));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
+    require_sandbox!("ipsec_restart_with_churn_or_a_clear_error_without_esp");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let key = env.state_dir.with_file_name("ipsec.key");
+        std::fs::write(
+            &key,
+            "3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let key_arg = key.to_str().unwrap();
+        let nodes = cluster(6);
+        env.write_nodes(&nodes);
+
+        if !kernel_has_esp() {
+            let out = env
+                .command(&["--once", "--ipsec-key-file", key_arg])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains("this kernel has no ESP support (CONFIG_INET_ESP)"),
+                "{err}"
+            );
+            assert!(
+                !err.contains("0102030405060708"),
+                "key material in the error: {err}"
+            );
+            assert!(!env.checkpoint().exists(), "nothing was done");
+            if std::env::var("NODE_AGENT_VM").as_deref() == Ok("1") {
+                panic!("the VM tier must have ESP");
+            }
+            node_agent_tests::report(
+                "SKIPPED ipsec_restart_with_churn (the churn half): this kernel has no ESP support; the VM tier runs it",
+            );
+            return;
+        }
+
+        let (code, _, err) = env.once(&["--ipsec-key-file", key_arg]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes);
+        assert_eq!(xfrm_objects(), expected_xfrm(&env, &nodes));
+        let ids_before = ids_of(&env, &nodes);
+
+        let mut after: Vec<TestNode> = nodes
+            .iter()
+            .filter(|n| n.name != "node-0001")
+            .cloned()
+            .collect();
+        *after.iter_mut().find(|n| n.name == "node-0002").unwrap() =
+            TestNode::dual("node-0002", 102);
+        after.push(TestNode::dual("node-0111", 111));
+        env.write_nodes(&after);
+        let (code, report, err) = env.once(&["--ipsec-key-file", key_arg]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            report["failed_ops"].as_array().unwrap().is_empty(),
+            "{report}"
+        );
+        assert_exact(&env, &after);
+        assert_eq!(
+            xfrm_objects(),
+            expected_xfrm(&env, &after),
+            "states and policies of exactly the live nodes"
+        );
+        assert_eq!(ids_of(&env, &after)["node-0002"], ids_before["node-0002"]);
+        let (_, report, _) = env.once(&["--ipsec-key-file", key_arg]);
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+    });
+}

@@ -1,0 +1,355 @@
+//! Kernel tier: the node-ID map and routes backends against the real kernel.
+//!
+//! Each test runs in its own network and mount namespace with a private bpffs.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::process::Command;
+
+use ipnet::IpNet;
+use node_agent::backends::map::MapBackend;
+use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
+use node_agent::backends::{Backend, OpError};
+use node_agent::datapath::{Datapath, DatapathConfig, node_ids_pin};
+use node_agent::node_map::NodeMap;
+use node_agent_common::NodeValue;
+use node_agent_tests::{can_sandbox, ip, run, sandbox, skip};
+use state::objects::{KernelObject, MapEntry, NodeId, Op, Route};
+
+macro_rules! require_sandbox {
+    ($name:literal) => {
+        if let Err(why) = can_sandbox() {
+            skip($name, &why);
+            return;
+        }
+    };
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn route(dst: &str, gw: &str) -> KernelObject {
+    KernelObject::Route(Route {
+        dst: dst.parse::<IpNet>().unwrap(),
+        gateway: gw.parse::<IpAddr>().unwrap(),
+    })
+}
+
+fn entry(ip: &str, id: u16) -> KernelObject {
+    KernelObject::MapEntry(MapEntry {
+        ip: ip.parse().unwrap(),
+        node_id: NodeId::new(id).unwrap(),
+        spi: 0,
+    })
+}
+
+fn upserts(objs: &[KernelObject]) -> Vec<Op> {
+    objs.iter().cloned().map(Op::Upsert).collect()
+}
+
+fn deletes(objs: &[KernelObject]) -> Vec<Op> {
+    objs.iter().cloned().map(Op::Delete).collect()
+}
+
+fn all_ok(results: Vec<Result<(), OpError>>) {
+    for r in results {
+        r.unwrap_or_else(|e| panic!("operation failed: {e}"));
+    }
+}
+
+fn sorted(mut v: Vec<KernelObject>) -> Vec<KernelObject> {
+    v.sort();
+    v
+}
+
+/// A veth pair with both ends up, so gateways in 10.88.0.0/16 and fd00:88::/64 are on-link.
+fn link_with_gateways() {
+    ip(&["link", "add", "gw0", "type", "veth", "peer", "name", "gw1"]);
+    ip(&["addr", "add", "10.88.0.1/16", "dev", "gw0"]);
+    ip(&["addr", "add", "fd00:88::1/64", "dev", "gw0", "nodad"]);
+    ip(&["link", "set", "gw0", "up"]);
+    ip(&["link", "set", "gw1", "up"]);
+}
+
+fn ip_routes(args: &[&str]) -> String {
+    String::from_utf8(ip(args).stdout).unwrap()
+}
+
+#[test]
+fn routes_round_trip_ipv4_and_ipv6_with_our_protocol() {
+    require_sandbox!("routes_round_trip_ipv4_and_ipv6_with_our_protocol");
+    sandbox(|_| {
+        link_with_gateways();
+        rt().block_on(async {
+            let mut b = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            let ours = vec![
+                route("10.244.1.0/24", "10.88.0.2"),
+                route("10.244.2.0/24", "10.88.0.3"),
+                route("fd00:244:1::/64", "fd00:88::2"),
+            ];
+            all_ok(b.apply(&upserts(&ours)).await);
+            assert_eq!(sorted(b.dump().await.unwrap()), sorted(ours.clone()));
+            let shown = ip_routes(&["route", "show", "proto", "201"]);
+            assert!(shown.contains("10.244.1.0/24 via 10.88.0.2"), "{shown}");
+
+            // A changed gateway is a replace, in place.
+            let moved = route("10.244.2.0/24", "10.88.0.9");
+            all_ok(b.apply(&upserts(std::slice::from_ref(&moved))).await);
+            let dump = sorted(b.dump().await.unwrap());
+            assert!(
+                dump.contains(&moved) && !dump.contains(&ours[1]),
+                "{dump:?}"
+            );
+
+            let now = vec![ours[0].clone(), moved, ours[2].clone()];
+            all_ok(b.apply(&deletes(&now)).await);
+            assert!(b.dump().await.unwrap().is_empty());
+            // Deleting what is already gone is not an error.
+            all_ok(b.apply(&deletes(&now)).await);
+        });
+    });
+}
+
+#[test]
+fn foreign_routes_are_never_listed_nor_deleted() {
+    require_sandbox!("foreign_routes_are_never_listed_nor_deleted");
+    sandbox(|_| {
+        link_with_gateways();
+        ip(&[
+            "route",
+            "add",
+            "10.55.0.0/24",
+            "via",
+            "10.88.0.5",
+            "proto",
+            "static",
+        ]);
+        ip(&[
+            "-6",
+            "route",
+            "add",
+            "fd00:55::/64",
+            "via",
+            "fd00:88::5",
+            "proto",
+            "static",
+        ]);
+        // Same destination as one of ours would be, but in another table.
+        ip(&[
+            "route",
+            "add",
+            "10.244.1.0/24",
+            "via",
+            "10.88.0.2",
+            "proto",
+            "201",
+            "table",
+            "7",
+        ]);
+        rt().block_on(async {
+            let mut b = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            assert!(
+                b.dump().await.unwrap().is_empty(),
+                "foreign routes listed as ours"
+            );
+            let ours = vec![route("10.244.1.0/24", "10.88.0.2")];
+            all_ok(b.apply(&upserts(&ours)).await);
+            assert_eq!(b.dump().await.unwrap(), ours);
+            all_ok(b.apply(&deletes(&ours)).await);
+            // A delete of an identity we do not hold must not touch a foreign route either.
+            all_ok(
+                b.apply(&deletes(&[route("10.55.0.0/24", "10.88.0.5")]))
+                    .await,
+            );
+        });
+        let v4 = ip_routes(&["route", "show"]);
+        assert!(v4.contains("10.55.0.0/24 via 10.88.0.5"), "{v4}");
+        let v6 = ip_routes(&["-6", "route", "show"]);
+        assert!(v6.contains("fd00:55::/64 via fd00:88::5"), "{v6}");
+        let t7 = ip_routes(&["route", "show", "table", "7"]);
+        assert!(t7.contains("10.244.1.0/24"), "{t7}");
+    });
+}
+
+#[test]
+fn unreachable_gateway_is_reported_with_the_kernel_error() {
+    require_sandbox!("unreachable_gateway_is_reported_with_the_kernel_error");
+    sandbox(|_| {
+        link_with_gateways();
+        rt().block_on(async {
+            let mut b = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            let results = b
+                .apply(&upserts(&[
+                    route("10.244.9.0/24", "192.0.2.99"),
+                    route("10.244.1.0/24", "10.88.0.2"),
+                ]))
+                .await;
+            match &results[0] {
+                Err(e @ OpError::GatewayUnreachable { gateway, .. }) => {
+                    assert_eq!(gateway.to_string(), "192.0.2.99");
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains("192.0.2.99") && msg.contains("10.244.9.0/24"),
+                        "{msg}"
+                    );
+                }
+                other => panic!("expected an unreachable gateway, got {other:?}"),
+            }
+            results[1]
+                .as_ref()
+                .expect("the other route is still programmed");
+            assert_eq!(
+                b.dump().await.unwrap(),
+                vec![route("10.244.1.0/24", "10.88.0.2")]
+            );
+        });
+    });
+}
+
+#[test]
+fn routes_in_a_custom_table_and_protocol() {
+    require_sandbox!("routes_in_a_custom_table_and_protocol");
+    sandbox(|_| {
+        link_with_gateways();
+        rt().block_on(async {
+            let mut b = RouteBackend::new(77, 1000).unwrap();
+            let ours = vec![
+                route("10.244.1.0/24", "10.88.0.2"),
+                route("fd00:244:1::/64", "fd00:88::2"),
+            ];
+            all_ok(b.apply(&upserts(&ours)).await);
+            assert_eq!(sorted(b.dump().await.unwrap()), sorted(ours.clone()));
+            let shown = ip_routes(&["route", "show", "table", "1000"]);
+            assert!(shown.contains("proto 77"), "{shown}");
+            // The default protocol/table sees none of them.
+            let mut other = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            assert!(other.dump().await.unwrap().is_empty());
+            all_ok(b.apply(&deletes(&ours)).await);
+            assert!(b.dump().await.unwrap().is_empty());
+        });
+    });
+}
+
+fn load_map(bpffs: &Path, capacity: u32) -> (Datapath, MapBackend) {
+    let mut config = DatapathConfig::new(bpffs);
+    config.node_map_max = capacity;
+    let dp = Datapath::load(&config).unwrap();
+    let backend = MapBackend::open(&node_ids_pin(bpffs), capacity).unwrap();
+    (dp, backend)
+}
+
+#[test]
+fn map_entries_round_trip_ipv4_and_ipv6() {
+    require_sandbox!("map_entries_round_trip_ipv4_and_ipv6");
+    sandbox(|sb| {
+        let (_dp, mut b) = load_map(&sb.bpffs, 1024);
+        rt().block_on(async {
+            let ours = vec![
+                entry("10.0.0.1", 1),
+                entry("10.0.0.2", 2),
+                entry("fd00::1", 1),
+            ];
+            all_ok(b.apply(&upserts(&ours)).await);
+            assert_eq!(sorted(b.dump().await.unwrap()), sorted(ours.clone()));
+            let moved = entry("10.0.0.2", 9);
+            all_ok(b.apply(&upserts(std::slice::from_ref(&moved))).await);
+            assert!(b.dump().await.unwrap().contains(&moved));
+            all_ok(b.apply(&deletes(&ours)).await);
+            assert!(b.dump().await.unwrap().is_empty());
+        });
+    });
+}
+
+#[test]
+fn full_map_is_a_typed_error_naming_the_flag() {
+    require_sandbox!("full_map_is_a_typed_error_naming_the_flag");
+    sandbox(|sb| {
+        let (_dp, mut b) = load_map(&sb.bpffs, 4);
+        rt().block_on(async {
+            let five: Vec<_> = (1..=5).map(|i| entry(&format!("10.0.0.{i}"), i)).collect();
+            let results = b.apply(&upserts(&five)).await;
+            assert!(results[..4].iter().all(Result::is_ok), "{results:?}");
+            let err = results[4].as_ref().unwrap_err();
+            assert!(matches!(err, OpError::MapFull { capacity: 4 }), "{err:?}");
+            assert_eq!(
+                err.to_string(),
+                "node-ID map full at 4 entries; raise --node-map-max"
+            );
+            assert_eq!(
+                b.dump().await.unwrap().len(),
+                4,
+                "the first four are programmed"
+            );
+        });
+    });
+}
+
+#[test]
+fn invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched() {
+    require_sandbox!("invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched");
+    sandbox(|sb| {
+        let (_dp, mut b) = load_map(&sb.bpffs, 1024);
+        // A second map with the same layout: not ours, whatever it holds.
+        let other = sb.bpffs.join("other_map");
+        run(Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&other)
+            .args([
+                "type",
+                "hash",
+                "key",
+                "20",
+                "value",
+                "4",
+                "entries",
+                "16",
+                "name",
+                "other_map",
+            ]));
+        let mut second = NodeMap::open(&other).unwrap();
+        second
+            .upsert(
+                "10.0.0.1".parse().unwrap(),
+                NodeValue {
+                    id: 5,
+                    spi: 0,
+                    flags: 0,
+                },
+            )
+            .unwrap();
+        // ID 0 is the local node: never written by the agent.
+        let mut raw = NodeMap::open(&node_ids_pin(&sb.bpffs)).unwrap();
+        raw.upsert(
+            "10.0.0.7".parse().unwrap(),
+            NodeValue {
+                id: 0,
+                spi: 0,
+                flags: 0,
+            },
+        )
+        .unwrap();
+        rt().block_on(async {
+            all_ok(b.apply(&upserts(&[entry("10.0.0.1", 1)])).await);
+            assert_eq!(b.dump().await.unwrap(), vec![entry("10.0.0.1", 1)]);
+            assert_eq!(b.invalid().len(), 1, "the ID-0 entry is reported");
+            assert_eq!(b.purge_invalid().unwrap(), 1);
+            all_ok(b.apply(&deletes(&[entry("10.0.0.1", 1)])).await);
+            b.dump().await.unwrap();
+            assert!(b.invalid().is_empty());
+        });
+        assert!(
+            NodeMap::open(&node_ids_pin(&sb.bpffs))
+                .unwrap()
+                .dump()
+                .unwrap()
+                .entries
+                .is_empty()
+        );
+        let kept = second.dump().unwrap();
+        assert_eq!(kept.entries.len(), 1, "the second map was touched");
+    });
+}

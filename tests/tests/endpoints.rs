@@ -1,0 +1,108 @@
+//! The running binary's `/metrics`, `/healthz` and `/readyz`, checked against what the kernel
+//! shows. Each test in its own sandbox (so `127.0.0.1:9965` is the sandbox's own loopback).
+
+use std::time::Duration;
+
+use node_agent_tests::agent::{AgentEnv, TestNode, http_get, metric};
+use node_agent_tests::{can_sandbox, sandbox, skip};
+
+const ADDR: &str = "127.0.0.1:9965";
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+macro_rules! require_sandbox {
+    ($name:literal) => {
+        if let Err(why) = can_sandbox() {
+            skip($name, &why);
+            return;
+        }
+    };
+}
+
+fn cluster(n: u32) -> Vec<TestNode> {
+    (1..=n)
+        .map(|i| TestNode::dual(&format!("node-{i:04}"), i))
+        .collect()
+}
+
+fn get(path: &str) -> (u16, String) {
+    http_get(ADDR, path).unwrap_or((0, String::new()))
+}
+
+#[test]
+fn metrics_match_the_kernel_and_readiness_follows_sync_and_the_brake() {
+    require_sandbox!("metrics_match_the_kernel_and_readiness_follows_sync_and_the_brake");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        // No nodes file yet: alive, not ready, and it says why.
+        let mut child = env.spawn(&["--metrics-addr", ADDR, "--prune-confirm-delay", "1h"]);
+        env.wait("the endpoints", TIMEOUT, || get("/healthz").0 == 200);
+        let (code, body) = get("/readyz");
+        assert_eq!(code, 503);
+        assert!(body.contains("not synced"), "{body}");
+        let metrics = get("/metrics").1;
+        assert_eq!(
+            metric(&metrics, "node_agent_source_synced"),
+            Some(0.0),
+            "{metrics}"
+        );
+
+        let nodes = cluster(5);
+        env.write_nodes(&nodes);
+        env.wait("readiness", TIMEOUT, || get("/readyz").0 == 200);
+        let metrics = get("/metrics").1;
+        let kernel_map = env.map().len() as f64;
+        let kernel_routes = env.routes().len() as f64;
+        assert_eq!(kernel_map, 10.0);
+        let m = |s: &str| metric(&metrics, s).unwrap_or_else(|| panic!("{s} missing:\n{metrics}"));
+        assert_eq!(
+            m("node_agent_kernel_objects{kind=\"map_entry\"}"),
+            kernel_map
+        );
+        assert_eq!(
+            m("node_agent_kernel_objects{kind=\"route\"}"),
+            kernel_routes
+        );
+        assert_eq!(m("node_agent_nodes{state=\"live\"}"), 5.0);
+        assert_eq!(m("node_agent_nodes{state=\"pending_delete\"}"), 0.0);
+        assert_eq!(m("node_agent_source_synced"), 1.0);
+        assert_eq!(m("node_agent_brake_held"), 0.0);
+        assert_eq!(
+            m("node_agent_plan_operations_total{kind=\"route\",op=\"upsert\",result=\"ok\"}"),
+            kernel_routes
+        );
+        assert_eq!(m("node_agent_node_map_fill_ratio"), kernel_map / 16384.0);
+        assert!(m("node_agent_checkpoint_writes_total{result=\"ok\"}") >= 1.0);
+        assert!(m("node_agent_source_relists_total") >= 1.0);
+        assert!(m("node_agent_reconcile_duration_seconds_count") >= 1.0);
+
+        // 4 of 5 nodes gone at once: the brake holds, readiness says so, nothing is deleted.
+        env.write_nodes(&nodes[..1]);
+        env.wait("the brake", TIMEOUT, || {
+            get("/readyz").1.contains("brake held")
+        });
+        assert_eq!(get("/readyz").0, 503);
+        let metrics = get("/metrics").1;
+        assert_eq!(
+            metric(&metrics, "node_agent_brake_held"),
+            Some(1.0),
+            "{metrics}"
+        );
+        assert_eq!(env.map().len() as f64, kernel_map);
+        assert_eq!(get("/healthz").0, 200);
+
+        // A malformed node is counted.
+        let mut bad = nodes[..1].to_vec();
+        let mut b = TestNode::v4("bad", 77);
+        b.ips = vec!["not-an-ip".into()];
+        bad.push(b);
+        bad.extend_from_slice(&nodes[1..]);
+        env.write_nodes(&bad);
+        env.wait("the input error metric", TIMEOUT, || {
+            metric(&get("/metrics").1, "node_agent_node_input_errors") == Some(1.0)
+        });
+        assert_eq!(get("/readyz").0, 200, "{}", get("/readyz").1);
+        assert_eq!(get("/nope").0, 404);
+        child.kill().unwrap();
+        child.wait().unwrap();
+    });
+}

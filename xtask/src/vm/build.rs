@@ -1,0 +1,104 @@
+//! Building what the guest runs: the kernel-tier test binaries and the agent they start.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, bail};
+
+use crate::cmd::{self, root, step};
+
+/// The test payload: the workspace, shared with the guest over 9p and mounted at the same path
+/// there. Everything the tests find by path then resolves as on the host: the agent next to
+/// them (`target/<profile>/node-agent`, where `agent_bin()` looks) and files named through
+/// `env!("CARGO_MANIFEST_DIR")`, such as `target/ebpf/node-agent.bpf.o`.
+pub struct Payload {
+    /// The workspace root, shared read-only and mounted at this same path in the guest.
+    pub share: PathBuf,
+    /// The test executables (absolute, under `share`).
+    pub tests: Vec<String>,
+    /// The agent binary and the tests, for `ldd`.
+    pub binaries: Vec<PathBuf>,
+}
+
+pub fn tests() -> anyhow::Result<Payload> {
+    step("vm-test: building node-agent and the node-agent-tests binaries");
+    cmd::run(
+        Command::new("cargo")
+            .current_dir(root())
+            .args(["build", "-p", "node-agent"]),
+    )?;
+    let exes = test_executables()?;
+    let first = exes
+        .first()
+        .context("node-agent-tests produced no test executables")?;
+    let profile_dir = first
+        .parent()
+        .and_then(Path::parent)
+        .context("test executables live in target/<profile>/deps")?;
+    let agent = profile_dir.join("node-agent");
+    if !agent.is_file() {
+        bail!(
+            "{} is missing after `cargo build -p node-agent`; the tests start it from there",
+            agent.display()
+        );
+    }
+    let share = root();
+    let mut tests = Vec::new();
+    for exe in &exes {
+        if !exe.starts_with(&share) {
+            bail!(
+                "{} is outside the workspace {}, which is all the guest sees; unset \
+                 CARGO_TARGET_DIR",
+                exe.display(),
+                share.display()
+            );
+        }
+        tests.push(exe.to_string_lossy().into_owned());
+    }
+    let mut binaries = exes;
+    binaries.push(agent);
+    Ok(Payload {
+        share,
+        tests,
+        binaries,
+    })
+}
+
+/// `cargo test --no-run` with JSON messages: the executables of every test target.
+fn test_executables() -> anyhow::Result<Vec<PathBuf>> {
+    let mut cargo = Command::new("cargo");
+    cargo.current_dir(root()).args([
+        "test",
+        "--no-run",
+        "-p",
+        "node-agent-tests",
+        "--message-format=json-render-diagnostics",
+    ]);
+    eprintln!(
+        "  $ cargo test --no-run -p node-agent-tests --message-format=json-render-diagnostics"
+    );
+    let out = cargo
+        .stderr(Stdio::inherit())
+        .output()
+        .context("starting cargo test --no-run")?;
+    if !out.status.success() {
+        bail!(
+            "building the node-agent-tests binaries failed: {}",
+            out.status
+        );
+    }
+    let mut exes = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] == "compiler-artifact"
+            && msg["profile"]["test"] == true
+            && let Some(exe) = msg["executable"].as_str()
+        {
+            exes.push(PathBuf::from(exe));
+        }
+    }
+    exes.sort();
+    Ok(exes)
+}

@@ -1,0 +1,129 @@
+//! `cargo xtask vm-test`: the VM test tier. Boots stock Debian kernels under QEMU and runs the
+//! kernel-tier test binaries inside, as root, where ESP and module loading exist (the host's
+//! kernel has neither). shared/VMTEST.md records why each choice below is the one that works.
+//!
+//! One boot per kernel runs every test binary: a boot costs about 3 s under TCG, so booting per
+//! binary would dominate the run.
+
+mod build;
+mod cpio;
+mod host;
+mod initramfs;
+mod kernel;
+mod qemu;
+
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+use crate::build_ebpf;
+use crate::cmd::{self, root, step};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Which Debian kernel to boot.
+    #[arg(long, value_enum, default_value = "6.1")]
+    pub kernel: KernelChoice,
+    /// Give up on a guest that has not printed its final status line after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    pub timeout: u64,
+    /// Boot the compressed bzImage even when the extracted vmlinux could boot through PVH.
+    #[arg(long)]
+    pub bzimage: bool,
+    /// Arguments passed to every test binary (a test name filter, `--nocapture`, ...).
+    #[arg(last = true)]
+    pub rest: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KernelChoice {
+    #[value(name = "6.1")]
+    V6_1,
+    #[value(name = "6.12")]
+    V6_12,
+    #[value(name = "all")]
+    All,
+}
+
+impl KernelChoice {
+    fn kernels(self) -> Vec<kernel::Series> {
+        match self {
+            Self::V6_1 => vec![kernel::Series::V6_1],
+            Self::V6_12 => vec![kernel::Series::V6_12],
+            Self::All => vec![kernel::Series::V6_1, kernel::Series::V6_12],
+        }
+    }
+}
+
+/// Runs the tier; `Ok(code)` is the process's exit status: 0, or the first failing guest's
+/// test status when the only failures are test failures. Anything else (a crash, a timeout, a
+/// failed smoke test, an ESP skip) is an error.
+pub fn run(args: &Args) -> anyhow::Result<i32> {
+    let started = Instant::now();
+    if !cmd::is_root() {
+        bail!("vm-test installs Debian packages and builds a root filesystem; run it as root");
+    }
+    host::ensure_packages()?;
+    let vm_dir = root().join("target/vm");
+
+    let mut kernels = Vec::new();
+    for series in args.kernel.kernels() {
+        let t = Instant::now();
+        let k = kernel::prepare(series, &vm_dir)?;
+        step(&format!(
+            "vm-test: kernel {} ({}) ready in {:.1} s",
+            series,
+            k.release,
+            t.elapsed().as_secs_f64()
+        ));
+        kernels.push(k);
+    }
+
+    build_ebpf::run(&build_ebpf::Args { release: true })?;
+    let payload = build::tests()?;
+
+    let t = Instant::now();
+    let tools = initramfs::tools(&vm_dir, &payload, &args.rest)?;
+    step(&format!(
+        "vm-test: initramfs tools and /init in {:.1} s",
+        t.elapsed().as_secs_f64()
+    ));
+
+    let mut failures = Vec::new();
+    let mut summary = Vec::new();
+    let mut test_rc = 0;
+    for k in &kernels {
+        let boot = qemu::Boot {
+            kernel: k,
+            tools: &tools,
+            payload: &payload,
+            timeout: Duration::from_secs(args.timeout),
+            bzimage: args.bzimage,
+        };
+        let result = qemu::run(&boot);
+        let line = match &result {
+            Ok(_) => format!("{} ok", k.series),
+            Err(e) => format!("{} FAILED: {e:#}", k.series),
+        };
+        match result {
+            Ok(_) => {}
+            Err(e) => match e.downcast_ref::<qemu::TestsFailed>() {
+                Some(t) if test_rc == 0 => test_rc = t.0,
+                Some(_) => {}
+                None => failures.push(line.clone()),
+            },
+        }
+        summary.push(line);
+    }
+    for line in &summary {
+        step(&format!("vm-test: {line}"));
+    }
+    step(&format!(
+        "vm-test: total {:.1} s",
+        started.elapsed().as_secs_f64()
+    ));
+    if !failures.is_empty() {
+        bail!("vm-test failed on {}", failures.join("; "));
+    }
+    Ok(test_rc)
+}
