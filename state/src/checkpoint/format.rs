@@ -6,7 +6,8 @@
 //!      8     4  format version, u32 little-endian
 //!     12     4  payload length, u32 little-endian
 //!     16     4  CRC-32 (IEEE) of the payload, u32 little-endian
-//!     20     n  payload: the checkpoint in the compact shape described in `payload.rs`
+//!     20     n  payload: bincode 2 (serde, `config::standard()`) of the compact wire structs
+//!                 of `payload.rs`
 //! ```
 //!
 //! The header is fixed and hand-written so that a file from any version can at least be
@@ -15,12 +16,13 @@
 //!
 //! # Upgrading the format
 //!
-//! Version 1 is the first. Its payload is written and read by hand rather than derived from
-//! [`Checkpoint`], so the model can change without the format changing by accident. A change to
-//! the payload's shape (it is not self-describing, so any field added, removed or reordered is
-//! one) bumps [`FORMAT_VERSION`] to 2 and then:
+//! Version 1 is the first. Its payload is bincode of wire structs of its own (`PayloadV1` and
+//! its parts) rather than of [`Checkpoint`], so the model can change without the format
+//! changing by accident. A change to the wire structs' shape (bincode is not self-describing,
+//! so any field added, removed, reordered or retyped is one) bumps [`FORMAT_VERSION`] to 2 and
+//! then:
 //!
-//! 1. the current payload decoder is copied, frozen, into a `v1` module, and
+//! 1. the current wire structs and their conversion are copied, frozen, into a `v1` module, and
 //!    `tests/fixtures/checkpoint-v1.bin` stays as it is, checked in;
 //! 2. [`decode`] matches on the version: `1` decodes with the frozen `v1` code and migrates
 //!    into the current [`Checkpoint`] (new fields get their neutral value), `2` decodes directly;
@@ -41,6 +43,24 @@ pub const HEADER_LEN: usize = 20;
 pub enum EncodeError {
     #[error("encoding the checkpoint: payload of {len} bytes exceeds the format's 4 GiB limit")]
     TooLarge { len: usize },
+    #[error("encoding the checkpoint payload: bincode: {0}")]
+    Payload(bincode::error::EncodeError),
+}
+
+/// Why a payload that passed the header checks is not a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum PayloadError {
+    /// bincode could not read the wire structs: the bytes end early, a tag or length is out of
+    /// range, a string is not UTF-8, the decode limit was hit...
+    #[error("bincode: {0}")]
+    Bincode(bincode::error::DecodeError),
+    /// The wire structs decoded, but a field holds what the encoder never writes.
+    #[error("{field}: {problem}")]
+    Invalid {
+        /// Which field, as a path: `nodes[3] ("worker-b").pod_cidrs[0]`, `freed[0].id`.
+        field: String,
+        problem: &'static str,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -61,15 +81,8 @@ pub enum DecodeError {
         "decoding the checkpoint: payload checksum mismatch, header says {expected:#010x}, payload has {actual:#010x}"
     )]
     ChecksumMismatch { expected: u32, actual: u32 },
-    #[error(
-        "decoding the checkpoint payload (format version {version}) at byte {offset}: {reason}"
-    )]
-    Payload {
-        version: u32,
-        /// Into the payload, where the field that failed starts or ends.
-        offset: usize,
-        reason: &'static str,
-    },
+    #[error("decoding the checkpoint payload (format version {version}): {reason}")]
+    Payload { version: u32, reason: PayloadError },
     #[error("decoding the checkpoint payload: {unread} bytes left unread")]
     PayloadTrailing { unread: usize },
     #[error("decoding the checkpoint: invalid node record: {0}")]
@@ -83,7 +96,7 @@ pub fn encode(cp: &Checkpoint) -> Result<Vec<u8>, EncodeError> {
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     // Length and checksum, filled in once the payload is there.
     out.extend_from_slice(&[0; 8]);
-    payload::encode(cp, &mut out);
+    payload::encode(cp, &mut out)?;
     let payload = &out[HEADER_LEN..];
     let len =
         u32::try_from(payload.len()).map_err(|_| EncodeError::TooLarge { len: payload.len() })?;
