@@ -36,6 +36,7 @@ use std::time::Duration;
 use bincode::config::{Configuration, standard};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::checkpoint::format::{DecodeError, EncodeError, PayloadError};
 use crate::checkpoint::{Checkpoint, PendingDelete};
@@ -82,8 +83,10 @@ struct Record<'a> {
     uid: Ident<'a>,
     #[serde(borrow)]
     boot_id: Ident<'a>,
-    addresses: Vec<Address>,
-    pod_cidrs: Vec<Cidr>,
+    /// Inline up to two (a node has one or two of each, usually): no allocation per record.
+    /// On the wire, a sequence like any `Vec`.
+    addresses: SmallVec<[Address; 2]>,
+    pod_cidrs: SmallVec<[Cidr; 2]>,
     /// 0 for none.
     node_id: u16,
 }
