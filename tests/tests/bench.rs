@@ -25,7 +25,9 @@ const NODES: u32 = 5000;
 
 fn enabled(name: &str) -> bool {
     if std::env::var("NODE_AGENT_BENCH").as_deref() != Ok("1") {
-        report(&format!("SKIPPED {name}: a benchmark; `cargo xtask bench` runs it"));
+        report(&format!(
+            "SKIPPED {name}: a benchmark; `cargo xtask bench` runs it"
+        ));
         return false;
     }
     if let Err(why) = can_sandbox() {
@@ -44,7 +46,10 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// Gateway `i` in 10.200.0.0/16 and its pod CIDR in 10.x.y.0/24.
@@ -61,8 +66,20 @@ fn obj_get(path: &Path) -> OwnedFd {
     let mut attr = [0u64; 16];
     attr[0] = c.as_ptr() as u64;
     // SAFETY: attr is a zeroed bpf_attr with `pathname` set to a live C string.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, 7 /* BPF_OBJ_GET */, attr.as_mut_ptr(), 128) };
-    assert!(fd >= 0, "BPF_OBJ_GET {}: {}", path.display(), std::io::Error::last_os_error());
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            7, /* BPF_OBJ_GET */
+            attr.as_mut_ptr(),
+            128,
+        )
+    };
+    assert!(
+        fd >= 0,
+        "BPF_OBJ_GET {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
     // SAFETY: the kernel just returned this fd to us.
     unsafe { OwnedFd::from_raw_fd(fd as i32) }
 }
@@ -101,8 +118,20 @@ fn bench_backends_against_their_floors() {
                     format!("fd00:200::{:x}", i / 2 + 1).parse().unwrap()
                 };
                 let id = (i / 2 + 1) as u16;
-                let obj = KernelObject::MapEntry(MapEntry { ip, node_id: NodeId::new(id).unwrap(), spi: 0 });
-                (node_agent::node_map::encode_key(ip), NodeValue { id, spi: 0, flags: 0 }, obj)
+                let obj = KernelObject::MapEntry(MapEntry {
+                    ip,
+                    node_id: NodeId::new(id).unwrap(),
+                    spi: 0,
+                });
+                (
+                    node_agent::node_map::encode_key(ip),
+                    NodeValue {
+                        id,
+                        spi: 0,
+                        flags: 0,
+                    },
+                    obj,
+                )
             })
             .collect();
         let fd = obj_get(&node_ids_pin(&sb.bpffs));
@@ -118,12 +147,25 @@ fn bench_backends_against_their_floors() {
         let floor_del = t.elapsed();
 
         let routes: Vec<KernelObject> = (0..NODES)
-            .map(|i| KernelObject::Route(Route { dst: cidr(i).parse().unwrap(), gateway: gateway(i).parse().unwrap() }))
+            .map(|i| {
+                KernelObject::Route(Route {
+                    dst: cidr(i).parse().unwrap(),
+                    gateway: gateway(i).parse().unwrap(),
+                })
+            })
             .collect();
         let (mut add, mut del) = (String::new(), String::new());
         for i in 0..NODES {
-            add.push_str(&format!("route add {} via {} proto 201\n", cidr(i), gateway(i)));
-            del.push_str(&format!("route del {} via {} proto 201\n", cidr(i), gateway(i)));
+            add.push_str(&format!(
+                "route add {} via {} proto 201\n",
+                cidr(i),
+                gateway(i)
+            ));
+            del.push_str(&format!(
+                "route del {} via {} proto 201\n",
+                cidr(i),
+                gateway(i)
+            ));
         }
         let t = Instant::now();
         ip_batch(&[], &add);
@@ -131,15 +173,24 @@ fn bench_backends_against_their_floors() {
         let t = Instant::now();
         let out = ip(&["-4", "route", "show", "proto", "201"]);
         let floor_route_dump = t.elapsed();
-        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), NODES as usize);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).lines().count(),
+            NODES as usize
+        );
         let t = Instant::now();
         ip_batch(&[], &del);
         let floor_route_del = t.elapsed();
 
         rt().block_on(async {
             let mut map = MapBackend::open(&node_ids_pin(&sb.bpffs), 16384).unwrap();
-            let ups: Vec<Op> = entries.iter().map(|(_, _, o)| Op::Upsert(o.clone())).collect();
-            let dels: Vec<Op> = entries.iter().map(|(_, _, o)| Op::Delete(o.clone())).collect();
+            let ups: Vec<Op> = entries
+                .iter()
+                .map(|(_, _, o)| Op::Upsert(o.clone()))
+                .collect();
+            let dels: Vec<Op> = entries
+                .iter()
+                .map(|(_, _, o)| Op::Delete(o.clone()))
+                .collect();
             let t = Instant::now();
             assert!(map.apply(&ups).await.iter().all(Result::is_ok));
             let add = t.elapsed();
@@ -151,10 +202,18 @@ fn bench_backends_against_their_floors() {
             let del = t.elapsed();
             bench("map_add_10000", ms(add), "ms");
             bench("map_add_floor_bpf_syscalls", ms(floor_add), "ms");
-            bench("map_add_ratio", add.as_secs_f64() / floor_add.as_secs_f64(), "x (target <= 1.5)");
+            bench(
+                "map_add_ratio",
+                add.as_secs_f64() / floor_add.as_secs_f64(),
+                "x (target <= 1.5)",
+            );
             bench("map_delete_10000", ms(del), "ms");
             bench("map_delete_floor_bpf_syscalls", ms(floor_del), "ms");
-            bench("map_delete_ratio", del.as_secs_f64() / floor_del.as_secs_f64(), "x (target <= 1.5)");
+            bench(
+                "map_delete_ratio",
+                del.as_secs_f64() / floor_del.as_secs_f64(),
+                "x (target <= 1.5)",
+            );
             bench("map_dump_10000", ms(dump), "ms");
 
             let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
@@ -171,10 +230,18 @@ fn bench_backends_against_their_floors() {
             let del = t.elapsed();
             bench("route_add_5000", ms(add), "ms");
             bench("route_add_floor_ip_batch", ms(floor_route_add), "ms");
-            bench("route_add_ratio", add.as_secs_f64() / floor_route_add.as_secs_f64(), "x (target <= 1.5)");
+            bench(
+                "route_add_ratio",
+                add.as_secs_f64() / floor_route_add.as_secs_f64(),
+                "x (target <= 1.5)",
+            );
             bench("route_delete_5000", ms(del), "ms");
             bench("route_delete_floor_ip_batch", ms(floor_route_del), "ms");
-            bench("route_delete_ratio", del.as_secs_f64() / floor_route_del.as_secs_f64(), "x (target <= 1.5)");
+            bench(
+                "route_delete_ratio",
+                del.as_secs_f64() / floor_route_del.as_secs_f64(),
+                "x (target <= 1.5)",
+            );
             bench("route_dump_5000", ms(dump), "ms");
             bench("route_dump_floor_ip_route_show", ms(floor_route_dump), "ms");
         });
@@ -186,7 +253,12 @@ fn timed_once(env: &AgentEnv, extra: &[&str]) -> (Duration, i32, i64, serde_json
     let mut args = vec!["--once", "--output", "json", "--sync-timeout", "120s"];
     args.extend_from_slice(extra);
     let t = Instant::now();
-    let child = env.command(&args).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let child = env
+        .command(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let pid = child.id() as i32;
     let mut status = 0;
     // SAFETY: rusage is a plain out-parameter; wait4 reaps our own child.
@@ -196,12 +268,22 @@ fn timed_once(env: &AgentEnv, extra: &[&str]) -> (Duration, i32, i64, serde_json
     std::io::Read::read_to_string(&mut stdout, &mut out).unwrap();
     unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
     let report = serde_json::from_str(&out).unwrap_or(serde_json::Value::Null);
-    (t.elapsed(), libc::WEXITSTATUS(status), usage.ru_maxrss, report)
+    (
+        t.elapsed(),
+        libc::WEXITSTATUS(status),
+        usage.ru_maxrss,
+        report,
+    )
 }
 
 fn cpu_ticks(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
     // utime and stime are fields 14 and 15 of the whole line, 12 and 13 after the comm.
     fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }
@@ -213,47 +295,98 @@ fn bench_agent_restarts_at_5000_nodes() {
     }
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
-        let nodes: Vec<TestNode> = (1..=NODES).map(|i| TestNode::dual(&format!("node-{i:05}"), i)).collect();
+        let nodes: Vec<TestNode> = (1..=NODES)
+            .map(|i| TestNode::dual(&format!("node-{i:05}"), i))
+            .collect();
         env.write_nodes(&nodes);
         let (cold, code, rss_cold, rep) = timed_once(&env, &[]);
         assert_eq!(code, 0, "{rep}");
         bench("agent_cold_start_to_converged", ms(cold), "ms");
-        bench("agent_cold_start_kernel_writes", rep["kernel_writes"].as_f64().unwrap_or(-1.0), "writes");
+        bench(
+            "agent_cold_start_kernel_writes",
+            rep["kernel_writes"].as_f64().unwrap_or(-1.0),
+            "writes",
+        );
 
         // 10% churn while down: 250 deleted, 250 readdressed, 250 added... in all 500 nodes
         // changed of 5000 (10%).
-        let mut churned: Vec<TestNode> = nodes.iter().filter(|n| !n.name.ends_with("0") || n.name.ends_with("00")).cloned().collect();
+        let mut churned: Vec<TestNode> = nodes
+            .iter()
+            .filter(|n| !n.name.ends_with("0") || n.name.ends_with("00"))
+            .cloned()
+            .collect();
         for (k, n) in churned.iter_mut().enumerate().filter(|(k, _)| k % 20 == 1) {
             *n = TestNode::dual(&n.name, NODES + 1 + k as u32);
         }
         let removed = nodes.len() - churned.len();
-        churned.extend((0..removed as u32).map(|k| TestNode::dual(&format!("new-{k:05}"), 2 * NODES + k)));
+        churned.extend(
+            (0..removed as u32).map(|k| TestNode::dual(&format!("new-{k:05}"), 2 * NODES + k)),
+        );
         env.write_nodes(&churned);
         let (churn, code, rss_churn, rep) = timed_once(&env, &[]);
         assert_eq!(code, 0, "{rep}");
-        bench("agent_restart_with_10pct_churn_to_converged", ms(churn), "ms (target < 2000)");
-        bench("agent_restart_churn_kernel_writes", rep["kernel_writes"].as_f64().unwrap_or(-1.0), "writes");
+        bench(
+            "agent_restart_with_10pct_churn_to_converged",
+            ms(churn),
+            "ms (target < 2000)",
+        );
+        bench(
+            "agent_restart_churn_kernel_writes",
+            rep["kernel_writes"].as_f64().unwrap_or(-1.0),
+            "writes",
+        );
         let (same, code, rss_same, rep) = timed_once(&env, &[]);
         assert_eq!(code, 0, "{rep}");
-        bench("agent_unchanged_restart_to_converged", ms(same), "ms (target < 1000)");
-        bench("agent_unchanged_restart_kernel_writes", rep["kernel_writes"].as_f64().unwrap_or(-1.0), "writes (target 0)");
-        bench("agent_peak_rss", rss_cold.max(rss_churn).max(rss_same) as f64 / 1024.0, "MiB (target < 64)");
+        bench(
+            "agent_unchanged_restart_to_converged",
+            ms(same),
+            "ms (target < 1000)",
+        );
+        bench(
+            "agent_unchanged_restart_kernel_writes",
+            rep["kernel_writes"].as_f64().unwrap_or(-1.0),
+            "writes (target 0)",
+        );
+        bench(
+            "agent_peak_rss",
+            rss_cold.max(rss_churn).max(rss_same) as f64 / 1024.0,
+            "MiB (target < 64)",
+        );
 
         // Idle: a daemon that has converged, watched for a while.
-        let idle: u64 = std::env::var("NODE_AGENT_BENCH_IDLE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
+        let idle: u64 = std::env::var("NODE_AGENT_BENCH_IDLE_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(60);
         let mut child = env.spawn(&["--metrics-addr", "127.0.0.1:9965"]);
-        env.wait("the daemon's first reconcile", Duration::from_secs(120), || {
-            node_agent_tests::agent::http_get("127.0.0.1:9965", "/readyz").is_some_and(|(c, _)| c == 200)
-        });
+        env.wait(
+            "the daemon's first reconcile",
+            Duration::from_secs(120),
+            || {
+                node_agent_tests::agent::http_get("127.0.0.1:9965", "/readyz")
+                    .is_some_and(|(c, _)| c == 200)
+            },
+        );
         let before = cpu_ticks(child.id());
         std::thread::sleep(Duration::from_secs(idle));
         let after = cpu_ticks(child.id());
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        bench(&format!("agent_idle_cpu_over_{idle}s"), (after - before) as f64 / hz / idle as f64 * 100.0, "% of one core");
+        bench(
+            &format!("agent_idle_cpu_over_{idle}s"),
+            (after - before) as f64 / hz / idle as f64 * 100.0,
+            "% of one core",
+        );
         let rss = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
-        let hwm = rss.lines().find(|l| l.starts_with("VmHWM")).unwrap_or("VmHWM: ? kB").to_owned();
-        report(&format!("bench: agent_daemon_{}", hwm.split_whitespace().collect::<Vec<_>>().join(" ")));
+        let hwm = rss
+            .lines()
+            .find(|l| l.starts_with("VmHWM"))
+            .unwrap_or("VmHWM: ? kB")
+            .to_owned();
+        report(&format!(
+            "bench: agent_daemon_{}",
+            hwm.split_whitespace().collect::<Vec<_>>().join(" ")
+        ));
         child.kill().unwrap();
         child.wait().unwrap();
     });
