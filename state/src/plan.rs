@@ -11,8 +11,9 @@
 //!    (no addresses yet, bad input, no ID or map room left) keep whatever they had, untouched
 //!    (invariants 8 and 12).
 //! 2. **Assign node IDs**: IDs restored from the map win (an IP's map entry says which ID it had;
-//!    confirmed by the node's checkpoint record first), then the record's ID, then a fresh ID from
-//!    the [`IdAllocator`] (invariant 5). Every ID seen in the inventory or the checkpoint is
+//!    confirmed by the node's checkpoint record first; never an ID the checkpoint gives to a node
+//!    of another name, so a recycled IP or a renamed node gets a fresh ID and its entry is updated
+//!    in place), then the record's ID, then a fresh ID from the [`IdAllocator`] (invariant 5). Every ID seen in the inventory or the checkpoint is
 //!    reserved first, so a fresh ID never collides with one still in the kernel.
 //! 3. **Desired objects** of programmed nodes ([`crate::desired`]). An inventory object with the
 //!    same identity and content needs nothing (invariant 10); different content is an update.
