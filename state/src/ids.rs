@@ -49,12 +49,46 @@ pub enum IdError {
 
 const WORDS: usize = (MAX_ID as usize + 1) / 64;
 
+/// A set of node IDs, one bit per ID (8 KiB): constant-time membership without hashing, and
+/// iteration in ID order, which the planner needs for deterministic output.
+#[derive(Clone, Debug)]
+pub(crate) struct IdSet(Box<[u64; WORDS]>);
+
+impl IdSet {
+    pub(crate) fn new() -> Self {
+        Self(Box::new([0; WORDS]))
+    }
+
+    pub(crate) fn contains(&self, id: NodeId) -> bool {
+        let i = id.get() as usize;
+        self.0[i / 64] & (1 << (i % 64)) != 0
+    }
+
+    pub(crate) fn insert(&mut self, id: NodeId) {
+        let i = id.get() as usize;
+        self.0[i / 64] |= 1 << (i % 64);
+    }
+
+    pub(crate) fn remove(&mut self, id: NodeId) {
+        let i = id.get() as usize;
+        self.0[i / 64] &= !(1 << (i % 64));
+    }
+
+    /// The IDs in ascending order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.0.iter().enumerate().flat_map(|(w, &bits)| {
+            (0..64)
+                .filter(move |b| bits & (1 << b) != 0)
+                .filter_map(move |b| NodeId::new((w * 64 + b) as u16))
+        })
+    }
+}
+
 /// The allocator for one planning pass.
 #[derive(Clone, Debug)]
 pub struct IdAllocator {
     cooldown: Duration,
-    /// Bit set of IDs in use.
-    in_use: Box<[u64; WORDS]>,
+    in_use: IdSet,
     /// Freed IDs and when; an ID is never both in use and here.
     freed: BTreeMap<NodeId, Duration>,
     /// IDs below this were found used or freed by a fresh-ID scan; a hint, never a rule.
@@ -71,24 +105,14 @@ impl IdAllocator {
         }
         Self {
             cooldown,
-            in_use: Box::new([0; WORDS]),
+            in_use: IdSet::new(),
             freed,
             fresh_cursor: 1,
         }
     }
 
     pub fn is_in_use(&self, id: NodeId) -> bool {
-        let i = id.get() as usize;
-        self.in_use[i / 64] & (1 << (i % 64)) != 0
-    }
-
-    fn set(&mut self, id: NodeId, used: bool) {
-        let i = id.get() as usize;
-        if used {
-            self.in_use[i / 64] |= 1 << (i % 64);
-        } else {
-            self.in_use[i / 64] &= !(1 << (i % 64));
-        }
+        self.in_use.contains(id)
     }
 
     /// Marks a restored ID as in use, whatever its cool-down: restored IDs win, since the kernel
@@ -98,7 +122,7 @@ impl IdAllocator {
             return false;
         }
         self.freed.remove(&id);
-        self.set(id, true);
+        self.in_use.insert(id);
         true
     }
 
@@ -110,7 +134,7 @@ impl IdAllocator {
             self.fresh_cursor += 1;
             let Some(id) = NodeId::new(c) else { continue };
             if !self.is_in_use(id) && !self.freed.contains_key(&id) {
-                self.set(id, true);
+                self.in_use.insert(id);
                 return Ok(id);
             }
         }
@@ -123,7 +147,7 @@ impl IdAllocator {
         match best {
             Some(id) => {
                 self.freed.remove(&id);
-                self.set(id, true);
+                self.in_use.insert(id);
                 Ok(id)
             }
             None => Err(IdError::Exhausted {
@@ -136,7 +160,7 @@ impl IdAllocator {
 
     /// Returns an ID; it becomes reusable once the cool-down has passed after `now`.
     pub fn free(&mut self, id: NodeId, now: Duration) {
-        self.set(id, false);
+        self.in_use.remove(id);
         self.freed.insert(id, now);
     }
 

@@ -32,23 +32,27 @@ fn node(name: &str, addrs: &[(&str, &str)], cidrs: &[&str], id: u16) -> Node {
     n
 }
 
-/// The content of the v1 fixture. Never change it: the fixture file is frozen.
+/// The content of the v1 fixture. Never change it: the fixture file is frozen. One node has
+/// UUIDs for UID and boot ID and the others plain text, so both ways of storing them are pinned.
 fn v1_content() -> Checkpoint {
+    let mut uuids = node(
+        "worker-a",
+        &[
+            ("InternalIP", "10.0.0.1"),
+            ("InternalIP", "fd00::1"),
+            ("ExternalIP", "203.0.113.1"),
+        ],
+        &["10.1.1.0/24", "fd01:1::/64"],
+        1,
+    );
+    uuids.uid = "6f1d2a3b-4c5d-4e6f-8a7b-9c0d1e2f3a4b".into();
+    uuids.boot_id = "0b9e8d7c-6b5a-4f3e-9d2c-1b0a9f8e7d6c".into();
     Checkpoint {
         agent_version: "0.1.0".into(),
         written_at: Duration::new(1_750_000_000, 123_456_789),
         local_node: "local".into(),
         nodes: vec![
-            node(
-                "worker-a",
-                &[
-                    ("InternalIP", "10.0.0.1"),
-                    ("InternalIP", "fd00::1"),
-                    ("ExternalIP", "203.0.113.1"),
-                ],
-                &["10.1.1.0/24", "fd01:1::/64"],
-                1,
-            ),
+            uuids,
             node(
                 "worker-b",
                 &[("InternalIP", "10.0.0.2")],
@@ -89,6 +93,11 @@ fn decodes_every_older_format_version_fixture() {
     assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 1);
     let cp = decode(&bytes).unwrap();
     assert_eq!(cp, v1_content());
+    assert_eq!(
+        encode(&cp).unwrap(),
+        bytes,
+        "the encoder no longer writes format version 1: bump the version (see format.rs)"
+    );
     assert_eq!(cp.nodes[1].node_id, NodeId::new(7));
     assert_eq!(cp.pending_deletes[0].attempts, 2);
 }

@@ -2,10 +2,11 @@
 //! nodes disappeared while it was down (the deletions it never saw) and retry cleanups that had
 //! not succeeded.
 //!
-//! [`format`] is the byte encoding (pure); [`store`] is the file, its lock and its atomic
-//! replacement (the only I/O in this crate).
+//! [`format`] is the byte encoding (pure), framing the bincode payload of `payload.rs`;
+//! [`store`] is the file, its lock and its atomic replacement (the only I/O in this crate).
 
 pub mod format;
+mod payload;
 pub mod store;
 
 use std::time::Duration;
@@ -15,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::ids::AllocatorState;
 use crate::node::Node;
 
-pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, decode, encode};
+pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, PayloadError, decode, encode};
 pub use store::{CheckpointStore, LoadOutcome, StoreError};
 
 /// A restored node whose cleanup has not succeeded yet. It is carried from checkpoint to
