@@ -211,6 +211,24 @@ impl AgentEnv {
     }
 }
 
+/// `n` dual-stack remote nodes named `node-0001`...
+pub fn cluster(n: u32) -> Vec<TestNode> {
+    (1..=n)
+        .map(|i| TestNode::dual(&format!("node-{i:04}"), i))
+        .collect()
+}
+
+/// The kernel holds exactly what `nodes` need, and nothing else of ours.
+pub fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
+    let map = env.map();
+    assert_eq!(
+        map.keys().cloned().collect::<Vec<_>>(),
+        expected_ips(nodes),
+        "map entries"
+    );
+    assert_eq!(env.routes(), expected_routes(nodes), "routes");
+}
+
 /// `n` as the Node object the API server holds.
 pub fn k8s_node(n: &TestNode) -> k8s_openapi::api::core::v1::Node {
     let addresses: Vec<serde_json::Value> = n

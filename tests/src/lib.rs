@@ -30,6 +30,26 @@ pub fn skip(test: &str, why: &str) {
     report(&format!("SKIPPED {test}: {why}"));
 }
 
+/// Returns from the calling test, printing why, when this process cannot build sandboxes.
+#[macro_export]
+macro_rules! require_sandbox {
+    ($name:expr) => {
+        if let Err(why) = $crate::can_sandbox() {
+            $crate::skip($name, &why);
+            return;
+        }
+    };
+}
+
+/// A single-threaded tokio runtime for a test body: built on the sandbox thread, its sockets
+/// open in the sandbox's network namespace.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("building a tokio runtime")
+}
+
 /// Prints a line that must reach the log even when the test passes (skips, measured figures).
 pub fn report(line: &str) {
     use std::io::Write;

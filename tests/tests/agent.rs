@@ -4,37 +4,14 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use node_agent_tests::agent::{AgentEnv, TestNode, expected_ips, expected_routes};
-use node_agent_tests::{can_sandbox, ip, sandbox, skip};
-
-macro_rules! require_sandbox {
-    ($name:literal) => {
-        if let Err(why) = can_sandbox() {
-            skip($name, &why);
-            return;
-        }
-    };
-}
+use node_agent_tests::agent::assert_exact;
+use node_agent_tests::agent::cluster;
+use node_agent_tests::agent::{AgentEnv, TestNode};
+use node_agent_tests::require_sandbox;
+use node_agent_tests::{ip, sandbox};
 
 /// Generous: the same tests run under QEMU's TCG emulation in the VM tier.
 const TIMEOUT: Duration = Duration::from_secs(90);
-
-fn cluster(n: u32) -> Vec<TestNode> {
-    (1..=n)
-        .map(|i| TestNode::dual(&format!("node-{i:04}"), i))
-        .collect()
-}
-
-/// The kernel holds exactly what `nodes` need, and nothing else of ours.
-fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
-    let map = env.map();
-    assert_eq!(
-        map.keys().cloned().collect::<Vec<_>>(),
-        expected_ips(nodes),
-        "map entries"
-    );
-    assert_eq!(env.routes(), expected_routes(nodes), "routes");
-}
 
 fn ids_of(env: &AgentEnv, nodes: &[TestNode]) -> BTreeMap<String, u16> {
     let map = env.map();

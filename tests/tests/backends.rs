@@ -13,24 +13,10 @@ use node_agent::backends::{Backend, OpError};
 use node_agent::datapath::{Datapath, DatapathConfig, node_ids_pin};
 use node_agent::node_map::NodeMap;
 use node_agent_common::NodeValue;
-use node_agent_tests::{can_sandbox, ip, run, sandbox, skip};
+use node_agent_tests::require_sandbox;
+use node_agent_tests::runtime;
+use node_agent_tests::{ip, run, sandbox};
 use state::objects::{KernelObject, MapEntry, NodeId, Op, Route};
-
-macro_rules! require_sandbox {
-    ($name:literal) => {
-        if let Err(why) = can_sandbox() {
-            skip($name, &why);
-            return;
-        }
-    };
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 fn route(dst: &str, gw: &str) -> KernelObject {
     KernelObject::Route(Route {
@@ -84,7 +70,7 @@ fn routes_round_trip_ipv4_and_ipv6_with_our_protocol() {
     require_sandbox!("routes_round_trip_ipv4_and_ipv6_with_our_protocol");
     sandbox(|_| {
         link_with_gateways();
-        rt().block_on(async {
+        runtime().block_on(async {
             let mut b = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
             let ours = vec![
                 route("10.244.1.0/24", "10.88.0.2"),
@@ -150,7 +136,7 @@ fn foreign_routes_are_never_listed_nor_deleted() {
             "table",
             "7",
         ]);
-        rt().block_on(async {
+        runtime().block_on(async {
             let mut b = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
             assert!(
                 b.dump().await.unwrap().is_empty(),
@@ -180,7 +166,7 @@ fn unreachable_gateway_is_reported_with_the_kernel_error() {
     require_sandbox!("unreachable_gateway_is_reported_with_the_kernel_error");
     sandbox(|_| {
         link_with_gateways();
-        rt().block_on(async {
+        runtime().block_on(async {
             let mut b = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
             let results = b
                 .apply(&upserts(&[
@@ -215,7 +201,7 @@ fn routes_in_a_custom_table_and_protocol() {
     require_sandbox!("routes_in_a_custom_table_and_protocol");
     sandbox(|_| {
         link_with_gateways();
-        rt().block_on(async {
+        runtime().block_on(async {
             let mut b = RouteBackend::new(77, 1000).unwrap();
             let ours = vec![
                 route("10.244.1.0/24", "10.88.0.2"),
@@ -247,7 +233,7 @@ fn map_entries_round_trip_ipv4_and_ipv6() {
     require_sandbox!("map_entries_round_trip_ipv4_and_ipv6");
     sandbox(|sb| {
         let (_dp, mut b) = load_map(&sb.bpffs, 1024);
-        rt().block_on(async {
+        runtime().block_on(async {
             let ours = vec![
                 entry("10.0.0.1", 1),
                 entry("10.0.0.2", 2),
@@ -269,7 +255,7 @@ fn full_map_is_a_typed_error_naming_the_flag() {
     require_sandbox!("full_map_is_a_typed_error_naming_the_flag");
     sandbox(|sb| {
         let (_dp, mut b) = load_map(&sb.bpffs, 4);
-        rt().block_on(async {
+        runtime().block_on(async {
             let five: Vec<_> = (1..=5).map(|i| entry(&format!("10.0.0.{i}"), i)).collect();
             let results = b.apply(&upserts(&five)).await;
             assert!(results[..4].iter().all(Result::is_ok), "{results:?}");
@@ -332,7 +318,7 @@ fn invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched() {
             },
         )
         .unwrap();
-        rt().block_on(async {
+        runtime().block_on(async {
             all_ok(b.apply(&upserts(&[entry("10.0.0.1", 1)])).await);
             assert_eq!(b.dump().await.unwrap(), vec![entry("10.0.0.1", 1)]);
             assert_eq!(b.invalid().len(), 1, "the ID-0 entry is reported");

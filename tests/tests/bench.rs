@@ -18,6 +18,7 @@ use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBack
 use node_agent::datapath::{Datapath, DatapathConfig, node_ids_pin};
 use node_agent_common::{NodeKey, NodeValue};
 use node_agent_tests::agent::{AgentEnv, TestNode};
+use node_agent_tests::runtime;
 use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip};
 use state::objects::{KernelObject, MapEntry, NodeId, Op, Route};
 
@@ -43,13 +44,6 @@ fn bench(name: &str, value: f64, unit: &str) {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// Gateway `i` in 10.200.0.0/16 and its pod CIDR in 10.x.y.0/24.
@@ -181,7 +175,7 @@ fn bench_backends_against_their_floors() {
         ip_batch(&[], &del);
         let floor_route_del = t.elapsed();
 
-        rt().block_on(async {
+        runtime().block_on(async {
             let mut map = MapBackend::open(&node_ids_pin(&sb.bpffs), 16384).unwrap();
             let ups: Vec<Op> = entries
                 .iter()

@@ -14,18 +14,8 @@ use node_agent::datapath::attach::Attachment;
 use node_agent::datapath::{Datapath, DatapathConfig, DatapathError, node_ids_pin, node_stats_pin};
 use node_agent::node_map::{NodeEntry, NodeMap, NodeStatsMap};
 use node_agent_common::{NodeStats, NodeValue};
-use node_agent_tests::{
-    VethPair, agent_bin, attached, can_sandbox, ip, report, run, sandbox, skip,
-};
-
-macro_rules! require_sandbox {
-    ($name:literal) => {
-        if let Err(why) = can_sandbox() {
-            skip($name, &why);
-            return;
-        }
-    };
-}
+use node_agent_tests::require_sandbox;
+use node_agent_tests::{VethPair, agent_bin, attached, ip, report, run, sandbox};
 
 fn ipaddr(s: &str) -> IpAddr {
     s.parse().unwrap()

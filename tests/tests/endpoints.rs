@@ -3,26 +3,13 @@
 
 use std::time::Duration;
 
+use node_agent_tests::agent::cluster;
 use node_agent_tests::agent::{AgentEnv, TestNode, http_get, metric};
-use node_agent_tests::{can_sandbox, sandbox, skip};
+use node_agent_tests::require_sandbox;
+use node_agent_tests::sandbox;
 
 const ADDR: &str = "127.0.0.1:9965";
 const TIMEOUT: Duration = Duration::from_secs(90);
-
-macro_rules! require_sandbox {
-    ($name:literal) => {
-        if let Err(why) = can_sandbox() {
-            skip($name, &why);
-            return;
-        }
-    };
-}
-
-fn cluster(n: u32) -> Vec<TestNode> {
-    (1..=n)
-        .map(|i| TestNode::dual(&format!("node-{i:04}"), i))
-        .collect()
-}
 
 fn get(path: &str) -> (u16, String) {
     http_get(ADDR, path).unwrap_or((0, String::new()))

@@ -6,29 +6,15 @@
 
 use std::time::Duration;
 
-use node_agent_tests::agent::{
-    AgentEnv, TestNode, expected_ips, expected_routes, http_get, k8s_node, local_node, metric,
-};
+use node_agent_tests::agent::assert_exact;
+use node_agent_tests::agent::cluster;
+use node_agent_tests::agent::{AgentEnv, TestNode, http_get, k8s_node, local_node, metric};
 use node_agent_tests::apiserver::ApiServer;
-use node_agent_tests::{can_sandbox, sandbox, skip};
+use node_agent_tests::require_sandbox;
+use node_agent_tests::sandbox;
 
 const TIMEOUT: Duration = Duration::from_secs(90);
 const METRICS: &str = "127.0.0.1:9965";
-
-macro_rules! require_sandbox {
-    ($name:literal) => {
-        if let Err(why) = can_sandbox() {
-            skip($name, &why);
-            return;
-        }
-    };
-}
-
-fn cluster(n: u32) -> Vec<TestNode> {
-    (1..=n)
-        .map(|i| TestNode::dual(&format!("node-{i:04}"), i))
-        .collect()
-}
 
 /// The server, holding the local node and `remote`, and an agent environment pointed at it.
 fn setup(sb: &node_agent_tests::Sandbox, remote: &[TestNode]) -> (ApiServer, AgentEnv) {
@@ -41,16 +27,6 @@ fn setup(sb: &node_agent_tests::Sandbox, remote: &[TestNode]) -> (ApiServer, Age
     let dir = env.state_dir.parent().unwrap().to_owned();
     env.kubeconfig = Some(server.kubeconfig(&dir).unwrap());
     (server, env)
-}
-
-fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
-    let map = env.map();
-    assert_eq!(
-        map.keys().cloned().collect::<Vec<_>>(),
-        expected_ips(nodes),
-        "map entries"
-    );
-    assert_eq!(env.routes(), expected_routes(nodes), "routes");
 }
 
 fn metrics() -> String {

@@ -20,17 +20,10 @@ use ipnet::IpNet;
 use node_agent::backends::xfrm::{ProbeError, XfrmBackend};
 use node_agent::backends::{Backend, OpError};
 use node_agent::ipsec_key::{IpsecKey, KeyFile};
+use node_agent_tests::require_sandbox;
+use node_agent_tests::runtime;
 use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip};
 use state::objects::{KernelObject, NodeId, Op, XfrmDir, XfrmPolicy, XfrmState, mark};
-
-macro_rules! require_sandbox {
-    ($name:literal) => {
-        if let Err(why) = can_sandbox() {
-            skip($name, &why);
-            return;
-        }
-    };
-}
 
 /// A key whose hex the tests look for in every message they see.
 const KEY_HEX: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f9001122334";
@@ -47,13 +40,6 @@ fn esp_skip(name: &str, why: &str) {
         panic!("{name}: the VM tier must have ESP, but: {why}");
     }
     report(&format!("SKIPPED {name}: {why}"));
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 fn node(id: u16) -> NodeId {

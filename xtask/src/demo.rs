@@ -98,15 +98,7 @@ fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<()> {
         "pinned",
         &format!("{}/node-agent/node_ids", bpffs.display()),
     ])?;
-    show(&[
-        agent.to_str().unwrap(),
-        "map",
-        "dump",
-        "--bpffs",
-        bpffs.to_str().unwrap(),
-    ])?;
-    show(&["ip", "route", "show", "proto", "201"])?;
-    show(&["ip", "-6", "route", "show", "proto", "201"])?;
+    show_programmed(agent, &bpffs)?;
 
     step(&format!(
         "demo: 4. the agent stops; while it is down, {} are deleted",
@@ -147,15 +139,7 @@ fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<()> {
         println!("{line}");
     }
     step("demo: the clean result");
-    show(&[
-        agent.to_str().unwrap(),
-        "map",
-        "dump",
-        "--bpffs",
-        bpffs.to_str().unwrap(),
-    ])?;
-    show(&["ip", "route", "show", "proto", "201"])?;
-    show(&["ip", "-6", "route", "show", "proto", "201"])?;
+    show_programmed(agent, &bpffs)?;
     show(&[
         agent.to_str().unwrap(),
         "state",
@@ -182,6 +166,19 @@ fn drop_nodes(text: &str, gone: &[&str]) -> String {
         .into_iter()
         .filter(|b| !gone.iter().any(|g| b.contains(&format!("{{name: {g},"))))
         .collect()
+}
+
+/// The node-ID map and our routes, as an operator would look at them.
+fn show_programmed(agent: &Path, bpffs: &Path) -> anyhow::Result<()> {
+    show(&[
+        agent.to_str().unwrap(),
+        "map",
+        "dump",
+        "--bpffs",
+        bpffs.to_str().unwrap(),
+    ])?;
+    show(&["ip", "route", "show", "proto", "201"])?;
+    show(&["ip", "-6", "route", "show", "proto", "201"])
 }
 
 fn sh(args: &[&str]) -> anyhow::Result<()> {

@@ -1,5 +1,6 @@
 //! `cargo xtask`: the tasks around the cargo build that cargo cannot express itself.
 
+mod apt;
 mod bench;
 mod build_ebpf;
 mod cmd;

@@ -24,39 +24,12 @@ pub fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn installed(pkg: &str) -> bool {
-    output(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))
-        .is_some_and(|s| s.contains("install ok installed"))
-}
-
 fn packages() -> anyhow::Result<()> {
-    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
-    if missing.is_empty() {
-        step(&format!("packages: {} installed", PACKAGES.join(", ")));
-        return Ok(());
-    }
-    step(&format!("packages: installing {}", missing.join(", ")));
-    if !cmd::is_root() {
-        bail!(
-            "installing Debian packages needs root; run: sudo apt-get update && sudo apt-get \
-             install -y {}",
-            missing.join(" ")
-        );
-    }
-    cmd::run(Command::new("apt-get").args(["update", "-qq"]))?;
-    cmd::run(
-        Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"),
+    crate::apt::ensure(
+        "packages",
+        PACKAGES,
+        "; the LLVM 22 packages come from bookworm-security (see shared/TOOLCHAIN.md)",
     )
-    .with_context(|| {
-        format!(
-            "installing {}; the LLVM 22 packages come from bookworm-security (see \
-             shared/TOOLCHAIN.md)",
-            missing.join(" ")
-        )
-    })
 }
 
 fn nightly() -> anyhow::Result<()> {
