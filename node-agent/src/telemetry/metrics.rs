@@ -1,4 +1,4 @@
-//! The Prometheus metrics, all prefixed `node_agent_`. `docs/operations.md` lists what to alert on.
+//! The Prometheus metrics, all prefixed `node_agent_`. `docs/metrics.md` lists each one and what to alert on.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
