@@ -13,7 +13,7 @@ pub struct Args {
     #[command(flatten)]
     pub bpffs: BpffsArg,
     /// Output format.
-    #[arg(long, value_enum, default_value_t = Output::Text)]
+    #[arg(long, env = "NODE_AGENT_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
 }
 

@@ -131,7 +131,7 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub agent: AgentArgs,
     /// `text` for a table, `json` for tools.
-    #[arg(long, value_enum, default_value_t = Output::Text)]
+    #[arg(long, env = "NODE_AGENT_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
 }
 

@@ -15,7 +15,7 @@ pub struct Args {
     /// The agent's state directory.
     #[arg(long, env = "NODE_AGENT_STATE_DIR", default_value = "/run/node-agent")]
     pub state_dir: PathBuf,
-    #[arg(long, value_enum, default_value_t = Output::Text)]
+    #[arg(long, env = "NODE_AGENT_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
 }
 
