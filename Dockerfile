@@ -16,7 +16,7 @@ FROM docker.io/library/rust:1.95-bookworm AS build
 # mirrors: setup:packages
 # LLVM 22 comes from bookworm-security, which the Debian base image already lists.
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends llvm-22-dev libpolly-22-dev bpftool iproute2 \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends llvm-22-dev libpolly-22-dev bpftool iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 # mirrors: setup:nightly
@@ -35,12 +35,12 @@ RUN cargo xtask build-ebpf --release
 RUN cargo build --release -p node-agent
 
 # The runtime: the agent, plus bpftool and ip so that `kubectl exec` can inspect the pinned maps,
-# routes and xfrm state (docs/bpftool.md).
+# routes and xfrm state (docs/bpftool.md), and the CA store the Kubernetes client loads.
 FROM docker.io/library/debian:bookworm-slim
 
 # mirrors: runtime:packages
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bpftool iproute2 \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bpftool iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 # mirrors: runtime:route-protocol

@@ -754,13 +754,17 @@ fn const_str(src: &str, name: &str) -> String {
         .to_owned()
 }
 
-/// The quoted strings on the line that defines `const PACKAGES`.
+/// The quoted strings of the slice literal that defines `const PACKAGES` (one line or several).
 fn packages(setup: &str) -> Vec<String> {
-    let line = setup
-        .lines()
-        .find(|l| l.starts_with("const PACKAGES"))
+    let start = setup
+        .find("const PACKAGES")
         .expect("const PACKAGES in xtask/src/setup.rs");
-    let list = line.split_once("= &[").expect("a slice literal").1;
+    let rest = &setup[start..];
+    let list = rest.split_once("= &[").expect("a slice literal").1;
+    let list = list
+        .split_once("];")
+        .expect("the end of the slice literal")
+        .0;
     list.split('"')
         .skip(1)
         .step_by(2)
@@ -1074,8 +1078,8 @@ fn the_dockerfile_check_fails_when_the_two_drift() {
         good.replace("--features llvm-22", "--features llvm-21"),
         // A package list that differs from xtask's PACKAGES.
         good.replace(
-            "libpolly-22-dev bpftool iproute2 \\",
-            "libpolly-22-dev bpftool \\",
+            "libpolly-22-dev bpftool iproute2 ca-certificates \\",
+            "libpolly-22-dev bpftool ca-certificates \\",
         ),
         good.replace("llvm-22-dev libpolly-22-dev", "llvm-21-dev libpolly-22-dev"),
         // A debug eBPF build, another agent build, another route protocol number.
@@ -1102,8 +1106,8 @@ fn the_dockerfile_check_fails_when_the_two_drift() {
     let src = Sources::read();
     let moved = [
         src.setup.replace(
-            "\"bpftool\", \"iproute2\"]",
-            "\"bpftool\", \"iproute2\", \"clang\"]",
+            "\"ca-certificates\",\n];",
+            "\"ca-certificates\",\n    \"clang\",\n];",
         ),
         src.setup.replace(
             "BPF_LINKER_VERSION: &str = \"0.13.0\"",

@@ -9,8 +9,16 @@ use anyhow::{Context, bail};
 
 use crate::cmd::{self, output, step};
 
-/// Debian packages: LLVM 22 for bpf-linker, bpftool to inspect maps, iproute2 for the tests.
-const PACKAGES: &[&str] = &["llvm-22-dev", "libpolly-22-dev", "bpftool", "iproute2"];
+/// Debian packages: LLVM 22 for bpf-linker, bpftool to inspect maps, iproute2 for the tests,
+/// CA certificates for the Kubernetes client (it loads the system store even for a plain-http
+/// API server; the VM tier copies the bundle into its guests).
+const PACKAGES: &[&str] = &[
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "bpftool",
+    "iproute2",
+    "ca-certificates",
+];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const NIGHTLY: &str = "nightly";

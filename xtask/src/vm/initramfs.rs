@@ -19,6 +19,8 @@ const TOOLS: &[&str] = &["/usr/sbin/ip", "/usr/sbin/tc", "/usr/sbin/bpftool"];
 const NOT_APPLETS: &[&str] = &["busybox", "ip", "tc"];
 
 /// Rust binaries load it at run time for unwinding, so `ldd` does not name it.
+/// Debian's CA bundle (package ca-certificates), where rustls' platform verifier looks.
+const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 const LIBGCC: &str = "/lib/x86_64-linux-gnu/libgcc_s.so.1";
 
 /// The guest's marker lines, parsed by the host (see `qemu.rs`).
@@ -58,6 +60,12 @@ pub fn tools(vm_dir: &Path, payload: &Payload, test_args: &[String]) -> anyhow::
         if Path::new(conf).is_dir() {
             a.host_tree(Path::new(conf), conf.trim_start_matches('/'))?;
         }
+    }
+    // The Kubernetes client builds its TLS configuration from the system's CA store even for a
+    // plain-http API server (the tests' stand-in), and refuses to start without one.
+    let ca = Path::new(CA_BUNDLE);
+    if ca.is_file() {
+        a.host_file(ca, CA_BUNDLE)?;
     }
     a.file("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n");
     a.file("etc/group", 0o644, b"root:x:0:\n");
