@@ -162,7 +162,11 @@ impl Datapath {
         check_pin(&ids_pin, node_ids_layout(config.node_map_max))?;
         check_pin(&stats_pin, node_stats_layout())?;
 
+        // No kernel BTF: the programs use no CO-RE relocations, and parsing vmlinux's BTF would
+        // cost the agent tens of MiB of memory for nothing. The object's own BTF still goes to
+        // the kernel with its maps, which is what bpftool needs to print field names.
         let mut ebpf = EbpfLoader::new()
+            .btf(None)
             .map_pin_path(abi::NODE_IDS_MAP, ids_pin.as_path())
             .map_pin_path(abi::NODE_STATS_MAP, stats_pin.as_path())
             .map_max_entries(abi::NODE_IDS_MAP, config.node_map_max)
