@@ -142,18 +142,21 @@ impl AgentEnv {
     }
 
     /// Starts the daemon in the background, its log going to [`Self::log`] (a file, not a pipe:
-    /// nobody reads the pipe while the test waits, and a full pipe would stall the agent).
-    pub fn spawn(&self, extra: &[&str]) -> Child {
+    /// nobody reads the pipe while the test waits, and a full pipe would stall the agent). The
+    /// guard kills it when dropped, so a failing test leaves no agent behind.
+    pub fn spawn(&self, extra: &[&str]) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.log())
             .unwrap();
-        self.command(extra)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap()
+        Daemon(
+            self.command(extra)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        )
     }
 
     /// Where daemons started by [`Self::spawn`] log.
@@ -244,6 +247,31 @@ pub fn k8s_node(n: &TestNode) -> k8s_openapi::api::core::v1::Node {
         "status": {"addresses": addresses},
     }))
     .expect("a valid Node")
+}
+
+/// A daemon started by [`AgentEnv::spawn`]; killed and reaped when dropped.
+pub struct Daemon(pub Child);
+
+impl std::ops::Deref for Daemon {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Daemon {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+        }
+        let _ = self.0.wait();
+    }
 }
 
 /// What the kernel must hold for `nodes`: every IP mapped, every CIDR routed via the node's
