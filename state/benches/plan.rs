@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use state::checkpoint::{Checkpoint, CheckpointStore, decode, encode};
 use state::node::{AddressKind, Node, NodeAddress};
-use state::objects::{KernelObject, Op};
-use state::plan::{LiveView, PlanConfig, PlanInput, plan};
+use state::inventory::Inventory;
+use state::node::RawNode;
+use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan};
 
 const NODES: usize = 5_000;
 
@@ -43,6 +44,18 @@ fn node(i: usize, slot: usize) -> Node {
     }
 }
 
+/// The local node, outside every remote node's addresses.
+fn local() -> Node {
+    Node::from_raw(RawNode {
+        name: "local".into(),
+        uid: "uid-local".into(),
+        addresses: vec![("InternalIP".into(), "192.168.0.1".into())],
+        pod_cidrs: vec!["10.250.0.0/24".into()],
+        boot_id: String::new(),
+    })
+    .expect("a valid node")
+}
+
 /// Median of `runs` timings of `f`.
 fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
     let mut v: Vec<Duration> = (0..runs)
@@ -70,24 +83,27 @@ fn main() {
     let now = Duration::from_secs(1_750_000_000);
     // Converge once on the original cluster.
     let before: Vec<Node> = (0..NODES).map(|i| node(i, i)).collect();
-    let first = plan(&PlanInput {
-        restored: None,
-        live: &LiveView {
-            nodes: before.clone(),
+    let with_local = |mut nodes: Vec<Node>| {
+        nodes.push(local());
+        LiveView {
+            nodes,
+            malformed: Vec::new(),
             synced: true,
-        },
-        inventory: &[],
+            relists: 1,
+        }
+    };
+    let brake = BrakeMemory::default();
+    let first = plan(&PlanInput {
+        record: None,
+        live: &with_local(before.clone()),
+        inventory: &Inventory::new(),
         allocator: &Default::default(),
+        brake: &brake,
+        confirmed_hold: None,
         now,
         config: &cfg,
     });
-    let inventory: Vec<KernelObject> = first
-        .ops()
-        .into_iter()
-        .map(|op| match op {
-            Op::Upsert(o) | Op::Delete(o) => o,
-        })
-        .collect();
+    let inventory: Inventory = first.ops().iter().map(|op| op.object().clone()).collect();
     let restored = first.checkpoint.clone();
 
     // Churn while down: 0..250 deleted, 250..500 readdressed, 250 new (125 on deleted IPs).
@@ -99,15 +115,14 @@ fn main() {
             if k % 2 == 0 { k } else { NODES + 2000 + k },
         )
     }));
-    let live = LiveView {
-        nodes: live,
-        synced: true,
-    };
+    let live = with_local(live);
     let input = PlanInput {
-        restored: Some(&restored),
+        record: Some(&restored),
         live: &live,
         inventory: &inventory,
         allocator: &restored.ids,
+        brake: &brake,
+        confirmed_hold: None,
         now: now + Duration::from_secs(600),
         config: &cfg,
     };

@@ -27,9 +27,10 @@ fn any_net(family: Family) -> IpNet {
     }
 }
 
-/// Whether `address` gets a map entry under `config`.
-pub fn maps_address(config: &PlanConfig, kind: AddressKind) -> bool {
-    kind == AddressKind::InternalIP || config.include_external_ips
+/// Whether an address of `kind` gets a map entry: InternalIPs always, ExternalIPs with
+/// `include_external_ips`.
+pub fn maps_address(include_external_ips: bool, kind: AddressKind) -> bool {
+    kind == AddressKind::InternalIP || include_external_ips
 }
 
 /// Appends the objects `node` should have under `id` to `out`, and the problems that kept some
@@ -43,7 +44,7 @@ pub fn desired_objects(
 ) {
     let spi = config.ipsec.map_or(0, |i| i.spi);
     for a in &node.addresses {
-        if maps_address(config, a.kind) {
+        if maps_address(config.include_external_ips, a.kind) {
             out.push(KernelObject::MapEntry(MapEntry {
                 ip: a.ip,
                 node_id: id,
@@ -57,6 +58,7 @@ pub fn desired_objects(
             Some(gateway) => out.push(KernelObject::Route(Route {
                 dst: *cidr,
                 gateway,
+                metric: Route::default_metric(cidr),
             })),
             None => problems.push(InputProblem::NoGateway {
                 cidr: *cidr,

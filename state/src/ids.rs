@@ -35,6 +35,15 @@ pub struct AllocatorState {
     pub freed: Vec<FreedId>,
 }
 
+/// An ID handed out by [`IdAllocator::allocate`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocated {
+    pub id: NodeId,
+    /// When the ID was freed, if it was used before: every never-used ID was taken, so a freed ID
+    /// whose cool-down has passed is reused, which is worth a warning.
+    pub reused_after: Option<Duration>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdError {
     #[error(
@@ -88,6 +97,8 @@ impl IdSet {
 #[derive(Clone, Debug)]
 pub struct IdAllocator {
     cooldown: Duration,
+    /// The highest ID handed out: [`MAX_ID`], or less where a test shrinks the ID space.
+    max_id: u16,
     in_use: IdSet,
     /// Freed IDs and when; an ID is never both in use and here.
     freed: BTreeMap<NodeId, Duration>,
@@ -97,6 +108,11 @@ pub struct IdAllocator {
 
 impl IdAllocator {
     pub fn new(cooldown: Duration, state: &AllocatorState) -> Self {
+        Self::with_max_id(cooldown, MAX_ID, state)
+    }
+
+    /// An allocator that hands out IDs up to `max_id` only (tests of the ID space's edge).
+    pub fn with_max_id(cooldown: Duration, max_id: u16, state: &AllocatorState) -> Self {
         let mut freed = BTreeMap::new();
         for f in &state.freed {
             // A duplicate keeps the later time: the safer cool-down.
@@ -105,6 +121,7 @@ impl IdAllocator {
         }
         Self {
             cooldown,
+            max_id: max_id.max(1),
             in_use: IdSet::new(),
             freed,
             fresh_cursor: 1,
@@ -128,31 +145,45 @@ impl IdAllocator {
 
     /// Hands out an ID: a never-used one if any, else the one freed longest ago whose cool-down
     /// has passed at `now`.
-    pub fn allocate(&mut self, now: Duration) -> Result<NodeId, IdError> {
-        while self.fresh_cursor <= MAX_ID as u32 {
+    pub fn allocate(&mut self, now: Duration) -> Result<Allocated, IdError> {
+        while self.fresh_cursor <= u32::from(self.max_id) {
             let c = self.fresh_cursor as u16;
             self.fresh_cursor += 1;
             let Some(id) = NodeId::new(c) else { continue };
             if !self.is_in_use(id) && !self.freed.contains_key(&id) {
                 self.in_use.insert(id);
-                return Ok(id);
+                return Ok(Allocated {
+                    id,
+                    reused_after: None,
+                });
             }
         }
         let best = self
             .freed
             .iter()
-            .filter(|(_, at)| now.saturating_sub(**at) >= self.cooldown)
+            .filter(|(id, at)| {
+                id.get() <= self.max_id && now.saturating_sub(**at) >= self.cooldown
+            })
             .min_by_key(|(id, at)| (**at, **id))
-            .map(|(id, _)| *id);
+            .map(|(id, at)| (*id, *at));
         match best {
-            Some(id) => {
+            Some((id, freed_at)) => {
                 self.freed.remove(&id);
                 self.in_use.insert(id);
-                Ok(id)
+                Ok(Allocated {
+                    id,
+                    reused_after: Some(freed_at),
+                })
             }
             None => Err(IdError::Exhausted {
-                limit: MAX_ID,
-                cooling: self.freed.len(),
+                limit: self.max_id,
+                cooling: self
+                    .freed
+                    .iter()
+                    .filter(|(id, at)| {
+                        id.get() <= self.max_id && now.saturating_sub(**at) < self.cooldown
+                    })
+                    .count(),
                 cooldown: self.cooldown,
             }),
         }
@@ -192,8 +223,8 @@ mod tests {
     #[test]
     fn zero_is_never_assigned_and_first_id_is_one() {
         let mut a = IdAllocator::new(MIN, &AllocatorState::default());
-        assert_eq!(a.allocate(Duration::ZERO), Ok(id(1)));
-        assert_eq!(a.allocate(Duration::ZERO), Ok(id(2)));
+        assert_eq!(a.allocate(Duration::ZERO).map(|a| a.id), Ok(id(1)));
+        assert_eq!(a.allocate(Duration::ZERO).map(|a| a.id), Ok(id(2)));
     }
 
     #[test]
@@ -201,15 +232,21 @@ mod tests {
         let mut a = IdAllocator::new(MIN, &AllocatorState::default());
         assert!(a.reserve(id(1)));
         assert!(!a.reserve(id(1)));
-        assert_eq!(a.allocate(Duration::ZERO), Ok(id(2)));
+        assert_eq!(a.allocate(Duration::ZERO).map(|a| a.id), Ok(id(2)));
     }
 
     #[test]
     fn freed_id_is_not_reused_before_cooldown_and_never_used_ids_come_first() {
         let mut a = IdAllocator::new(MIN, &AllocatorState::default());
-        let first = a.allocate(Duration::ZERO).unwrap();
+        let first = a.allocate(Duration::ZERO).unwrap().id;
         a.free(first, Duration::from_secs(10));
-        assert_eq!(a.allocate(Duration::from_secs(1000)), Ok(id(2)));
+        assert_eq!(
+            a.allocate(Duration::from_secs(1000)),
+            Ok(Allocated {
+                id: id(2),
+                reused_after: None
+            })
+        );
     }
 
     #[test]
@@ -226,8 +263,17 @@ mod tests {
             a.allocate(Duration::from_secs(150)),
             Err(IdError::Exhausted { cooling: 2, .. })
         ));
-        assert_eq!(a.allocate(Duration::from_secs(300)), Ok(id(7)));
-        assert_eq!(a.allocate(Duration::from_secs(300)), Ok(id(5)));
+        assert_eq!(
+            a.allocate(Duration::from_secs(300)),
+            Ok(Allocated {
+                id: id(7),
+                reused_after: Some(Duration::from_secs(100))
+            })
+        );
+        assert_eq!(
+            a.allocate(Duration::from_secs(300)).map(|a| a.id),
+            Ok(id(5))
+        );
     }
 
     #[test]
@@ -245,7 +291,33 @@ mod tests {
             }
         }
         assert!(b.allocate(Duration::from_secs(120)).is_err());
-        assert_eq!(b.allocate(Duration::from_secs(160)), Ok(id(9)));
+        assert_eq!(
+            b.allocate(Duration::from_secs(160)).map(|a| a.id),
+            Ok(id(9))
+        );
+    }
+
+    #[test]
+    fn a_smaller_id_space_ends_at_its_limit_and_says_so() {
+        let mut a = IdAllocator::with_max_id(MIN, 3, &AllocatorState::default());
+        for v in 1..=3 {
+            assert_eq!(a.allocate(Duration::ZERO).map(|a| a.id), Ok(id(v)));
+        }
+        a.free(id(2), Duration::from_secs(10));
+        let e = a.allocate(Duration::from_secs(20)).unwrap_err();
+        assert_eq!(
+            e,
+            IdError::Exhausted {
+                limit: 3,
+                cooling: 1,
+                cooldown: MIN
+            }
+        );
+        assert!(e.to_string().contains("all 3 IDs"), "{e}");
+        assert_eq!(
+            a.allocate(Duration::from_secs(100)).map(|a| a.reused_after),
+            Ok(Some(Duration::from_secs(10)))
+        );
     }
 
     #[test]

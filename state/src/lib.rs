@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod desired;
 pub mod ids;
+pub mod inventory;
 pub mod node;
 pub mod objects;
 pub mod plan;

@@ -136,7 +136,7 @@ pub enum NodeError {
 impl Node {
     /// Parses and validates what a node source delivered.
     pub fn from_raw(raw: RawNode) -> Result<Self, NodeError> {
-        let mut addresses = Vec::with_capacity(raw.addresses.len());
+        let mut addresses: Vec<NodeAddress> = Vec::with_capacity(raw.addresses.len());
         for (kind, value) in &raw.addresses {
             let Some(kind) = AddressKind::parse(kind) else {
                 continue;
@@ -145,7 +145,13 @@ impl Node {
                 node: raw.name.clone(),
                 value: value.clone(),
             })?;
-            addresses.push(NodeAddress { kind, ip });
+            // A node is one node, whatever its address list says (invariant 13): an address
+            // listed twice (an InternalIP that is also the ExternalIP, as on a node without
+            // NAT) is one address, of the stronger kind, where it first appears.
+            match addresses.iter_mut().find(|a| a.ip == ip) {
+                Some(first) => first.kind = first.kind.min(kind),
+                None => addresses.push(NodeAddress { kind, ip }),
+            }
         }
         let mut pod_cidrs = Vec::with_capacity(raw.pod_cidrs.len());
         for value in &raw.pod_cidrs {
@@ -305,14 +311,43 @@ mod tests {
     }
 
     #[test]
-    fn duplicate_and_unusable_addresses_are_rejected() {
+    fn an_address_listed_twice_is_one_address_of_the_stronger_kind() {
+        for pairs in [
+            [("InternalIP", "10.0.0.1"), ("ExternalIP", "10.0.0.1")],
+            [("ExternalIP", "10.0.0.1"), ("InternalIP", "10.0.0.1")],
+            [("InternalIP", "10.0.0.1"), ("InternalIP", " 10.0.0.1")],
+        ] {
+            let n = Node::from_raw(raw(&pairs, &[])).unwrap();
+            assert_eq!(
+                n.addresses,
+                [NodeAddress {
+                    kind: AddressKind::InternalIP,
+                    ip: "10.0.0.1".parse().unwrap()
+                }],
+                "{pairs:?}"
+            );
+        }
+        let n = Node::from_raw(raw(
+            &[("ExternalIP", "fd00::1"), ("ExternalIP", "fd00::1")],
+            &[],
+        ))
+        .unwrap();
+        assert_eq!(n.addresses.len(), 1);
+        assert_eq!(n.addresses[0].kind, AddressKind::ExternalIP);
+    }
+
+    #[test]
+    fn a_record_built_by_hand_with_a_repeated_address_is_invalid() {
+        let mut n = Node::from_raw(raw(&[("InternalIP", "10.0.0.1")], &[])).unwrap();
+        n.addresses.push(n.addresses[0]);
         assert!(matches!(
-            Node::from_raw(raw(
-                &[("InternalIP", "10.0.0.1"), ("ExternalIP", "10.0.0.1")],
-                &[]
-            )),
+            n.validate(),
             Err(NodeError::DuplicateAddress { .. })
         ));
+    }
+
+    #[test]
+    fn unusable_addresses_and_empty_names_are_rejected() {
         assert!(matches!(
             Node::from_raw(raw(&[("InternalIP", "127.0.0.1")], &[])),
             Err(NodeError::UnusableAddress { .. })

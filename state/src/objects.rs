@@ -99,6 +99,23 @@ pub struct MapEntry {
 pub struct Route {
     pub dst: IpNet,
     pub gateway: IpAddr,
+    /// The route's priority. Part of the kernel's identity of a route: a replace matches table,
+    /// destination, TOS and metric. The agent writes [`Route::DEFAULT_METRIC_V4`] or
+    /// [`Route::DEFAULT_METRIC_V6`], the metrics `ip route add` gives a route without one.
+    pub metric: u32,
+}
+
+impl Route {
+    pub const DEFAULT_METRIC_V4: u32 = 0;
+    pub const DEFAULT_METRIC_V6: u32 = 1024;
+
+    /// The metric the agent writes for a route to `dst`.
+    pub fn default_metric(dst: &IpNet) -> u32 {
+        match dst {
+            IpNet::V4(_) => Self::DEFAULT_METRIC_V4,
+            IpNet::V6(_) => Self::DEFAULT_METRIC_V6,
+        }
+    }
 }
 
 /// An ESP tunnel-mode xfrm state between this node and a remote node.
@@ -143,6 +160,7 @@ pub enum ObjectId {
     },
     Route {
         dst: IpNet,
+        metric: u32,
     },
     XfrmState {
         src: IpAddr,
@@ -167,11 +185,45 @@ pub enum ObjectKind {
     XfrmPolicy,
 }
 
+impl ObjectKind {
+    pub const ALL: [Self; 4] = [
+        Self::MapEntry,
+        Self::Route,
+        Self::XfrmState,
+        Self::XfrmPolicy,
+    ];
+
+    /// The name metrics and reports use: `map_entry`, `route`, `xfrm_state`, `xfrm_policy`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::MapEntry => "map_entry",
+            Self::Route => "route",
+            Self::XfrmState => "xfrm_state",
+            Self::XfrmPolicy => "xfrm_policy",
+        }
+    }
+
+    /// Where the kind's changes go in a plan: an object is created after what it uses and
+    /// deleted before it (routes and xfrm objects after the node's map entries; a policy after
+    /// the state it selects).
+    pub const fn rank(self) -> u8 {
+        match self {
+            Self::MapEntry => 0,
+            Self::Route => 1,
+            Self::XfrmState => 2,
+            Self::XfrmPolicy => 3,
+        }
+    }
+}
+
 impl KernelObject {
     pub fn id(&self) -> ObjectId {
         match self {
             Self::MapEntry(e) => ObjectId::MapEntry { ip: e.ip },
-            Self::Route(r) => ObjectId::Route { dst: r.dst },
+            Self::Route(r) => ObjectId::Route {
+                dst: r.dst,
+                metric: r.metric,
+            },
             Self::XfrmState(s) => ObjectId::XfrmState {
                 src: s.src,
                 dst: s.dst,
@@ -207,19 +259,65 @@ impl KernelObject {
     }
 }
 
+/// One line naming the object the way `ip` and `bpftool` users read it.
+impl fmt::Display for KernelObject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dir = |d: XfrmDir| match d {
+            XfrmDir::Out => "out",
+            XfrmDir::In => "in",
+        };
+        match self {
+            Self::MapEntry(e) => write!(f, "map {} -> node {}", e.ip, e.node_id),
+            Self::Route(r) => write!(f, "route {} via {} metric {}", r.dst, r.gateway, r.metric),
+            Self::XfrmState(s) => write!(
+                f,
+                "xfrm state {} {} -> {} spi {} node {}",
+                dir(s.dir),
+                s.src,
+                s.dst,
+                s.spi,
+                s.node_id
+            ),
+            Self::XfrmPolicy(p) => write!(
+                f,
+                "xfrm policy {} {} -> {} via {} -> {} node {}",
+                dir(p.dir),
+                p.src,
+                p.dst,
+                p.tmpl_src,
+                p.tmpl_dst,
+                p.node_id
+            ),
+        }
+    }
+}
+
 /// One change for a backend to make.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Op {
-    /// Create the object, or replace the object with the same identity.
-    Upsert(KernelObject),
-    /// Remove exactly this object (matched by identity and, for xfrm, our mark).
+    /// Create the object where nothing has its identity. Backends create exclusively
+    /// (`NLM_F_EXCL`, `XFRM_MSG_NEW*`): an object that appeared since the dump, ours or not, makes
+    /// the create fail rather than be replaced (invariant 6).
+    Create(KernelObject),
+    /// Replace the object of ours that the dump found at this identity.
+    Replace(KernelObject),
+    /// Remove exactly this object (matched by identity and our marker).
     Delete(KernelObject),
 }
 
 impl Op {
     pub fn object(&self) -> &KernelObject {
         match self {
-            Self::Upsert(o) | Self::Delete(o) => o,
+            Self::Create(o) | Self::Replace(o) | Self::Delete(o) => o,
+        }
+    }
+
+    /// `create`, `replace` or `delete`, for logs and metrics.
+    pub fn verb(&self) -> &'static str {
+        match self {
+            Self::Create(_) => "create",
+            Self::Replace(_) => "replace",
+            Self::Delete(_) => "delete",
         }
     }
 }

@@ -20,10 +20,13 @@ use proptest::prelude::*;
 use state::checkpoint::{Checkpoint, decode, encode};
 use state::desired::desired_objects;
 use state::node::{AddressKind, Node, NodeAddress};
+use state::inventory::Inventory;
 use state::objects::{KernelObject, ObjectId, Op};
-use state::plan::{IpsecConfig, LiveView, Plan, PlanConfig, PlanInput, plan};
+use state::plan::{BrakeMemory, IpsecConfig, LiveView, Plan, PlanConfig, PlanInput, plan};
 
 const POOL: usize = 16;
+/// The local node's address and CIDR slot, outside the pool remote nodes draw from.
+const LOCAL_SLOT: usize = 199;
 const NAMES: usize = 10;
 
 #[derive(Clone, Debug)]
@@ -204,17 +207,24 @@ impl World {
 
     fn plan(&self, cfg: &PlanConfig) -> Plan {
         let restored = self.restored();
+        let mut nodes: Vec<Node> = self.cluster.0.values().cloned().collect();
+        nodes.push(make("local", LOCAL_SLOT, true, LOCAL_SLOT));
         let live = LiveView {
-            nodes: self.cluster.0.values().cloned().collect(),
+            nodes,
+            malformed: Vec::new(),
             synced: true,
+            relists: 1,
         };
-        let inventory: Vec<KernelObject> = self.kernel.values().cloned().collect();
+        let inventory: Inventory = self.kernel.values().cloned().collect();
         let allocator = restored.as_ref().map(|c| c.ids.clone()).unwrap_or_default();
+        let brake = BrakeMemory::restored(restored.as_ref());
         let p = plan(&PlanInput {
-            restored: restored.as_ref(),
+            record: restored.as_ref(),
             live: &live,
             inventory: &inventory,
             allocator: &allocator,
+            brake: &brake,
+            confirmed_hold: None,
             now: self.now,
             config: cfg,
         });
@@ -238,8 +248,13 @@ impl World {
     fn apply(&mut self, ops: &[Op]) {
         for op in ops {
             match op {
-                Op::Upsert(o) => {
-                    self.kernel.insert(o.id(), o.clone());
+                Op::Create(o) => {
+                    let before = self.kernel.insert(o.id(), o.clone());
+                    assert!(before.is_none(), "create onto an existing object: {o}");
+                }
+                Op::Replace(o) => {
+                    let before = self.kernel.insert(o.id(), o.clone());
+                    assert!(before.is_some(), "replace of nothing: {o}");
                 }
                 Op::Delete(o) => {
                     self.kernel.remove(&o.id());
@@ -281,7 +296,7 @@ fn desired_ids(cp: &Checkpoint, cluster: &Cluster, cfg: &PlanConfig) -> HashSet<
 fn config(ipsec: bool) -> PlanConfig {
     PlanConfig {
         local_node: "local".into(),
-        local_addresses: vec!["10.0.0.200".parse().unwrap(), "fd00::200".parse().unwrap()],
+        local_addresses: vec![v4(LOCAL_SLOT), v6(LOCAL_SLOT)],
         ipsec: ipsec.then_some(IpsecConfig { spi: 1 }),
         id_cooldown: Duration::from_secs(30),
         ..PlanConfig::default()

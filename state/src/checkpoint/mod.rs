@@ -45,6 +45,32 @@ pub struct Checkpoint {
     pub pending_deletes: Vec<PendingDelete>,
     /// Freed node IDs and when, so the cool-down outlives a restart.
     pub ids: AllocatorState,
+    /// Removals carried out recently: the brake's window, kept so that a mass deletion cannot
+    /// get past the brake split across restarts (invariant 9). Since format version 2.
+    pub removals: Vec<RecentRemovals>,
+    /// The IPsec keys the agent has seen, by SPI, with when it first saw each, so a key rotation
+    /// interrupted by a restart resumes on its original schedule. Since format version 2.
+    pub ipsec_keys: Vec<KeySeen>,
+}
+
+/// Removals the brake let through at one time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecentRemovals {
+    /// Since the Unix epoch.
+    pub at: Duration,
+    /// Known remote nodes removed.
+    pub nodes: u32,
+    /// Orphan objects removed.
+    pub objects: u32,
+}
+
+/// An IPsec key the agent has seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeySeen {
+    /// 1..=15.
+    pub spi: u8,
+    /// Since the Unix epoch.
+    pub first_seen: Duration,
 }
 
 impl Checkpoint {

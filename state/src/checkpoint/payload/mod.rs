@@ -1,8 +1,12 @@
-//! The payload of format version 1: the checkpoint in a compact on-disk shape, expressed as
-//! serde-derived wire structs ([`PayloadV1`] and its parts) and encoded with bincode 2
-//! (`config::standard()`: little-endian, variable-length integers). [`Checkpoint`] and [`Node`]
-//! stay the planner's plain model; converting to and from the wire structs happens here, at the
-//! edge, with full validation on the way in.
+//! The checkpoint payload: the checkpoint in a compact on-disk shape, expressed as serde-derived
+//! wire structs and encoded with bincode 2 (`config::standard()`: little-endian, variable-length
+//! integers). [`Checkpoint`] and [`Node`] stay the planner's plain model; converting to and from
+//! the wire structs happens here, at the edge, with full validation on the way in.
+//!
+//! Each format version has a top-level struct of its own ([`v1::PayloadV1`], [`v2::PayloadV2`]);
+//! the parts they share (records, names, addresses...) live in this module and stay shared until
+//! a version changes one of them, at which point the older versions get a frozen copy of the
+//! part as it was. Only the newest version is written; every version is read.
 //!
 //! The wire structs store each field in its compact form rather than as text:
 //!
@@ -20,15 +24,19 @@
 //!
 //! bincode writes a struct as its fields in order with no names or framing, an enum as its
 //! variant index (a varint, one byte here), a sequence or string as a varint length and its
-//! elements, and a `[u8; N]` here as serde bytes (`raw`): a one-byte length and the N bytes. Any change to these structs (a field added, removed,
-//! reordered or retyped, a variant added anywhere but at the end) changes the format: see
-//! `format.rs` for how a version is bumped. The byte-for-byte fixture test catches it.
+//! elements, and a `[u8; N]` here as serde bytes (`raw`): a one-byte length and the N bytes. Any
+//! change to these structs (a field added, removed, reordered or retyped, a variant added
+//! anywhere but at the end) changes the format: see `format.rs` for how a version is bumped. The
+//! byte-for-byte fixture tests catch it.
 //!
 //! Decoding borrows strings from the payload (no copy until a [`Node`] is built) and checks
 //! everything the encoder guarantees: bincode checks lengths, tags and UTF-8; the conversion
 //! checks name codes against the previous name, prefix lengths, nanoseconds, a freed ID 0, and
 //! every record through [`Node::validate`]. Any failure is a typed [`DecodeError`] naming the
 //! field (`nodes[3].pod_cidrs[0]`) or carrying bincode's error.
+
+pub(super) mod v1;
+pub(super) mod v2;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
@@ -53,30 +61,15 @@ fn config() -> Configuration {
     standard()
 }
 
-/// The whole payload.
-#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct PayloadV1<'a> {
-    agent_version: &'a str,
-    written_at: Time,
-    local_node: &'a str,
-    /// The live records, local node excluded.
-    #[serde(borrow)]
-    nodes: Vec<Record<'a>>,
-    /// Pending deletes, local node excluded; names are coded against the previous pending one.
-    #[serde(borrow)]
-    pending_deletes: Vec<Pending<'a>>,
-    freed: Vec<Freed>,
-}
-
 /// A point in time since the Unix epoch, or a duration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct Time {
+pub(super) struct Time {
     secs: u64,
     nanos: u32,
 }
 
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct Record<'a> {
+pub(super) struct Record<'a> {
     #[serde(borrow)]
     name: Name<'a>,
     #[serde(borrow)]
@@ -92,7 +85,7 @@ struct Record<'a> {
 }
 
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct Pending<'a> {
+pub(super) struct Pending<'a> {
     #[serde(borrow)]
     record: Record<'a>,
     attempts: u32,
@@ -101,7 +94,7 @@ struct Pending<'a> {
 /// A name coded against the previous name of its list: `prefix` bytes of it, then `rest`, then
 /// its last `suffix` bytes.
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct Name<'a> {
+pub(super) struct Name<'a> {
     prefix: u32,
     suffix: u32,
     rest: &'a str,
@@ -109,7 +102,7 @@ struct Name<'a> {
 
 /// A UID or boot ID.
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-enum Ident<'a> {
+pub(super) enum Ident<'a> {
     /// A canonical lowercase UUID, as its 16 bytes.
     Uuid(#[serde(with = "raw")] [u8; 16]),
     /// Anything else, as it was.
@@ -117,7 +110,7 @@ enum Ident<'a> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-enum Address {
+pub(super) enum Address {
     InternalV4(#[serde(with = "raw")] [u8; 4]),
     InternalV6(#[serde(with = "raw")] [u8; 16]),
     ExternalV4(#[serde(with = "raw")] [u8; 4]),
@@ -126,7 +119,7 @@ enum Address {
 
 /// A pod CIDR: prefix length, then the network address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-enum Cidr {
+pub(super) enum Cidr {
     V4(u8, #[serde(with = "raw")] [u8; 4]),
     V6(u8, #[serde(with = "raw")] [u8; 16]),
 }
@@ -167,7 +160,7 @@ mod raw {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct Freed {
+pub(super) struct Freed {
     id: u16,
     at: Time,
 }
@@ -290,54 +283,6 @@ fn record<'a>(n: &'a Node, prev: &str) -> Record<'a> {
     }
 }
 
-impl<'a> PayloadV1<'a> {
-    /// The wire form of `cp`, borrowing its strings, without the local node's record.
-    fn from_checkpoint(cp: &'a Checkpoint) -> Self {
-        let remote = |n: &Node| n.name != cp.local_node;
-        let mut prev = "";
-        let nodes = cp
-            .nodes
-            .iter()
-            .filter(|n| remote(n))
-            .map(|n| {
-                let r = record(n, prev);
-                prev = &n.name;
-                r
-            })
-            .collect();
-        let mut prev = "";
-        let pending_deletes = cp
-            .pending_deletes
-            .iter()
-            .filter(|p| remote(&p.node))
-            .map(|p| {
-                let r = record(&p.node, prev);
-                prev = &p.node.name;
-                Pending {
-                    record: r,
-                    attempts: p.attempts,
-                }
-            })
-            .collect();
-        Self {
-            agent_version: &cp.agent_version,
-            written_at: cp.written_at.into(),
-            local_node: &cp.local_node,
-            nodes,
-            pending_deletes,
-            freed: cp
-                .ids
-                .freed
-                .iter()
-                .map(|f| Freed {
-                    id: f.id.get(),
-                    at: f.freed_at.into(),
-                })
-                .collect(),
-        }
-    }
-}
-
 /// Appends bincode's bytes to a `Vec` in place (its `std::io::Write` adapter costs more).
 struct Append<'a>(&'a mut Vec<u8>);
 
@@ -346,14 +291,6 @@ impl bincode::enc::write::Writer for Append<'_> {
         self.0.extend_from_slice(bytes);
         Ok(())
     }
-}
-
-/// Appends the payload of `cp` to `out`, without the local node's record.
-pub(super) fn encode(cp: &Checkpoint, out: &mut Vec<u8>) -> Result<(), EncodeError> {
-    // About 90 bytes per typical record; a guess that saves most reallocations.
-    out.reserve(128 + 96 * (cp.nodes.len() + cp.pending_deletes.len()));
-    bincode::serde::encode_into_writer(PayloadV1::from_checkpoint(cp), Append(out), config())
-        .map_err(EncodeError::Payload)
 }
 
 // ---- wire -> Checkpoint ----
@@ -458,63 +395,101 @@ impl Record<'_> {
     }
 }
 
-impl PayloadV1<'_> {
-    /// The checkpoint, every field checked, a record of the local node dropped.
-    fn into_checkpoint(self) -> Result<Checkpoint, DecodeError> {
-        let local_node = self.local_node;
-        let mut nodes = Vec::with_capacity(self.nodes.len());
-        let mut prev = String::new();
-        for (index, r) in self.nodes.iter().enumerate() {
-            let node = r.decode(
-                &prev,
-                At {
-                    list: "nodes",
-                    index,
-                },
-            )?;
-            prev.clone_from(&node.name);
-            if node.name != local_node {
-                nodes.push(node);
-            }
-        }
-        let mut pending_deletes = Vec::with_capacity(self.pending_deletes.len());
-        prev.clear();
-        for (index, p) in self.pending_deletes.iter().enumerate() {
-            let at = At {
-                list: "pending_deletes",
-                index,
-            };
-            let node = p.record.decode(&prev, at)?;
-            prev.clone_from(&node.name);
-            if node.name != local_node {
-                pending_deletes.push(PendingDelete {
-                    node,
-                    attempts: p.attempts,
-                });
-            }
-        }
-        let mut freed = Vec::with_capacity(self.freed.len());
-        for (i, f) in self.freed.iter().enumerate() {
-            let id = NodeId::new(f.id)
-                .ok_or_else(|| invalid(format!("freed[{i}].id"), "node ID 0 is the local node"))?;
-            let freed_at = f.at.duration(|| format!("freed[{i}].at"))?;
-            freed.push(FreedId { id, freed_at });
-        }
-        Ok(Checkpoint {
-            agent_version: self.agent_version.to_owned(),
-            written_at: self.written_at.duration(|| "written_at".into())?,
-            local_node: local_node.to_owned(),
-            nodes,
-            pending_deletes,
-            ids: AllocatorState { freed },
-        })
+/// The nodes of one list, each checked, in order (a record of the local node included: callers
+/// drop it).
+fn decode_records<'r, 'a: 'r>(
+    list: &'static str,
+    records: impl Iterator<Item = &'r Record<'a>>,
+) -> Result<Vec<Node>, DecodeError> {
+    let mut nodes = Vec::with_capacity(records.size_hint().0);
+    let mut prev = String::new();
+    for (index, r) in records.enumerate() {
+        let node = r.decode(&prev, At { list, index })?;
+        prev.clone_from(&node.name);
+        nodes.push(node);
     }
+    Ok(nodes)
 }
 
-/// Decodes and validates payload `body` of format `version`, dropping a record of the local
-/// node. Never panics, whatever the bytes.
-pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeError> {
-    let (wire, read): (PayloadV1<'_>, usize) =
+/// The live list and pending deletes, checked, records of the local node dropped.
+fn decode_lists(
+    nodes: &[Record<'_>],
+    pending: &[Pending<'_>],
+    local_node: &str,
+) -> Result<(Vec<Node>, Vec<PendingDelete>), DecodeError> {
+    let mut live = decode_records("nodes", nodes.iter())?;
+    live.retain(|n| n.name != local_node);
+    let pending = decode_records("pending_deletes", pending.iter().map(|p| &p.record))?
+        .into_iter()
+        .zip(pending)
+        .filter(|(n, _)| n.name != local_node)
+        .map(|(node, p)| PendingDelete {
+            node,
+            attempts: p.attempts,
+        })
+        .collect();
+    Ok((live, pending))
+}
+
+/// The wire forms of the live list and the pending deletes, without the local node's record.
+fn encode_lists<'a>(cp: &'a Checkpoint) -> (Vec<Record<'a>>, Vec<Pending<'a>>) {
+    let remote = |n: &Node| n.name != cp.local_node;
+    let nodes = encode_records(cp.nodes.iter().filter(|n| remote(n)));
+    let pending: Vec<&PendingDelete> = cp
+        .pending_deletes
+        .iter()
+        .filter(|p| remote(&p.node))
+        .collect();
+    let pending = encode_records(pending.iter().map(|p| &p.node))
+        .into_iter()
+        .zip(&pending)
+        .map(|(record, p)| Pending {
+            record,
+            attempts: p.attempts,
+        })
+        .collect();
+    (nodes, pending)
+}
+
+/// The wire records of `nodes` in order, names coded one against the other.
+fn encode_records<'a>(nodes: impl Iterator<Item = &'a Node>) -> Vec<Record<'a>> {
+    let mut prev = "";
+    nodes
+        .map(|n| {
+            let r = record(n, prev);
+            prev = &n.name;
+            r
+        })
+        .collect()
+}
+
+fn decode_freed(freed: &[Freed]) -> Result<AllocatorState, PayloadError> {
+    let mut out = Vec::with_capacity(freed.len());
+    for (i, f) in freed.iter().enumerate() {
+        let id = NodeId::new(f.id)
+            .ok_or_else(|| invalid(format!("freed[{i}].id"), "node ID 0 is the local node"))?;
+        let freed_at = f.at.duration(|| format!("freed[{i}].at"))?;
+        out.push(FreedId { id, freed_at });
+    }
+    Ok(AllocatorState { freed: out })
+}
+
+fn encode_freed(ids: &AllocatorState) -> Vec<Freed> {
+    ids.freed
+        .iter()
+        .map(|f| Freed {
+            id: f.id.get(),
+            at: f.freed_at.into(),
+        })
+        .collect()
+}
+
+/// Decodes a whole payload of wire type `W` from `body`: all of it, within the decode limit.
+fn borrow_decode<'a, W: serde::Deserialize<'a>>(
+    body: &'a [u8],
+    version: u32,
+) -> Result<W, DecodeError> {
+    let (wire, read): (W, usize) =
         bincode::serde::borrow_decode_from_slice(body, config().with_limit::<DECODE_LIMIT>())
             .map_err(|e| DecodeError::Payload {
                 version,
@@ -525,16 +500,34 @@ pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeErro
             unread: body.len() - read,
         });
     }
-    wire.into_checkpoint().map_err(|e| match e {
+    Ok(wire)
+}
+
+/// Decodes and validates payload `body` of format `version`, dropping a record of the local
+/// node. Never panics, whatever the bytes.
+pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeError> {
+    let decoded = match version {
+        1 => borrow_decode::<v1::PayloadV1<'_>>(body, version)?.into_checkpoint(),
+        _ => borrow_decode::<v2::PayloadV2<'_>>(body, version)?.into_checkpoint(),
+    };
+    decoded.map_err(|e| match e {
         DecodeError::Payload { reason, .. } => DecodeError::Payload { version, reason },
         e => e,
     })
 }
 
+/// Appends the payload of `cp` to `out` in the newest format, without the local node's record.
+pub(super) fn encode(cp: &Checkpoint, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+    // About 90 bytes per typical record; a guess that saves most reallocations.
+    out.reserve(128 + 96 * (cp.nodes.len() + cp.pending_deletes.len()));
+    bincode::serde::encode_into_writer(v2::PayloadV2::from_checkpoint(cp), Append(out), config())
+        .map_err(EncodeError::Payload)
+}
+
 impl From<PayloadError> for DecodeError {
-    /// A wire-level problem of the only version there is; [`decode`] sets the version.
+    /// A wire-level problem; [`decode`] sets the version.
     fn from(reason: PayloadError) -> Self {
-        DecodeError::Payload { version: 1, reason }
+        DecodeError::Payload { version: 0, reason }
     }
 }
 
@@ -633,49 +626,55 @@ mod tests {
         }
     }
 
-    fn payload_of(wire: &PayloadV1<'_>) -> Vec<u8> {
+    fn payload_of(wire: &v2::PayloadV2<'_>) -> Vec<u8> {
         bincode::serde::encode_to_vec(wire, config()).unwrap()
     }
 
     #[test]
     fn wire_round_trips_and_the_decoder_names_the_bad_field() {
         let cp = crate::checkpoint::format::tests::sample();
-        let wire = PayloadV1::from_checkpoint(&cp);
+        let wire = v2::PayloadV2::from_checkpoint(&cp);
         let bytes = payload_of(&wire);
-        let (back, read): (PayloadV1<'_>, usize) =
+        let (back, read): (v2::PayloadV2<'_>, usize) =
             bincode::serde::borrow_decode_from_slice(&bytes, config()).unwrap();
         assert_eq!(read, bytes.len());
         assert_eq!(back, wire);
-        assert_eq!(decode(&bytes, 1).unwrap(), cp);
+        assert_eq!(decode(&bytes, 2).unwrap(), cp);
 
-        let reason = |wire: PayloadV1<'_>| match decode(&payload_of(&wire), 1) {
+        let reason = |wire: v2::PayloadV2<'_>| match decode(&payload_of(&wire), 2) {
             Err(DecodeError::Payload {
-                version: 1,
+                version: 2,
                 reason: PayloadError::Invalid { field, .. },
             }) => field,
             other => panic!("{other:?}"),
         };
-        let mut bad = PayloadV1::from_checkpoint(&cp);
+        let mut bad = v2::PayloadV2::from_checkpoint(&cp);
         bad.nodes[1].pod_cidrs[0] = Cidr::V4(33, [10, 1, 2, 0]);
         assert_eq!(reason(bad), "nodes[1] (\"b\").pod_cidrs[0]");
-        let mut bad = PayloadV1::from_checkpoint(&cp);
+        let mut bad = v2::PayloadV2::from_checkpoint(&cp);
         bad.freed[0].id = 0;
         assert_eq!(reason(bad), "freed[0].id");
-        let mut bad = PayloadV1::from_checkpoint(&cp);
+        let mut bad = v2::PayloadV2::from_checkpoint(&cp);
         bad.written_at.nanos = 1_000_000_000;
         assert_eq!(reason(bad), "written_at");
-        let mut bad = PayloadV1::from_checkpoint(&cp);
+        let mut bad = v2::PayloadV2::from_checkpoint(&cp);
+        bad.ipsec_keys.push(v2::Key {
+            spi: 16,
+            first_seen: Time { secs: 1, nanos: 0 },
+        });
+        assert_eq!(reason(bad), "ipsec_keys[1].spi");
+        let mut bad = v2::PayloadV2::from_checkpoint(&cp);
         bad.pending_deletes[0].record.name.prefix = 1;
         assert_eq!(reason(bad), "pending_deletes[0].name");
         // A record that decodes but is not a valid node.
-        let mut bad = PayloadV1::from_checkpoint(&cp);
+        let mut bad = v2::PayloadV2::from_checkpoint(&cp);
         bad.nodes[0].addresses[1] = bad.nodes[0].addresses[0];
         assert!(matches!(
-            decode(&payload_of(&bad), 1),
+            decode(&payload_of(&bad), 2),
             Err(DecodeError::InvalidNode(_))
         ));
         // bincode's own complaints come through with its text.
-        let e = decode(&bytes[..bytes.len() - 1], 1).unwrap_err();
+        let e = decode(&bytes[..bytes.len() - 1], 2).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -690,7 +689,7 @@ mod tests {
         let mut trailing = bytes.clone();
         trailing.push(0);
         assert!(matches!(
-            decode(&trailing, 1),
+            decode(&trailing, 2),
             Err(DecodeError::PayloadTrailing { unread: 1 })
         ));
     }

@@ -1,0 +1,329 @@
+//! Step 4, continued: admitting candidates one by one, in an order that favours what the
+//! record knows: conflicts first ([`super::claims`]), then room in the node-ID map, then a node
+//! ID. A candidate that fails any of them is held as a whole and reported; one that passes all
+//! of them is programmed.
+
+use std::net::IpAddr;
+
+use foldhash::{HashMap, HashMapExt, HashSet};
+use smallvec::SmallVec;
+
+use super::brake::{Brake, is_local_entry};
+use super::claims::{Blocker, Claims, ClaimedAnywhere, ConflictWhy, Holder, Resource, mapped_ips, resources};
+use super::classify::{HeldWhy, Live, LiveClass};
+use super::records::Record;
+use super::{Allocation, InputError, InputProblem, Local, PlanInput, err};
+use crate::ids::{IdAllocator, IdError, IdSet};
+use crate::inventory::Inventory;
+use crate::objects::{KernelObject, NodeId, ObjectId};
+
+/// What admission leaves for the rest of the plan.
+pub(super) struct Admitted {
+    pub allocations: Vec<Allocation>,
+    pub allocator: IdAllocator,
+    /// Every ID the kernel or the record carries.
+    pub seen_ids: IdSet,
+    /// IDs given to programmed nodes.
+    pub claimed: IdSet,
+}
+
+/// Room in the node-ID map (invariant 17): entries that stay whatever the candidates do, plus
+/// the new entries of every candidate admitted so far.
+struct MapRoom {
+    capacity: usize,
+    used: usize,
+}
+
+impl MapRoom {
+    fn fits(&self, adds: usize, frees: usize) -> bool {
+        (self.used + adds).saturating_sub(frees) <= self.capacity
+    }
+
+    fn commit(&mut self, adds: usize, frees: usize) {
+        self.used = (self.used + adds).saturating_sub(frees);
+    }
+}
+
+/// How many live nodes claim each mapped address, as they are and as recorded.
+fn address_claims(live: &[Live<'_>], records: &[Record<'_>], input: &PlanInput<'_>) -> HashMap<IpAddr, u32> {
+    let cfg = input.config;
+    let mut count: HashMap<IpAddr, u32> = HashMap::with_capacity(2 * live.len());
+    for l in live {
+        let recorded = l.record.map(|r| records[r].node);
+        let mut ips: SmallVec<[IpAddr; 4]> = mapped_ips(l.node, cfg).collect();
+        ips.extend(recorded.into_iter().flat_map(|n| mapped_ips(n, cfg)));
+        ips.sort_unstable();
+        ips.dedup();
+        for ip in ips {
+            *count.entry(ip).or_default() += 1;
+        }
+    }
+    count
+}
+
+/// Map entries that stay whatever the candidates do: all but those deleted anyway (local
+/// addresses; addresses no live node claims, unless a held removal or a held orphan keeps them).
+fn staying_entries(
+    input: &PlanInput<'_>,
+    records: &[Record<'_>],
+    brake: &Brake,
+    local: &Local,
+    claims: &HashMap<IpAddr, u32>,
+) -> usize {
+    let mut kept_ips: HashSet<IpAddr> = HashSet::default();
+    let mut kept_ids: HashSet<NodeId> = HashSet::default();
+    for r in records.iter().filter(|r| r.live.is_none() && !brake.releases(r)) {
+        kept_ips.extend(r.node.ips());
+        kept_ids.extend(r.node.node_id);
+    }
+    input
+        .inventory
+        .objects()
+        .filter(|o| match o {
+            KernelObject::MapEntry(e) => {
+                !is_local_entry(o, local)
+                    && (claims.get(&e.ip).is_some_and(|c| *c > 0)
+                        || kept_ips.contains(&e.ip)
+                        || kept_ids.contains(&e.node_id)
+                        || !brake.releases_orphan(&o.id()))
+            }
+            _ => false,
+        })
+        .count()
+}
+
+/// Picks node IDs (invariant 5).
+struct Ids<'a> {
+    alloc: IdAllocator,
+    claimed: IdSet,
+    /// ID -> the record that carries it; `None` when records of several names carry it.
+    recorded: HashMap<NodeId, Option<usize>>,
+    inventory: &'a Inventory,
+}
+
+impl Ids<'_> {
+    /// The record's ID; without a record, the ID the node's map entries carry if no record owns
+    /// it; else a fresh one.
+    fn pick(
+        &mut self,
+        l: &Live<'_>,
+        records: &[Record<'_>],
+        input: &PlanInput<'_>,
+        local: &Local,
+    ) -> Result<(NodeId, Option<Allocation>), IdError> {
+        let record_id = l.record.and_then(|r| records[r].node.node_id);
+        if let Some(id) = record_id
+            && !self.claimed.contains(id)
+        {
+            return Ok((id, None));
+        }
+        if record_id.is_none() {
+            let inherited = mapped_ips(l.node, input.config)
+                .filter(|ip| !local.ips.contains(ip))
+                .filter_map(|ip| match self.inventory.get(&ObjectId::MapEntry { ip }) {
+                    Some(KernelObject::MapEntry(e)) => Some(e.node_id),
+                    _ => None,
+                })
+                .find(|id| !self.claimed.contains(*id) && !self.recorded.contains_key(id));
+            if let Some(id) = inherited {
+                return Ok((id, None));
+            }
+        }
+        let a = self.alloc.allocate(input.now)?;
+        Ok((
+            a.id,
+            Some(Allocation {
+                node: l.node.name.clone(),
+                id: a.id,
+                reused_after: a.reused_after,
+            }),
+        ))
+    }
+}
+
+/// Decides every candidate: programmed with an ID, or held with the reason reported.
+pub(super) fn admit(
+    input: &PlanInput<'_>,
+    live: &mut [Live<'_>],
+    records: &[Record<'_>],
+    brake: &Brake,
+    claimed_anywhere: &ClaimedAnywhere,
+    local: &Local,
+    errors: &mut Vec<InputError>,
+) -> Admitted {
+    let cfg = input.config;
+    let _ = claimed_anywhere;
+    let mut claims = Claims::with_capacity(2 * (live.len() + records.len()));
+    for ip in &local.ips {
+        claims.fix(Resource::Address(*ip), Holder::Local);
+    }
+    for c in &local.cidrs {
+        claims.fix(Resource::PodCidr(*c), Holder::Local);
+    }
+    let mut ids = Ids {
+        alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator),
+        claimed: IdSet::new(),
+        recorded: HashMap::with_capacity(records.len()),
+        inventory: input.inventory,
+    };
+    let mut seen_ids = IdSet::new();
+    for id in input.inventory.objects().filter_map(KernelObject::node_id) {
+        seen_ids.insert(id);
+    }
+    for (r, rec) in records.iter().enumerate() {
+        if let Some(id) = rec.node.node_id {
+            seen_ids.insert(id);
+            ids.recorded
+                .entry(id)
+                .and_modify(|o| *o = None)
+                .or_insert(Some(r));
+        }
+    }
+    for id in seen_ids.iter() {
+        ids.alloc.reserve(id);
+    }
+    // Held live nodes and held removals keep what their records list, IDs included.
+    for (i, l) in live.iter().enumerate() {
+        if let Some(r) = l.record {
+            for res in resources(records[r].node, cfg) {
+                if l.is_held() {
+                    claims.fix(res, Holder::Held(i));
+                }
+                claims.incumbent(res, i);
+            }
+            if l.is_held()
+                && let Some(id) = records[r].node.node_id
+            {
+                ids.claimed.insert(id);
+            }
+        }
+    }
+    for (r, rec) in records.iter().enumerate() {
+        if rec.live.is_none() && input.live.synced && !brake.releases(rec) {
+            for res in resources(rec.node, cfg) {
+                claims.fix(res, Holder::Removal(r));
+            }
+            if let Some(id) = rec.node.node_id {
+                ids.claimed.insert(id);
+            }
+        }
+    }
+    let address_claims = address_claims(live, records, input);
+    let mut room = MapRoom {
+        capacity: cfg.map_capacity,
+        used: staying_entries(input, records, brake, local, &address_claims),
+    };
+
+    // Nodes the record knows first, then new ones; each group in name order.
+    let mut order: Vec<usize> = (0..live.len())
+        .filter(|&i| live[i].class == LiveClass::Candidate)
+        .collect();
+    order.sort_by_key(|&i| live[i].record.is_none());
+    let wants: Vec<SmallVec<[Resource; 4]>> = live.iter().map(|l| resources(l.node, cfg)).collect();
+    let mut allocations = Vec::new();
+    for i in order {
+        let name = live[i].node.name.clone();
+        let checked = claims.check(i, &wants[i], |j, r| match live[j].class {
+            LiveClass::Held(_) => true,
+            LiveClass::Candidate | LiveClass::Programmed(_) => wants[j].contains(r),
+        });
+        if let Err((resource, blocker)) = checked {
+            let problem = conflict(resource, blocker, live, records);
+            err(errors, &name, problem);
+            live[i].class = LiveClass::Held(HeldWhy::Conflict);
+            continue;
+        }
+        let (adds, frees) = map_delta(&live[i], records, input, &address_claims);
+        if !room.fits(adds, frees) {
+            err(
+                errors,
+                &name,
+                InputProblem::MapFull {
+                    limit: cfg.map_capacity,
+                    needed: adds,
+                },
+            );
+            live[i].class = LiveClass::Held(HeldWhy::MapFull);
+            continue;
+        }
+        match ids.pick(&live[i], records, input, local) {
+            Ok((id, allocation)) => {
+                claims.take(i, &wants[i]);
+                room.commit(adds, frees);
+                ids.claimed.insert(id);
+                allocations.extend(allocation);
+                live[i].class = LiveClass::Programmed(id);
+            }
+            Err(e) => {
+                err(errors, &name, e.into());
+                live[i].class = LiveClass::Held(HeldWhy::NoId);
+            }
+        }
+    }
+    Admitted {
+        allocations,
+        allocator: ids.alloc,
+        seen_ids,
+        claimed: ids.claimed,
+    }
+}
+
+/// New map entries a candidate needs, and its recorded entries that go once it is programmed
+/// (addresses it no longer has and no other live node claims).
+fn map_delta(
+    l: &Live<'_>,
+    records: &[Record<'_>],
+    input: &PlanInput<'_>,
+    address_claims: &HashMap<IpAddr, u32>,
+) -> (usize, usize) {
+    let cfg = input.config;
+    let inv = input.inventory;
+    let has = |ip: IpAddr| inv.contains(&ObjectId::MapEntry { ip });
+    let adds = mapped_ips(l.node, cfg).filter(|ip| !has(*ip)).count();
+    let frees = l.record.map_or(0, |r| {
+        mapped_ips(records[r].node, cfg)
+            .filter(|ip| has(*ip))
+            .filter(|ip| !mapped_ips(l.node, cfg).any(|now| now == *ip))
+            .filter(|ip| address_claims.get(ip).is_some_and(|c| *c == 1))
+            .count()
+    });
+    (adds, frees)
+}
+
+fn conflict(
+    resource: Resource,
+    blocker: Blocker,
+    live: &[Live<'_>],
+    records: &[Record<'_>],
+) -> InputProblem {
+    let (holder, why) = match blocker {
+        Blocker::Taken(Holder::Local) => return InputProblem::LocalResource { resource },
+        Blocker::Taken(Holder::Held(j)) => (&live[j].node.name, ConflictWhy::Held),
+        Blocker::Taken(Holder::Removal(r)) => (&records[r].node.name, ConflictWhy::HeldRemoval),
+        Blocker::Taken(Holder::Admitted(j)) => {
+            let incumbent = live[j]
+                .record
+                .is_some_and(|r| resources_of(records[r].node).contains(&resource));
+            let why = if incumbent {
+                ConflictWhy::Incumbent
+            } else {
+                ConflictWhy::Order
+            };
+            (&live[j].node.name, why)
+        }
+        Blocker::Incumbent(j) => (&live[j].node.name, ConflictWhy::Incumbent),
+    };
+    InputProblem::Conflict {
+        resource,
+        holder: holder.clone(),
+        why,
+    }
+}
+
+/// Every resource a record lists, mapped or not (for telling an incumbent in a report).
+fn resources_of(n: &crate::node::Node) -> SmallVec<[Resource; 4]> {
+    n.ips()
+        .map(Resource::Address)
+        .chain(n.pod_cidrs.iter().map(|c| Resource::PodCidr(*c)))
+        .collect()
+}

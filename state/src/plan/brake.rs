@@ -1,0 +1,587 @@
+//! Step 3: the brake on mass deletion (invariants 9, 15 and 16).
+//!
+//! A partial list, another cluster's list, or a list read through a broken proxy all look like
+//! "most nodes are gone". The brake counts what a plan would remove, against what the agent
+//! knows (never against the new list), together with what it removed within the window, and
+//! holds every removal when that is too much. A hold is released item by item: an item is
+//! released once it has been held for the confirm delay and a full list that arrived after its
+//! hold began still asks for it; whatever a list asks for beyond the held items starts its own
+//! hold. A near-total wipe is released only by an operator.
+//!
+//! [`decide`] is the rule, pure and small; [`Brake`] applies it to a plan.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::Duration;
+
+use foldhash::{HashSet, HashSetExt};
+
+use super::claims::ClaimedAnywhere;
+use super::records::Record;
+use super::{Delete, Local, PlanConfig, PlanInput};
+use crate::checkpoint::{Checkpoint, RecentRemovals};
+use crate::objects::{KernelObject, ObjectId};
+
+/// Something a plan would remove for good.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Removal {
+    /// A known remote node (by name and UID: a node replaced under its name is a removal too).
+    Node { name: String, uid: String },
+    /// An object of ours that belongs to nobody.
+    Orphan(ObjectId),
+}
+
+/// When an item's hold began.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldSince {
+    /// Since the Unix epoch.
+    pub at: Duration,
+    /// The source's count of full lists (with the local node) at that time.
+    pub relists: u64,
+}
+
+/// What the brake remembers from one plan to the next.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BrakeMemory {
+    /// Items held, and since when.
+    pub held: BTreeMap<Removal, HeldSince>,
+    /// Removals carried out recently; the checkpoint keeps these across restarts.
+    pub window: Vec<RecentRemovals>,
+}
+
+impl BrakeMemory {
+    /// The memory a restarted agent begins with: the window from its checkpoint, no holds (a
+    /// hold starts over, which only ever delays a removal).
+    pub fn restored(cp: Option<&Checkpoint>) -> Self {
+        Self {
+            held: BTreeMap::new(),
+            window: cp.map(|c| c.removals.clone()).unwrap_or_default(),
+        }
+    }
+}
+
+/// Why the brake holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldKind {
+    /// Removals over the allowed share: a fresh full list after the confirm delay releases them.
+    Ratio,
+    /// Removals of the wipe share or more: only an operator releases them.
+    Wipe,
+    /// The list lacks the local node: it is no view of this cluster, and nothing changes.
+    NoLocalNode,
+}
+
+/// What the brake holds, for logs, metrics, readiness and reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BrakeHold {
+    pub kind: HoldKind,
+    /// Names the held set, for an operator's confirmation (`node-agent prune confirm <id>`).
+    pub id: String,
+    /// The held nodes, in name order.
+    pub nodes: Vec<String>,
+    /// How many orphan objects are held.
+    pub orphans: usize,
+    /// Known remote nodes the plan would remove, with those removed within the window.
+    pub removed_nodes: usize,
+    /// Known remote nodes, with those removed within the window.
+    pub known_nodes: usize,
+    pub node_ratio: f64,
+    /// Orphans over our objects, with those removed within the window.
+    pub orphan_ratio: f64,
+    pub max_ratio: f64,
+    /// When the oldest held item's hold began (since the Unix epoch).
+    pub since: Duration,
+    /// When a fresh full list may confirm the hold (since the Unix epoch); `None` when only an
+    /// operator can, or nothing can.
+    pub confirmable_at: Option<Duration>,
+    /// The objects kept because of the hold.
+    pub deletes: Vec<Delete>,
+}
+
+impl BrakeHold {
+    pub(super) fn local_node_missing(local: &str) -> Self {
+        Self {
+            kind: HoldKind::NoLocalNode,
+            id: String::new(),
+            nodes: vec![local.to_string()],
+            orphans: 0,
+            removed_nodes: 0,
+            known_nodes: 0,
+            node_ratio: 0.0,
+            orphan_ratio: 0.0,
+            max_ratio: 0.0,
+            since: Duration::ZERO,
+            confirmable_at: None,
+            deletes: Vec::new(),
+        }
+    }
+}
+
+impl fmt::Display for BrakeHold {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.kind == HoldKind::NoLocalNode {
+            return write!(
+                f,
+                "the node list does not contain this node ({}): it is not a view of this \
+                 cluster (a partial or filtered list, or another cluster's); nothing is changed \
+                 until a list contains it",
+                self.nodes.first().map_or("", String::as_str)
+            );
+        }
+        write!(
+            f,
+            "holding the removal of {} of {} known remote nodes ({:.0}%) and {} orphan objects \
+             ({:.0}% of ours) against {:.0}% allowed, {} objects in all; a partial node list, the \
+             wrong cluster or an RBAC error can look like this",
+            self.nodes.len(),
+            self.known_nodes,
+            self.node_ratio * 100.0,
+            self.orphans,
+            self.orphan_ratio * 100.0,
+            self.max_ratio * 100.0,
+            self.deletes.len(),
+        )?;
+        match self.kind {
+            HoldKind::Wipe => write!(
+                f,
+                ". A near-total wipe: only an operator releases it, with `node-agent prune \
+                 confirm {}` (a running daemon) or --force-prune",
+                self.id
+            ),
+            _ => write!(
+                f,
+                ". A fresh full list after the confirm delay releases it (daemon), or \
+                 `node-agent prune confirm {}`, or --force-prune",
+                self.id
+            ),
+        }
+    }
+}
+
+/// The brake's rule, given what is asked for now.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Ask {
+    /// Known remote nodes (the record's), before this plan.
+    pub known_nodes: usize,
+    /// Our objects in the kernel.
+    pub our_objects: usize,
+}
+
+/// What [`decide`] decided.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Decision {
+    pub released: BTreeSet<Removal>,
+    pub memory: BrakeMemory,
+    /// When something stays held: its kind and ratios.
+    pub hold: Option<(HoldKind, Ratios)>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct Ratios {
+    pub removed_nodes: usize,
+    pub known_nodes: usize,
+    pub nodes: f64,
+    pub orphans: f64,
+}
+
+fn ratio(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+/// A short, stable name for a set of removals: FNV-1a over its items, in order.
+pub fn hold_id<'a>(items: impl IntoIterator<Item = &'a Removal>) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for item in items {
+        match item {
+            Removal::Node { name, uid } => {
+                feed(b"n");
+                feed(name.as_bytes());
+                feed(b"\0");
+                feed(uid.as_bytes());
+            }
+            Removal::Orphan(id) => {
+                feed(b"o");
+                feed(format!("{id:?}").as_bytes());
+            }
+        }
+        feed(b"\n");
+    }
+    format!("{:012x}", h >> 16)
+}
+
+/// The rule. `asked` is every removal the plan would make; the result says which go ahead.
+pub(super) fn decide(
+    asked: &BTreeSet<Removal>,
+    counts: Ask,
+    memory: &BrakeMemory,
+    relists: u64,
+    confirmed_hold: Option<&str>,
+    now: Duration,
+    cfg: &PlanConfig,
+) -> Decision {
+    let mut window: Vec<RecentRemovals> = memory
+        .window
+        .iter()
+        .filter(|w| now.saturating_sub(w.at) < cfg.confirm_delay)
+        .copied()
+        .collect();
+    let window_nodes: usize = window.iter().map(|w| w.nodes as usize).sum();
+    let window_objects: usize = window.iter().map(|w| w.objects as usize).sum();
+    let asked_nodes = asked
+        .iter()
+        .filter(|r| matches!(r, Removal::Node { .. }))
+        .count();
+    let asked_orphans = asked.len() - asked_nodes;
+    let ratios = Ratios {
+        removed_nodes: asked_nodes + window_nodes,
+        known_nodes: counts.known_nodes + window_nodes,
+        nodes: ratio(asked_nodes + window_nodes, counts.known_nodes + window_nodes),
+        orphans: ratio(
+            asked_orphans + window_objects,
+            counts.our_objects + window_objects,
+        ),
+    };
+    let over = ratios.nodes > cfg.max_prune_ratio || ratios.orphans > cfg.max_prune_ratio;
+    let wipe = over
+        && ((asked_nodes > 0 && ratios.nodes >= cfg.wipe_ratio)
+            || (asked_orphans > 0 && ratios.orphans >= cfg.wipe_ratio));
+    let operator = confirmed_hold.is_some_and(|id| id == hold_id(asked));
+    let mut released = BTreeSet::new();
+    let mut held = BTreeMap::new();
+    if !over || cfg.force_prune || operator {
+        released.clone_from(asked);
+    } else {
+        for item in asked {
+            let since = memory.held.get(item).copied().unwrap_or(HeldSince { at: now, relists });
+            let ripe = cfg.confirm_by_relist
+                && !wipe
+                && now.saturating_sub(since.at) >= cfg.confirm_delay
+                && relists > since.relists;
+            if ripe {
+                released.insert(item.clone());
+            } else {
+                held.insert(item.clone(), since);
+            }
+        }
+    }
+    if !released.is_empty() {
+        let nodes = released
+            .iter()
+            .filter(|r| matches!(r, Removal::Node { .. }))
+            .count();
+        window.push(RecentRemovals {
+            at: now,
+            nodes: nodes as u32,
+            objects: (released.len() - nodes) as u32,
+        });
+    }
+    let hold = (!held.is_empty()).then(|| {
+        let kind = if wipe { HoldKind::Wipe } else { HoldKind::Ratio };
+        (kind, ratios)
+    });
+    Decision {
+        released,
+        memory: BrakeMemory { held, window },
+        hold,
+    }
+}
+
+/// The brake applied to one plan.
+pub(super) struct Brake {
+    synced: bool,
+    decision: Decision,
+    /// Names of the records whose removal goes ahead.
+    released_names: HashSet<String>,
+    max_ratio: f64,
+    confirm_delay: Duration,
+    confirm_by_relist: bool,
+}
+
+impl Brake {
+    pub fn new(
+        cfg: &PlanConfig,
+        input: &PlanInput<'_>,
+        records: &[Record<'_>],
+        claimed: &ClaimedAnywhere,
+        local: &Local,
+    ) -> Self {
+        let mut brake = Self {
+            synced: input.live.synced,
+            decision: Decision {
+                memory: input.brake.clone(),
+                ..Decision::default()
+            },
+            released_names: HashSet::new(),
+            max_ratio: cfg.max_prune_ratio,
+            confirm_delay: cfg.confirm_delay,
+            confirm_by_relist: cfg.confirm_by_relist,
+        };
+        if !brake.synced {
+            // Nothing is removed before sync (invariant 1), and nothing is forgotten either.
+            return brake;
+        }
+        let mut asked = BTreeSet::new();
+        let mut known = 0;
+        for r in records {
+            if r.released_before() {
+                // A released removal whose cleanup failed: retried, not counted again.
+                if r.live.is_none() {
+                    brake.released_names.insert(r.node.name.clone());
+                }
+                continue;
+            }
+            known += 1;
+            if r.live.is_none() {
+                asked.insert(Removal::Node {
+                    name: r.node.name.clone(),
+                    uid: r.node.uid.clone(),
+                });
+            }
+        }
+        for o in input.inventory.objects() {
+            if !claimed.owns(o) && !is_local_entry(o, local) {
+                asked.insert(Removal::Orphan(o.id()));
+            }
+        }
+        let counts = Ask {
+            known_nodes: known,
+            our_objects: input.inventory.len(),
+        };
+        brake.decision = decide(
+            &asked,
+            counts,
+            input.brake,
+            input.live.relists,
+            input.confirmed_hold,
+            input.now,
+            cfg,
+        );
+        for r in &brake.decision.released {
+            if let Removal::Node { name, .. } = r {
+                brake.released_names.insert(name.clone());
+            }
+        }
+        brake
+    }
+
+    /// Whether the removal of record `r` (a record with no live node) goes ahead.
+    pub fn releases(&self, r: &Record<'_>) -> bool {
+        self.synced && self.released_names.contains(&r.node.name)
+    }
+
+    /// Whether an orphan may be deleted: after sync, unless the brake holds it.
+    pub fn releases_orphan(&self, id: &ObjectId) -> bool {
+        self.synced
+            && !self
+                .decision
+                .memory
+                .held
+                .contains_key(&Removal::Orphan(id.clone()))
+    }
+
+    /// The hold to report (with the objects it keeps) and the memory for the next plan.
+    pub fn finish(self, kept: Vec<Delete>) -> (Option<BrakeHold>, BrakeMemory) {
+        let memory = self.decision.memory;
+        let hold = self.decision.hold.map(|(kind, ratios)| {
+            let since = memory
+                .held
+                .values()
+                .map(|s| s.at)
+                .min()
+                .unwrap_or_default();
+            BrakeHold {
+                kind,
+                id: hold_id(memory.held.keys()),
+                nodes: memory
+                    .held
+                    .keys()
+                    .filter_map(|r| match r {
+                        Removal::Node { name, .. } => Some(name.clone()),
+                        Removal::Orphan(_) => None,
+                    })
+                    .collect(),
+                orphans: memory
+                    .held
+                    .keys()
+                    .filter(|r| matches!(r, Removal::Orphan(_)))
+                    .count(),
+                removed_nodes: ratios.removed_nodes,
+                known_nodes: ratios.known_nodes,
+                node_ratio: ratios.nodes,
+                orphan_ratio: ratios.orphans,
+                max_ratio: self.max_ratio,
+                since,
+                confirmable_at: (kind == HoldKind::Ratio && self.confirm_by_relist)
+                    .then(|| since + self.confirm_delay),
+                deletes: kept,
+            }
+        });
+        (hold, memory)
+    }
+}
+
+/// A map entry for one of the local node's addresses: never ours to have (ID 0 is implicit), so
+/// it is always deleted and never counted by the brake.
+pub(super) fn is_local_entry(o: &KernelObject, local: &Local) -> bool {
+    matches!(o, KernelObject::MapEntry(e) if local.ips.contains(&e.ip))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: Duration = Duration::from_secs(60);
+
+    fn node(n: &str) -> Removal {
+        Removal::Node {
+            name: n.into(),
+            uid: format!("uid-{n}"),
+        }
+    }
+
+    fn cfg(relist: bool) -> PlanConfig {
+        PlanConfig {
+            confirm_delay: MIN,
+            confirm_by_relist: relist,
+            ..PlanConfig::default()
+        }
+    }
+
+    fn ask(items: &[&str]) -> BTreeSet<Removal> {
+        items.iter().map(|n| node(n)).collect()
+    }
+
+    const TEN: Ask = Ask {
+        known_nodes: 10,
+        our_objects: 40,
+    };
+
+    #[test]
+    fn at_most_the_ratio_goes_ahead_and_enters_the_window() {
+        let m = BrakeMemory::default();
+        let d = decide(&ask(&["a", "b", "c", "d", "e"]), TEN, &m, 1, None, MIN, &cfg(true));
+        assert_eq!(d.released.len(), 5, "50% is not over 50%");
+        assert!(d.hold.is_none());
+        assert_eq!(d.memory.window.len(), 1);
+        assert_eq!(d.memory.window[0].nodes, 5);
+    }
+
+    #[test]
+    fn removals_within_the_window_count_so_a_mass_deletion_cannot_be_split() {
+        let first = decide(&ask(&["a", "b", "c"]), TEN, &BrakeMemory::default(), 1, None, MIN, &cfg(true));
+        assert_eq!(first.released.len(), 3);
+        // Seven nodes left; three more a little later: 6 of 10 within the window.
+        let known = Ask {
+            known_nodes: 7,
+            our_objects: 28,
+        };
+        let later = MIN + Duration::from_secs(5);
+        let second = decide(&ask(&["d", "e", "f"]), known, &first.memory, 2, None, later, &cfg(true));
+        assert!(second.released.is_empty());
+        assert_eq!(second.hold.map(|h| h.0), Some(HoldKind::Ratio));
+        // Once the window has passed, the same three are fine on their own (3 of 7).
+        let much_later = MIN * 3;
+        let third = decide(&ask(&["d", "e", "f"]), known, &second.memory, 3, None, much_later, &cfg(true));
+        assert_eq!(third.released.len(), 3);
+    }
+
+    #[test]
+    fn a_fresh_list_after_the_delay_releases_exactly_what_was_held_and_holds_the_rest() {
+        let c = cfg(true);
+        let t0 = MIN;
+        let held = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &BrakeMemory::default(), 1, None, t0, &c);
+        assert!(held.released.is_empty());
+        // The delay has passed but no newer list came: still held.
+        let t1 = t0 + MIN;
+        let same_list = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &held.memory, 1, None, t1, &c);
+        assert!(same_list.released.is_empty());
+        // A newer list that asks for more: the six held are released, the seventh waits.
+        let more = decide(&ask(&["a", "b", "c", "d", "e", "f", "g"]), TEN, &same_list.memory, 2, None, t1, &c);
+        assert_eq!(more.released, ask(&["a", "b", "c", "d", "e", "f"]));
+        assert_eq!(more.memory.held.keys().cloned().collect::<BTreeSet<_>>(), ask(&["g"]));
+        assert_eq!(more.memory.held[&node("g")].at, t1);
+    }
+
+    #[test]
+    fn a_newer_list_before_the_delay_releases_nothing() {
+        let c = cfg(true);
+        let held = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &BrakeMemory::default(), 1, None, MIN, &c);
+        let early = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &held.memory, 5, None, MIN + MIN / 2, &c);
+        assert!(early.released.is_empty());
+    }
+
+    #[test]
+    fn one_shot_runs_are_never_confirmed_by_a_list() {
+        let c = cfg(false);
+        let held = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &BrakeMemory::default(), 1, None, MIN, &c);
+        let later = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &held.memory, 9, None, MIN * 10, &c);
+        assert!(later.released.is_empty());
+    }
+
+    #[test]
+    fn a_wipe_needs_the_operator_and_the_operator_confirms_only_the_held_set() {
+        let c = cfg(true);
+        let all = ask(&["a", "b", "c", "d", "e", "f", "g", "h", "i"]);
+        let held = decide(&all, TEN, &BrakeMemory::default(), 1, None, MIN, &c);
+        assert_eq!(held.hold.map(|h| h.0), Some(HoldKind::Wipe));
+        let id = hold_id(held.memory.held.keys());
+        let relisted = decide(&all, TEN, &held.memory, 7, None, MIN * 10, &c);
+        assert!(relisted.released.is_empty(), "a relist never confirms a wipe");
+        let stale = decide(&all, TEN, &held.memory, 7, Some("0123456789ab"), MIN * 10, &c);
+        assert!(stale.released.is_empty(), "a confirmation of another hold");
+        let mut more = all.clone();
+        more.insert(node("j"));
+        let grown = decide(&more, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
+        assert!(grown.released.is_empty(), "the list asks for more than was confirmed");
+        let ok = decide(&all, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
+        assert_eq!(ok.released, all);
+    }
+
+    #[test]
+    fn orphans_are_counted_in_objects_and_force_releases_everything() {
+        let orphans: BTreeSet<Removal> = (0..30u16)
+            .map(|i| {
+                Removal::Orphan(ObjectId::MapEntry {
+                    ip: std::net::IpAddr::from([10, 0, 0, i as u8]),
+                })
+            })
+            .collect();
+        let none_known = Ask {
+            known_nodes: 0,
+            our_objects: 40,
+        };
+        let held = decide(&orphans, none_known, &BrakeMemory::default(), 1, None, MIN, &cfg(true));
+        assert!(held.released.is_empty(), "30 of 40 objects");
+        let forced = decide(
+            &orphans,
+            none_known,
+            &BrakeMemory::default(),
+            1,
+            None,
+            MIN,
+            &PlanConfig {
+                force_prune: true,
+                ..cfg(true)
+            },
+        );
+        assert_eq!(forced.released.len(), 30);
+        assert_eq!(forced.memory.window[0].objects, 30);
+    }
+
+    #[test]
+    fn hold_ids_are_stable_and_tell_sets_apart() {
+        assert_eq!(hold_id(&ask(&["a", "b"])), hold_id(&ask(&["a", "b"])));
+        assert_ne!(hold_id(&ask(&["a", "b"])), hold_id(&ask(&["a", "c"])));
+        assert_eq!(hold_id(&ask(&["a"])).len(), 12);
+    }
+}

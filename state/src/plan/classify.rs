@@ -1,0 +1,146 @@
+//! Step 2: live nodes, paired with their records, and what each one is.
+
+use std::cmp::Ordering;
+
+use super::records::Record;
+use super::{InputError, InputProblem, LiveView, err};
+use crate::node::Node;
+use crate::objects::NodeId;
+
+/// Why a live node is held: it keeps whatever it had and gets nothing new.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum HeldWhy {
+    /// No addresses yet (invariant 8).
+    Registering,
+    /// Its latest record does not validate; the agent's record stands in (invariant 8).
+    Malformed,
+    /// It claims what another node keeps (invariant 14).
+    Conflict,
+    /// Its new map entries do not fit (invariant 17).
+    MapFull,
+    /// No node ID is free.
+    NoId,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LiveClass {
+    /// Not decided yet: [`super::assign`] programs it or holds it.
+    Candidate,
+    Held(HeldWhy),
+    Programmed(NodeId),
+}
+
+/// A live remote node.
+pub(super) struct Live<'a> {
+    /// Its record as the source has it; for a malformed node, the agent's record of it.
+    pub node: &'a Node,
+    /// Its record (index into the records), when the record is of the same node.
+    pub record: Option<usize>,
+    pub class: LiveClass,
+}
+
+impl Live<'_> {
+    pub fn is_held(&self) -> bool {
+        matches!(self.class, LiveClass::Held(_))
+    }
+}
+
+/// Whether a record and a live node of the same name are the same node. A node deleted and
+/// created again under its name has a new UID: its record is a removal (the brake counts it) and
+/// the live node is new. Without a UID on either side (a hand-written NodeList) the name decides.
+fn same_node(record: &Node, live: &Node) -> bool {
+    record.uid.is_empty() || live.uid.is_empty() || record.uid == live.uid
+}
+
+/// The live nodes in name order, the local node and repeated names excluded (each reported),
+/// paired with their records; `records[r].live` is set for every pair.
+pub(super) fn classify<'a>(
+    view: &'a LiveView,
+    records: &mut [Record<'a>],
+    local: &str,
+    errors: &mut Vec<InputError>,
+) -> Vec<Live<'a>> {
+    let mut valid: Vec<&Node> = view.nodes.iter().filter(|n| n.name != local).collect();
+    // Stable: a repeated name follows the first entry with it, which wins.
+    valid.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut malformed: Vec<&str> = view
+        .malformed
+        .iter()
+        .map(String::as_str)
+        .filter(|n| *n != local)
+        .collect();
+    malformed.sort_unstable();
+    malformed.dedup();
+
+    let mut live: Vec<Live<'a>> = Vec::with_capacity(valid.len() + malformed.len());
+    let (mut v, mut m, mut r) = (0, 0, 0);
+    loop {
+        // The next name in order: a valid node, else a malformed one.
+        let next = match (valid.get(v), malformed.get(m)) {
+            (None, None) => break,
+            (Some(n), Some(bad)) if bad.cmp(&n.name.as_str()) == Ordering::Less => Err(*bad),
+            (Some(n), _) => Ok(*n),
+            (None, Some(bad)) => Err(*bad),
+        };
+        let name = match next {
+            Ok(n) => n.name.as_str(),
+            Err(bad) => bad,
+        };
+        while r < records.len() && records[r].node.name.as_str() < name {
+            r += 1;
+        }
+        let record = (r < records.len() && records[r].node.name == name).then_some(r);
+        match next {
+            Ok(n) => {
+                v += 1;
+                if live.last().is_some_and(|l| l.node.name == n.name) {
+                    err(errors, &n.name, InputProblem::DuplicateName);
+                    continue;
+                }
+                // A malformed entry of a name that also has a valid record is that record's.
+                while malformed.get(m).is_some_and(|bad| *bad == n.name) {
+                    m += 1;
+                }
+                let record = record.filter(|&r| same_node(records[r].node, n));
+                let class = if n.addresses.is_empty() {
+                    LiveClass::Held(HeldWhy::Registering)
+                } else {
+                    LiveClass::Candidate
+                };
+                push(&mut live, records, n, record, class);
+            }
+            Err(_) => {
+                m += 1;
+                // Without a record there is nothing to keep; the source reports the error.
+                if let Some(r) = record {
+                    let node = records[r].node;
+                    push(
+                        &mut live,
+                        records,
+                        node,
+                        Some(r),
+                        LiveClass::Held(HeldWhy::Malformed),
+                    );
+                }
+            }
+        }
+    }
+    live
+}
+
+fn push<'a>(
+    live: &mut Vec<Live<'a>>,
+    records: &mut [Record<'a>],
+    node: &'a Node,
+    record: Option<usize>,
+    class: LiveClass,
+) {
+    if let Some(r) = record {
+        records[r].live = Some(live.len());
+    }
+    live.push(Live {
+        node,
+        record,
+        class,
+    });
+}

@@ -1,0 +1,189 @@
+//! Step 6: every object of ours that no programmed node desires, with the reason it goes, or
+//! who keeps it.
+//!
+//! Ownership is by identity (invariant 3): an object is attributed through its key resource (a
+//! map entry's address, a route's or policy's destination, a state's remote endpoint), then its
+//! node ID, then a secondary resource (a route's gateway, a policy's tunnel endpoint). Among
+//! several owners the strongest decides: held live nodes and held removals keep what they had;
+//! then programmed nodes (`superseded`), records of live nodes (`changed while down`), and
+//! released removals (`stale node`). No owner makes an orphan.
+
+use std::hash::Hash;
+
+use foldhash::{HashMap, HashMapExt, HashSet};
+
+use super::brake::{Brake, is_local_entry};
+use super::claims::{Resource, key_resource, secondary_resource};
+use super::classify::{Live, LiveClass};
+use super::records::Record;
+use super::{Delete, DeleteReason, Local, PlanInput};
+use crate::ids::IdSet;
+use crate::node::Node;
+use crate::objects::{KernelObject, NodeId, ObjectId};
+
+/// Who an undesired object belongs to, strongest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Owner {
+    /// A held live node (index into the live nodes).
+    Held(usize),
+    /// A removal the brake holds (index into the records).
+    HeldRemoval(usize),
+    /// A programmed live node (index into the live nodes).
+    Current(usize),
+    /// The record of a programmed live node that changed (index into the records).
+    Old(usize),
+    /// A removal that goes ahead (index into the records).
+    Released(usize),
+}
+
+struct OwnerIndex {
+    resources: HashMap<Resource, Owner>,
+    ids: HashMap<NodeId, Owner>,
+}
+
+fn put<K: Hash + Eq>(m: &mut HashMap<K, Owner>, k: K, o: Owner) {
+    m.entry(k).and_modify(|e| *e = (*e).min(o)).or_insert(o);
+}
+
+impl OwnerIndex {
+    fn add(&mut self, n: &Node, o: Owner, id: Option<NodeId>) {
+        for ip in n.ips() {
+            put(&mut self.resources, Resource::Address(ip), o);
+        }
+        for c in &n.pod_cidrs {
+            put(&mut self.resources, Resource::PodCidr(*c), o);
+        }
+        if let Some(id) = id {
+            put(&mut self.ids, id, o);
+        }
+    }
+
+    fn owner(&self, o: &KernelObject) -> Option<Owner> {
+        self.resources
+            .get(&key_resource(o))
+            .or_else(|| o.node_id().and_then(|id| self.ids.get(&id)))
+            .or_else(|| secondary_resource(o).and_then(|r| self.resources.get(&r)))
+            .copied()
+    }
+}
+
+/// Whether `rec` derives exactly the objects the programmed node desires: the common case. Such
+/// a record adds no owner (the live node owns the same resources, at a higher priority).
+fn unchanged(rec: &Node, node: &Node, id: NodeId) -> bool {
+    rec.node_id == Some(id) && rec.addresses == node.addresses && rec.pod_cidrs == node.pod_cidrs
+}
+
+pub(super) struct Deleted {
+    /// In kind order, then identity order.
+    pub deletes: Vec<Delete>,
+    /// Objects the brake keeps, with the reason they would have gone.
+    pub held: Vec<Delete>,
+    /// IDs that kept objects carry.
+    pub kept_ids: IdSet,
+}
+
+pub(super) fn decide(
+    input: &PlanInput<'_>,
+    live: &[Live<'_>],
+    records: &[Record<'_>],
+    brake: &Brake,
+    desired: &HashSet<ObjectId>,
+    local: &Local,
+) -> Deleted {
+    let mut pool: Vec<&KernelObject> = input
+        .inventory
+        .objects()
+        .filter(|o| !desired.contains(&o.id()))
+        .collect();
+    pool.sort_by_cached_key(|o| (o.kind().rank(), o.id()));
+    let mut out = Deleted {
+        deletes: Vec::new(),
+        held: Vec::new(),
+        kept_ids: IdSet::new(),
+    };
+    if pool.is_empty() {
+        return out;
+    }
+    let mut index = OwnerIndex {
+        resources: HashMap::with_capacity(4 * (live.len() + records.len())),
+        ids: HashMap::with_capacity(live.len() + records.len()),
+    };
+    for (i, l) in live.iter().enumerate() {
+        let record = l.record.map(|r| records[r].node);
+        match l.class {
+            LiveClass::Programmed(id) => {
+                index.add(l.node, Owner::Current(i), Some(id));
+                if let (Some(r), Some(rec)) = (l.record, record)
+                    && !unchanged(rec, l.node, id)
+                {
+                    index.add(rec, Owner::Old(r), rec.node_id);
+                }
+            }
+            LiveClass::Held(_) | LiveClass::Candidate => {
+                index.add(l.node, Owner::Held(i), record.and_then(|r| r.node_id));
+                if let Some(rec) = record {
+                    index.add(rec, Owner::Held(i), rec.node_id);
+                }
+            }
+        }
+    }
+    for (r, rec) in records.iter().enumerate().filter(|(_, r)| r.live.is_none()) {
+        let owner = if brake.releases(rec) {
+            Owner::Released(r)
+        } else {
+            Owner::HeldRemoval(r)
+        };
+        index.add(rec.node, owner, rec.node.node_id);
+    }
+    let synced = input.live.synced;
+    for o in pool {
+        let keep = |out: &mut Deleted| {
+            if let Some(id) = o.node_id() {
+                out.kept_ids.insert(id);
+            }
+        };
+        let node_of = |n: &Node| Some(n.name.clone());
+        if !synced {
+            keep(&mut out);
+            continue;
+        }
+        let (reason, node) = if is_local_entry(o, local) {
+            (DeleteReason::Orphan, None)
+        } else {
+            match index.owner(o) {
+                Some(Owner::Held(_)) => {
+                    keep(&mut out);
+                    continue;
+                }
+                Some(Owner::HeldRemoval(r)) => {
+                    keep(&mut out);
+                    out.held.push(Delete {
+                        object: o.clone(),
+                        reason: DeleteReason::StaleNode,
+                        node: node_of(records[r].node),
+                    });
+                    continue;
+                }
+                Some(Owner::Current(i)) => (DeleteReason::Superseded, node_of(live[i].node)),
+                Some(Owner::Old(r)) => (DeleteReason::ChangedWhileDown, node_of(records[r].node)),
+                Some(Owner::Released(r)) => (DeleteReason::StaleNode, node_of(records[r].node)),
+                None if brake.releases_orphan(&o.id()) => (DeleteReason::Orphan, None),
+                None => {
+                    keep(&mut out);
+                    out.held.push(Delete {
+                        object: o.clone(),
+                        reason: DeleteReason::Orphan,
+                        node: None,
+                    });
+                    continue;
+                }
+            }
+        };
+        out.deletes.push(Delete {
+            object: o.clone(),
+            reason,
+            node,
+        });
+    }
+    out
+}

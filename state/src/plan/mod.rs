@@ -1,0 +1,570 @@
+//! The reconcile planner: `(record, live view, kernel inventory, brake memory, config) -> plan`.
+//!
+//! Pure: no clock, no I/O. This is where the invariants of `docs/design.md` are enforced; the
+//! backends only apply the plan's operations and report failures back through
+//! [`Plan::checkpoint_after`]. Each step of a plan has a module of its own, in the order they run
+//! (see "How a plan is made" in the design document):
+//!
+//! 1. [`records`]: the agent's record of remote nodes, one per name;
+//! 2. [`classify`]: live nodes paired with their records, held or candidates;
+//! 3. [`brake`]: which removals (gone nodes, orphans) may happen now;
+//! 4. [`claims`] and [`assign`]: conflicts, map room and node IDs, candidate by candidate;
+//! 5. desired objects ([`crate::desired`]) and the upserts they need;
+//! 6. [`deletes`]: every undesired object of ours, with the reason it goes or stays;
+//! 7. the next record ([`Plan::checkpoint`]) and brake memory.
+
+pub mod brake;
+pub mod claims;
+
+mod assign;
+mod classify;
+mod deletes;
+mod records;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use foldhash::{HashSet, HashSetExt};
+use ipnet::IpNet;
+
+use crate::checkpoint::{Checkpoint, PendingDelete};
+use crate::desired::desired_objects;
+use crate::ids::{AllocatorState, IdError, MAX_ID};
+use crate::inventory::Inventory;
+use crate::node::{Family, Node};
+use crate::objects::{KernelObject, NodeId, ObjectId, Op};
+
+pub use brake::{BrakeHold, BrakeMemory, HoldKind, Removal};
+pub use claims::{ConflictWhy, Resource};
+
+use self::classify::LiveClass;
+
+/// IPsec settings that shape the desired objects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpsecConfig {
+    /// The SPI in use (0..=15, it lives in 4 mark bits).
+    pub spi: u8,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanConfig {
+    /// The node this agent runs on; never treated as a remote node.
+    pub local_node: String,
+    /// This node's addresses; the first of each family is the xfrm endpoint. They are the local
+    /// node's, whatever a remote node claims (invariant 14), and map entries for them are
+    /// deleted (ID 0, the local node, is implicit).
+    pub local_addresses: Vec<IpAddr>,
+    pub ipsec: Option<IpsecConfig>,
+    /// Largest share of known remote nodes (or of our objects, for orphans) that removals may
+    /// reach within the window without a confirmation.
+    pub max_prune_ratio: f64,
+    /// Removals of at least this share are a near-total wipe: only an operator confirms them.
+    pub wipe_ratio: f64,
+    /// Release every hold now (`--force-prune`).
+    pub force_prune: bool,
+    /// How long a hold must last before a fresh full list may confirm it; also the window over
+    /// which removals are counted together.
+    pub confirm_delay: Duration,
+    /// Whether a fresh full list after the confirm delay releases a hold (the daemon), or only
+    /// `force_prune` and an operator's confirmation do (one-shot runs).
+    pub confirm_by_relist: bool,
+    /// Entries the node-ID map holds.
+    pub map_capacity: usize,
+    pub id_cooldown: Duration,
+    /// The highest node ID handed out: [`MAX_ID`] except where a test shrinks the ID space.
+    pub max_node_id: u16,
+    /// Whether ExternalIPs get map entries too (InternalIPs always do).
+    pub include_external_ips: bool,
+    /// Written into the checkpoint.
+    pub agent_version: String,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        Self {
+            local_node: String::new(),
+            local_addresses: Vec::new(),
+            ipsec: None,
+            max_prune_ratio: 0.5,
+            wipe_ratio: 0.9,
+            force_prune: false,
+            confirm_delay: Duration::from_secs(60),
+            confirm_by_relist: false,
+            map_capacity: 65_536,
+            id_cooldown: Duration::from_secs(15 * 60),
+            max_node_id: MAX_ID,
+            include_external_ips: true,
+            agent_version: String::new(),
+        }
+    }
+}
+
+/// The nodes the source reports now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LiveView {
+    /// Valid records, one per name (the source keeps a node's last good record when a new one
+    /// does not validate).
+    pub nodes: Vec<Node>,
+    /// Live nodes with no valid record at all: their latest record does not validate and the
+    /// source never had a good one. The agent's own record of them stands in (invariant 8).
+    pub malformed: Vec<String>,
+    /// The source completed its first full list (Kubernetes: `InitDone`).
+    pub synced: bool,
+    /// Full lists completed so far that contained the local node: a hold is confirmed only by
+    /// such a list, newer than the hold (invariants 15 and 16).
+    pub relists: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct PlanInput<'a> {
+    /// The agent's record: the checkpoint it restored, then the one each reconcile implies.
+    pub record: Option<&'a Checkpoint>,
+    pub live: &'a LiveView,
+    pub inventory: &'a Inventory,
+    pub allocator: &'a AllocatorState,
+    pub brake: &'a BrakeMemory,
+    /// A hold an operator confirmed, by its ID (`node-agent prune confirm`).
+    pub confirmed_hold: Option<&'a str>,
+    /// Since the Unix epoch.
+    pub now: Duration,
+    pub config: &'a PlanConfig,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DeleteReason {
+    /// The node is in the record but no longer live (deleted, or replaced under its name).
+    StaleNode,
+    /// The node is live but its addresses or CIDRs changed since the record.
+    ChangedWhileDown,
+    /// Ours (marked) but belonging to no live node and no record.
+    Orphan,
+    /// A live node's object replaced by one with a different identity (new node ID or SPI).
+    Superseded,
+}
+
+impl fmt::Display for DeleteReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::StaleNode => "stale node",
+            Self::ChangedWhileDown => "changed while down",
+            Self::Orphan => "orphan",
+            Self::Superseded => "superseded",
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delete {
+    pub object: KernelObject,
+    pub reason: DeleteReason,
+    /// The node the object was reached through; `None` for orphans.
+    pub node: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upsert {
+    pub object: KernelObject,
+    pub node: String,
+    /// An object of ours with this identity exists with other content: replace it. Otherwise
+    /// nothing has the identity and the object is created exclusively.
+    pub update: bool,
+}
+
+impl Upsert {
+    pub fn op(&self) -> Op {
+        if self.update {
+            Op::Replace(self.object.clone())
+        } else {
+            Op::Create(self.object.clone())
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    pub node: String,
+    pub id: NodeId,
+    /// When the ID was freed, if it had been used before (worth a warning: every never-used ID
+    /// is taken).
+    pub reused_after: Option<Duration>,
+}
+
+/// What is wrong with one live node's input, or what keeps it from being programmed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InputProblem {
+    #[error("name listed twice in the live view; the first entry is used")]
+    DuplicateName,
+    #[error("{resource} is claimed by node {holder} too; {holder} keeps it ({why}); this node is held until the conflict clears")]
+    Conflict {
+        resource: Resource,
+        holder: String,
+        why: ConflictWhy,
+    },
+    #[error("{resource} belongs to the local node; this node is held until it no longer claims it")]
+    LocalResource { resource: Resource },
+    #[error("{object} is not written: {foreign} is there and is not ours; it is left alone")]
+    Foreign { object: String, foreign: String },
+    #[error("pod CIDR {cidr} has no {family} InternalIP to route via; the CIDR is skipped")]
+    NoGateway { cidr: IpNet, family: Family },
+    #[error(
+        "node-ID map full: {needed} more entries do not fit its {limit} entries; the node is held (raise --node-map-max)"
+    )]
+    MapFull { limit: usize, needed: usize },
+    #[error("{0}; the node is held")]
+    Ids(#[from] IdError),
+    #[error("its record does not validate now; it keeps what it had")]
+    Malformed,
+}
+
+impl InputProblem {
+    /// Whether the problem is a conflict over a resource or a kernel identity (as opposed to
+    /// bad input or a full map), for metrics and reports.
+    pub fn is_conflict(&self) -> bool {
+        matches!(
+            self,
+            Self::Conflict { .. } | Self::LocalResource { .. } | Self::Foreign { .. }
+        )
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("node {node}: {problem}")]
+pub struct InputError {
+    pub node: String,
+    pub problem: InputProblem,
+}
+
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub deletes: Vec<Delete>,
+    pub upserts: Vec<Upsert>,
+    pub allocations: Vec<Allocation>,
+    pub frees: Vec<NodeId>,
+    pub errors: Vec<InputError>,
+    /// What the brake holds, and why; `None` when nothing is held.
+    pub brake: Option<BrakeHold>,
+    /// The brake's memory after this plan; the reconciler passes it to the next one.
+    pub brake_memory: BrakeMemory,
+    /// Removals this plan carries out (released by the brake), by node name.
+    pub released_nodes: Vec<String>,
+    /// The checkpoint to write once the ops have succeeded; see [`Plan::checkpoint_after`].
+    pub checkpoint: Checkpoint,
+    /// Stale records whose deletes are in this plan, with their previous attempt counts, so a
+    /// failure can put them back as pending deletes.
+    stale_attempted: BTreeMap<String, PendingDelete>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.deletes.is_empty() && self.upserts.is_empty()
+    }
+
+    /// The deletes in a safe order: users before what they use (policies, states, routes, map
+    /// entries), so map room is freed before it is filled.
+    pub fn delete_ops(&self) -> Vec<Op> {
+        let mut deletes: Vec<&Delete> = self.deletes.iter().collect();
+        deletes.sort_by_key(|d| std::cmp::Reverse(d.object.kind().rank()));
+        deletes
+            .into_iter()
+            .map(|d| Op::Delete(d.object.clone()))
+            .collect()
+    }
+
+    /// The upserts, what is used before its users (map entries, routes, states, policies), each
+    /// with the node it is for. No upsert has the identity of a delete, so a delete never
+    /// undoes one.
+    pub fn upsert_ops(&self) -> Vec<(Op, &str)> {
+        let mut upserts: Vec<&Upsert> = self.upserts.iter().collect();
+        upserts.sort_by_key(|u| u.object.kind().rank());
+        upserts
+            .into_iter()
+            .map(|u| (u.op(), u.node.as_str()))
+            .collect()
+    }
+
+    /// Every operation, deletes first.
+    pub fn ops(&self) -> Vec<Op> {
+        let mut ops = self.delete_ops();
+        ops.extend(self.upsert_ops().into_iter().map(|(op, _)| op));
+        ops
+    }
+
+    /// The checkpoint to write after applying the ops, given the ops that failed. A stale node
+    /// with a failed delete stays a pending delete (one more attempt counted), and the IDs its
+    /// objects carry are not freed, so the cleanup is retried after a restart too.
+    pub fn checkpoint_after(&self, failed: &[Op]) -> Checkpoint {
+        let mut cp = self.checkpoint.clone();
+        let failed_ids: HashSet<ObjectId> = failed
+            .iter()
+            .filter(|o| matches!(o, Op::Delete(_)))
+            .map(|o| o.object().id())
+            .collect();
+        if failed_ids.is_empty() {
+            return cp;
+        }
+        let mut still_used: HashSet<NodeId> = HashSet::new();
+        let mut retry: BTreeSet<&str> = BTreeSet::new();
+        for d in &self.deletes {
+            if !failed_ids.contains(&d.object.id()) {
+                continue;
+            }
+            still_used.extend(d.object.node_id());
+            if d.reason == DeleteReason::StaleNode
+                && let Some(n) = &d.node
+            {
+                retry.insert(n);
+            }
+        }
+        for name in retry {
+            if let Some(p) = self.stale_attempted.get(name) {
+                still_used.extend(p.node.node_id);
+                cp.pending_deletes.push(PendingDelete {
+                    node: p.node.clone(),
+                    attempts: p.attempts.saturating_add(1),
+                });
+            }
+        }
+        cp.ids.freed.retain(|f| !still_used.contains(&f.id));
+        cp
+    }
+
+    /// The plan for a list that is no view of this cluster (no local node): nothing changes,
+    /// the record and the brake's memory stay as they were (invariant 15).
+    fn frozen(input: &PlanInput<'_>) -> Self {
+        let checkpoint = input.record.cloned().unwrap_or_else(|| Checkpoint {
+            agent_version: input.config.agent_version.clone(),
+            local_node: input.config.local_node.clone(),
+            ids: input.allocator.clone(),
+            ..Checkpoint::default()
+        });
+        Plan {
+            deletes: Vec::new(),
+            upserts: Vec::new(),
+            allocations: Vec::new(),
+            frees: Vec::new(),
+            errors: Vec::new(),
+            brake: Some(BrakeHold::local_node_missing(&input.config.local_node)),
+            brake_memory: input.brake.clone(),
+            released_nodes: Vec::new(),
+            checkpoint,
+            stale_attempted: BTreeMap::new(),
+        }
+    }
+}
+
+/// The local node's addresses and pod CIDRs: always its own (invariant 14).
+struct Local {
+    ips: HashSet<IpAddr>,
+    cidrs: HashSet<IpNet>,
+    /// The live view lists the local node (valid or malformed).
+    listed: bool,
+}
+
+impl Local {
+    fn new(cfg: &PlanConfig, live: &LiveView) -> Self {
+        let mut ips: HashSet<IpAddr> = cfg.local_addresses.iter().copied().collect();
+        let mut cidrs = HashSet::new();
+        let mut listed = live.malformed.iter().any(|n| *n == cfg.local_node);
+        for n in live.nodes.iter().filter(|n| n.name == cfg.local_node) {
+            listed = true;
+            ips.extend(claims::mapped_ips(n, cfg));
+            cidrs.extend(n.pod_cidrs.iter().copied());
+        }
+        Self { ips, cidrs, listed }
+    }
+}
+
+fn err(errors: &mut Vec<InputError>, node: &str, problem: InputProblem) {
+    errors.push(InputError {
+        node: node.to_string(),
+        problem,
+    });
+}
+
+/// Makes the plan. Never panics on input.
+///
+/// Identities are hashed once into the inventory's index, which then answers "is it there" for
+/// the rest of the pass; names are matched by a merge of two sorted lists, never hashed; node-ID
+/// sets are bit sets. Maps use foldhash rather than SipHash (its per-process random seed still
+/// keeps node data from choosing collisions). `cargo bench -p state` measures it.
+pub fn plan(input: &PlanInput<'_>) -> Plan {
+    let cfg = input.config;
+    let synced = input.live.synced;
+    let local = Local::new(cfg, input.live);
+    if synced && !local.listed {
+        return Plan::frozen(input);
+    }
+    let mut errors: Vec<InputError> = Vec::new();
+
+    // 1-2. Records, live nodes, and who is what.
+    let mut records = records::collect(input.record, &cfg.local_node);
+    let mut live = classify::classify(input.live, &mut records, &cfg.local_node, &mut errors);
+
+    // 3. The brake: which removals may happen now.
+    let claimed = claims::ClaimedAnywhere::new(&live, &records, cfg);
+    let brake = brake::Brake::new(cfg, input, &records, &claimed, &local);
+
+    // 4. Conflicts, map room and IDs, candidate by candidate.
+    let admitted = assign::admit(
+        input,
+        &mut live,
+        &records,
+        &brake,
+        &claimed,
+        &local,
+        &mut errors,
+    );
+
+    // 5. Desired objects of programmed nodes, and the upserts they need.
+    let mut desired: HashSet<ObjectId> = HashSet::with_capacity(input.inventory.len() + 64);
+    let mut upserts = Vec::new();
+    let mut objects = Vec::new();
+    let mut problems = Vec::new();
+    for l in &live {
+        let LiveClass::Programmed(id) = l.class else {
+            continue;
+        };
+        objects.clear();
+        desired_objects(l.node, id, cfg, &mut objects, &mut problems);
+        for p in problems.drain(..) {
+            err(&mut errors, &l.node.name, p);
+        }
+        let foreign_cidrs = foreign_cidrs(&objects, input.inventory, &l.node.name, &mut errors);
+        for o in objects.drain(..) {
+            let oid = o.id();
+            if input.inventory.foreign(&oid).is_some()
+                || key_cidr(&o).is_some_and(|c| foreign_cidrs.contains(&c))
+            {
+                continue;
+            }
+            let have = input.inventory.get(&oid);
+            desired.insert(oid);
+            if have != Some(&o) {
+                upserts.push(Upsert {
+                    update: have.is_some(),
+                    object: o,
+                    node: l.node.name.clone(),
+                });
+            }
+        }
+    }
+
+    // 6. Deletes and their reasons.
+    let deleted = deletes::decide(input, &live, &records, &brake, &desired, &local);
+
+    // 7. The next record.
+    let mut kept_ids = deleted.kept_ids;
+    let mut cp_nodes: Vec<Node> = Vec::with_capacity(live.len());
+    let mut pending = Vec::new();
+    for l in &live {
+        match l.class {
+            LiveClass::Programmed(id) => {
+                let mut n = l.node.clone();
+                n.node_id = Some(id);
+                cp_nodes.push(n);
+            }
+            LiveClass::Held(_) | LiveClass::Candidate => {
+                if let Some(r) = l.record {
+                    cp_nodes.push(records[r].node.clone());
+                }
+            }
+        }
+    }
+    let mut stale_attempted = BTreeMap::new();
+    let mut released_nodes = Vec::new();
+    for r in records.iter().filter(|r| r.live.is_none()) {
+        if !synced {
+            // Nothing is known to be gone yet: every unseen record is carried over as it came.
+            if r.listed {
+                cp_nodes.push(r.node.clone());
+            } else {
+                pending.push(r.pending());
+            }
+        } else if brake.releases(r) {
+            released_nodes.push(r.node.name.clone());
+            stale_attempted.insert(r.node.name.clone(), r.pending());
+        } else {
+            pending.push(r.pending());
+        }
+    }
+    for id in cp_nodes
+        .iter()
+        .chain(pending.iter().map(|p| &p.node))
+        .filter_map(|n| n.node_id)
+    {
+        kept_ids.insert(id);
+    }
+    cp_nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut alloc = admitted.allocator;
+    let mut frees = Vec::new();
+    for id in admitted.seen_ids.iter() {
+        if !kept_ids.contains(id) && !admitted.claimed.contains(id) {
+            alloc.free(id, input.now);
+            frees.push(id);
+        }
+    }
+    let (brake_hold, brake_memory) = brake.finish(deleted.held);
+    let checkpoint = Checkpoint {
+        agent_version: cfg.agent_version.clone(),
+        written_at: input.now,
+        local_node: cfg.local_node.clone(),
+        nodes: cp_nodes,
+        pending_deletes: pending,
+        ids: alloc.state(),
+        removals: brake_memory.window.clone(),
+        ipsec_keys: input.record.map(|c| c.ipsec_keys.clone()).unwrap_or_default(),
+    };
+    Plan {
+        deletes: deleted.deletes,
+        upserts,
+        allocations: admitted.allocations,
+        frees,
+        errors,
+        brake: brake_hold,
+        brake_memory,
+        released_nodes,
+        checkpoint,
+        stale_attempted,
+    }
+}
+
+/// The pod CIDR an object is keyed by (route and policy destinations), if any: a foreign route
+/// at that CIDR keeps all of them from being written (invariant 6).
+fn key_cidr(o: &KernelObject) -> Option<IpNet> {
+    match o {
+        KernelObject::Route(r) => Some(r.dst),
+        KernelObject::XfrmPolicy(p) => Some(p.dst),
+        KernelObject::MapEntry(_) | KernelObject::XfrmState(_) => None,
+    }
+}
+
+/// The CIDRs among `objects` whose route identity a foreign object occupies, each reported.
+fn foreign_cidrs(
+    objects: &[KernelObject],
+    inventory: &Inventory,
+    node: &str,
+    errors: &mut Vec<InputError>,
+) -> Vec<IpNet> {
+    let mut out = Vec::new();
+    for o in objects {
+        if let Some(foreign) = inventory.foreign(&o.id()) {
+            err(
+                errors,
+                node,
+                InputProblem::Foreign {
+                    object: o.to_string(),
+                    foreign: foreign.to_string(),
+                },
+            );
+            if let Some(c) = key_cidr(o) {
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

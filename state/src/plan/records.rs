@@ -1,0 +1,67 @@
+//! Step 1: the agent's record of remote nodes, one per name.
+//!
+//! The record is the checkpoint's live nodes and pending deletes. In a running daemon it is the
+//! checkpoint the last reconcile implied, so it is also "the live view before this change": what
+//! makes a node the incumbent of its addresses (invariant 14) and what a restart diffs against
+//! (invariant 4).
+
+use crate::checkpoint::{Checkpoint, PendingDelete};
+use crate::node::Node;
+
+/// One remote node the agent knows.
+pub(super) struct Record<'a> {
+    pub node: &'a Node,
+    /// From its pending delete: cleanups tried and failed so far; 0 for a record of the
+    /// checkpoint's live list, or a removal the brake held and never released.
+    pub attempts: u32,
+    /// From the checkpoint's live list rather than its pending deletes: before sync, an unseen
+    /// record is carried over as it came.
+    pub listed: bool,
+    /// The live node that is the same node (same name and, where both have one, same UID).
+    pub live: Option<usize>,
+}
+
+impl Record<'_> {
+    pub fn pending(&self) -> PendingDelete {
+        PendingDelete {
+            node: self.node.clone(),
+            attempts: self.attempts,
+        }
+    }
+
+    /// A removal the brake let through before, whose cleanup failed: retried without being
+    /// counted again.
+    pub fn released_before(&self) -> bool {
+        self.attempts > 0
+    }
+}
+
+/// The records in name order, one per name (a live record before a pending delete of the same
+/// name), the local node excluded.
+pub(super) fn collect<'a>(cp: Option<&'a Checkpoint>, local: &str) -> Vec<Record<'a>> {
+    let Some(cp) = cp else {
+        return Vec::new();
+    };
+    let mut records = Vec::with_capacity(cp.nodes.len() + cp.pending_deletes.len());
+    let listed = cp.nodes.iter().map(|n| (n, 0, true));
+    let pending = cp
+        .pending_deletes
+        .iter()
+        .map(|p| (&p.node, p.attempts, false));
+    records.extend(
+        listed
+            .chain(pending)
+            .filter(|(n, ..)| n.name != local)
+            .map(|(node, attempts, listed)| Record {
+                node,
+                attempts,
+                listed,
+                live: None,
+            }),
+    );
+    // Stable, so the first record of a name stays first. Checkpoints are written in name order,
+    // which makes this one linear pass in the common case.
+    records.sort_by(|a, b| a.node.name.cmp(&b.node.name));
+    records.dedup_by(|later, first| later.node.name == first.node.name);
+    records
+}

@@ -1,0 +1,1160 @@
+//! One scenario per rule of the planner, in the order of `docs/design.md`.
+
+use std::collections::{BTreeMap, HashSet};
+
+use super::*;
+use crate::ids::FreedId;
+use crate::node::{AddressKind, NodeAddress};
+use crate::objects::{MapEntry, ObjectKind, Route, XfrmDir, XfrmState};
+
+const NOW: Duration = Duration::from_secs(1_000_000);
+
+fn id(v: u16) -> NodeId {
+    NodeId::new(v).unwrap()
+}
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+/// A node with InternalIPs and pod CIDRs.
+fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> Node {
+    Node {
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        addresses: ips
+            .iter()
+            .map(|s| NodeAddress {
+                kind: AddressKind::InternalIP,
+                ip: ip(s),
+            })
+            .collect(),
+        pod_cidrs: cidrs.iter().map(|s| net(s)).collect(),
+        boot_id: String::new(),
+        node_id: None,
+    }
+}
+
+fn with_id(mut n: Node, v: u16) -> Node {
+    n.node_id = Some(id(v));
+    n
+}
+
+fn external(mut n: Node, addr: &str) -> Node {
+    n.addresses.push(NodeAddress {
+        kind: AddressKind::ExternalIP,
+        ip: ip(addr),
+    });
+    n
+}
+
+fn local() -> Node {
+    node("local", &["10.0.0.100", "fd00::100"], &["10.1.100.0/24"])
+}
+
+fn cfg() -> PlanConfig {
+    PlanConfig {
+        local_node: "local".into(),
+        local_addresses: vec![ip("10.0.0.100"), ip("fd00::100")],
+        agent_version: "test".into(),
+        ..PlanConfig::default()
+    }
+}
+
+fn map(a: &str, v: u16) -> KernelObject {
+    KernelObject::MapEntry(MapEntry {
+        ip: ip(a),
+        node_id: id(v),
+        spi: 0,
+    })
+}
+fn route(dst: &str, gw: &str) -> KernelObject {
+    let dst = net(dst);
+    KernelObject::Route(Route {
+        dst,
+        gateway: ip(gw),
+        metric: Route::default_metric(&dst),
+    })
+}
+
+/// The model kernel: our objects by identity, foreign objects by identity, ops applied as a
+/// backend would (a create onto a foreign object fails).
+#[derive(Clone, Debug, Default)]
+struct Kernel {
+    ours: BTreeMap<ObjectId, KernelObject>,
+    foreign: BTreeMap<ObjectId, String>,
+}
+
+impl Kernel {
+    fn apply(&mut self, ops: &[Op]) {
+        for op in ops {
+            match op {
+                Op::Create(o) => {
+                    assert!(
+                        !self.foreign.contains_key(&o.id()) && !self.ours.contains_key(&o.id()),
+                        "create onto an occupied identity: {o}"
+                    );
+                    self.ours.insert(o.id(), o.clone());
+                }
+                Op::Replace(o) => {
+                    assert!(self.ours.contains_key(&o.id()), "replace of nothing: {o}");
+                    self.ours.insert(o.id(), o.clone());
+                }
+                Op::Delete(o) => {
+                    assert!(
+                        self.ours.remove(&o.id()).is_some(),
+                        "delete of something not ours: {o}"
+                    );
+                }
+            }
+        }
+    }
+    fn put(&mut self, o: KernelObject) {
+        self.ours.insert(o.id(), o);
+    }
+    fn inventory(&self) -> Inventory {
+        let mut inv: Inventory = self.ours.values().cloned().collect();
+        for (id, what) in &self.foreign {
+            inv.occupy(id.clone(), what.clone());
+        }
+        inv
+    }
+    fn has(&self, o: &KernelObject) -> bool {
+        self.ours.get(&o.id()) == Some(o)
+    }
+    fn len(&self) -> usize {
+        self.ours.len()
+    }
+}
+
+/// How a test runs the planner: the config, and what the live view looks like besides the
+/// nodes it lists.
+struct Run {
+    cfg: PlanConfig,
+    synced: bool,
+    /// Whether the live view lists the local node (every real list does).
+    with_local: bool,
+    malformed: Vec<String>,
+    relists: u64,
+    brake: BrakeMemory,
+    now: Duration,
+}
+
+impl Run {
+    fn new() -> Self {
+        Self {
+            cfg: cfg(),
+            synced: true,
+            with_local: true,
+            malformed: Vec::new(),
+            relists: 1,
+            brake: BrakeMemory::default(),
+            now: NOW,
+        }
+    }
+    fn view(&self, live: &[Node]) -> LiveView {
+        let mut nodes = live.to_vec();
+        if self.with_local {
+            nodes.push(local());
+        }
+        LiveView {
+            nodes,
+            malformed: self.malformed.clone(),
+            synced: self.synced,
+            relists: self.relists,
+        }
+    }
+    fn plan(&self, record: Option<&Checkpoint>, live: &[Node], kernel: &Kernel) -> Plan {
+        let view = self.view(live);
+        let inventory = kernel.inventory();
+        let allocator = record.map(|c| c.ids.clone()).unwrap_or_default();
+        plan(&PlanInput {
+            record,
+            live: &view,
+            inventory: &inventory,
+            allocator: &allocator,
+            brake: &self.brake,
+            confirmed_hold: None,
+            now: self.now,
+            config: &self.cfg,
+        })
+    }
+    /// Plans, applies every op, and returns the checkpoint to write.
+    fn reconcile(
+        &self,
+        record: Option<&Checkpoint>,
+        live: &[Node],
+        kernel: &mut Kernel,
+    ) -> (Plan, Checkpoint) {
+        let p = self.plan(record, live, kernel);
+        kernel.apply(&p.ops());
+        let cp = p.checkpoint_after(&[]);
+        (p, cp)
+    }
+}
+
+fn deleted(p: &Plan) -> Vec<(ObjectId, DeleteReason)> {
+    let mut d: Vec<_> = p
+        .deletes
+        .iter()
+        .map(|d| (d.object.id(), d.reason))
+        .collect();
+    d.sort();
+    d
+}
+
+fn problems(p: &Plan) -> Vec<(&str, &InputProblem)> {
+    p.errors
+        .iter()
+        .map(|e| (e.node.as_str(), &e.problem))
+        .collect()
+}
+
+fn ids_of(cp: &Checkpoint) -> BTreeMap<String, u16> {
+    cp.nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.node_id.map_or(0, NodeId::get)))
+        .collect()
+}
+
+fn a() -> Node {
+    node("a", &["10.0.0.1"], &["10.1.1.0/24"])
+}
+fn b() -> Node {
+    node("b", &["10.0.0.2"], &["10.1.2.0/24"])
+}
+fn c() -> Node {
+    node("c", &["10.0.0.3"], &["10.1.3.0/24"])
+}
+fn d() -> Node {
+    node("d", &["10.0.0.4"], &["10.1.4.0/24"])
+}
+
+// ---- The basics: programming, restarts, ownership by identity ----
+
+#[test]
+fn first_start_programs_map_entries_and_routes_with_fresh_ids() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (p, cp) = r.reconcile(None, &[b(), a()], &mut k);
+    assert!(p.deletes.is_empty() && p.errors.is_empty());
+    let allocated: Vec<(&str, u16)> = p
+        .allocations
+        .iter()
+        .map(|a| (a.node.as_str(), a.id.get()))
+        .collect();
+    assert_eq!(allocated, [("a", 1), ("b", 2)]);
+    assert!(k.has(&map("10.0.0.1", 1)));
+    assert!(k.has(&route("10.1.2.0/24", "10.0.0.2")));
+    assert_eq!(k.len(), 4);
+    assert_eq!(cp.nodes, [with_id(a(), 1), with_id(b(), 2)]);
+    assert!(
+        p.ops().iter().all(|o| matches!(o, Op::Create(_))),
+        "new objects are created exclusively"
+    );
+}
+
+#[test]
+fn unchanged_restart_plans_nothing() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    let p = r.plan(Some(&cp), &[a(), b()], &k);
+    assert!(p.is_empty(), "{p:?}");
+    assert!(p.ops().is_empty() && p.allocations.is_empty() && p.frees.is_empty());
+    assert_eq!(p.checkpoint.nodes, cp.nodes);
+}
+
+#[test]
+fn stale_node_is_deleted_with_all_its_objects_and_never_re_added() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    // An object only the inventory knows (not derivable from b's record) but carrying b's ID.
+    let extra = KernelObject::XfrmState(XfrmState {
+        src: ip("10.0.0.100"),
+        dst: ip("10.9.9.9"),
+        spi: 3,
+        dir: XfrmDir::Out,
+        node_id: id(2),
+    });
+    k.put(extra.clone());
+    let p = r.plan(Some(&cp), &[a(), c()], &k);
+    let mut want = vec![
+        (map("10.0.0.2", 2).id(), DeleteReason::StaleNode),
+        (
+            route("10.1.2.0/24", "10.0.0.2").id(),
+            DeleteReason::StaleNode,
+        ),
+        (extra.id(), DeleteReason::StaleNode),
+    ];
+    want.sort();
+    assert_eq!(deleted(&p), want);
+    assert!(p.deletes.iter().all(|d| d.node.as_deref() == Some("b")));
+    assert!(p.upserts.is_empty(), "no resurrection: {:?}", p.upserts);
+    assert_eq!(p.frees, [id(2)]);
+    assert_eq!(p.released_nodes, ["b"]);
+    assert!(p.checkpoint.nodes.iter().all(|n| n.name != "b"));
+    assert!(p.checkpoint.pending_deletes.is_empty());
+    k.apply(&p.ops());
+    assert!(r.plan(Some(&p.checkpoint), &[a(), c()], &k).is_empty());
+}
+
+#[test]
+fn only_objects_the_kernel_shows_as_ours_are_ever_deleted() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    // b's route is gone from our inventory (someone removed it, or replaced it with theirs):
+    // the record alone never makes a delete.
+    k.ours.remove(&route("10.1.2.0/24", "10.0.0.2").id());
+    k.foreign.insert(
+        route("10.1.2.0/24", "10.0.0.2").id(),
+        "route 10.1.2.0/24 proto static".into(),
+    );
+    let p = r.plan(Some(&cp), &[a(), c()], &k);
+    assert_eq!(
+        deleted(&p),
+        [(map("10.0.0.2", 2).id(), DeleteReason::StaleNode)]
+    );
+}
+
+#[test]
+fn ip_recycled_to_new_node_while_down_is_not_deleted() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    // b is deleted while down and a new node e gets b's IP (but a new CIDR).
+    let e = node("e", &["10.0.0.2"], &["10.1.5.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), c(), e.clone()], &k);
+    // ID 2 is b's (the checkpoint says so), not the address's: e gets a fresh ID and the entry
+    // is updated in place, so the dead node's ID is not handed out again without cool-down.
+    assert_eq!(p.allocations.len(), 1);
+    let e_id = p.allocations[0].id;
+    assert_ne!(e_id, id(2));
+    assert!(p.checkpoint.nodes.contains(&with_id(e.clone(), e_id.get())));
+    assert!(
+        p.upserts
+            .iter()
+            .any(|u| u.object == map("10.0.0.2", e_id.get()) && u.update)
+    );
+    assert_eq!(
+        deleted(&p),
+        [(
+            route("10.1.2.0/24", "10.0.0.2").id(),
+            DeleteReason::StaleNode
+        )]
+    );
+    k.apply(&p.ops());
+    assert!(k.has(&map("10.0.0.2", e_id.get())));
+    assert!(k.has(&route("10.1.5.0/24", "10.0.0.2")));
+}
+
+#[test]
+fn ip_recycled_without_a_checkpoint_keeps_the_map_id() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    r.reconcile(None, &[a(), b(), c()], &mut k);
+    // The checkpoint is lost: the map entry is all that says which ID the address had.
+    let e = node("e", &["10.0.0.2"], &["10.1.5.0/24"]);
+    let p = r.plan(None, &[a(), c(), e.clone()], &k);
+    assert!(p.allocations.is_empty());
+    assert!(p.checkpoint.nodes.contains(&with_id(e, 2)));
+}
+
+#[test]
+fn ip_recycled_to_a_node_with_an_id_of_its_own_is_updated_not_deleted() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    // While down, b is deleted and a readdressed onto b's old IP (keeping its v6 and map ID 1).
+    let a2 = node("a", &["10.0.0.2", "fd00::1"], &["10.1.1.0/24"]);
+    let mut k2 = k.clone();
+    k2.put(map("fd00::1", 1));
+    let mut cp2 = cp.clone();
+    cp2.nodes[0] = with_id(node("a", &["10.0.0.1", "fd00::1"], &["10.1.1.0/24"]), 1);
+    let p = r.plan(Some(&cp2), &[a2, c()], &k2);
+    assert!(
+        p.upserts
+            .iter()
+            .any(|u| u.object == map("10.0.0.2", 1) && u.update)
+    );
+    assert!(deleted(&p).contains(&(map("10.0.0.1", 1).id(), DeleteReason::ChangedWhileDown)));
+    assert!(
+        !deleted(&p)
+            .iter()
+            .any(|(oid, _)| *oid == map("10.0.0.2", 1).id())
+    );
+}
+
+#[test]
+fn node_renamed_keeping_its_ips_keeps_its_objects_under_a_fresh_id() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    let renamed = node("b-new", &["10.0.0.2"], &["10.1.2.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), renamed.clone()], &k);
+    // A rename is a new Node object: it gets its own ID, and its objects are updated in place,
+    // never deleted.
+    assert!(p.deletes.is_empty(), "{:?}", p.deletes);
+    assert_eq!(p.allocations.len(), 1);
+    let new_id = p.allocations[0].id;
+    assert!(
+        p.upserts
+            .iter()
+            .all(|u| u.update || u.object.kind() != ObjectKind::MapEntry)
+    );
+    assert!(p.checkpoint.nodes.contains(&with_id(renamed, new_id.get())));
+    assert_eq!(p.frees, [id(2)], "b's ID starts its cool-down");
+}
+
+#[test]
+fn pod_cidr_reassigned_to_another_node_is_updated_not_deleted() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    // b is gone; its CIDR now belongs to d.
+    let d2 = node("d", &["10.0.0.4"], &["10.1.2.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), c(), d2], &k);
+    assert!(
+        p.upserts
+            .iter()
+            .any(|u| u.object == route("10.1.2.0/24", "10.0.0.4") && u.update)
+    );
+    assert_eq!(
+        deleted(&p),
+        [(map("10.0.0.2", 2).id(), DeleteReason::StaleNode)]
+    );
+}
+
+#[test]
+fn node_readdressed_while_down_gets_old_objects_removed_and_new_added() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    let b2 = node("b", &["10.0.0.22"], &["10.1.22.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), b2.clone()], &k);
+    assert_eq!(
+        deleted(&p),
+        [
+            (map("10.0.0.2", 2).id(), DeleteReason::ChangedWhileDown),
+            (
+                route("10.1.2.0/24", "10.0.0.2").id(),
+                DeleteReason::ChangedWhileDown
+            ),
+        ]
+    );
+    k.apply(&p.ops());
+    assert!(k.has(&map("10.0.0.22", 2)), "the record's ID carries over");
+    assert!(k.has(&route("10.1.22.0/24", "10.0.0.22")));
+    assert!(p.frees.is_empty());
+}
+
+#[test]
+fn nothing_is_deleted_before_sync() {
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    k.put(map("10.0.0.77", 77));
+    r.synced = false;
+    r.with_local = false;
+    let b2 = node("b", &["10.0.0.22"], &["10.1.22.0/24"]);
+    let p = r.plan(Some(&cp), &[b2], &k);
+    assert!(p.deletes.is_empty() && p.brake.is_none() && p.frees.is_empty());
+    assert_eq!(p.upserts.len(), 2, "adds for known live nodes are fine");
+    // a, not seen yet, is carried over unchanged, and its ID is not reused.
+    assert!(p.checkpoint.nodes.contains(&with_id(a(), 1)));
+    assert!(p.allocations.is_empty());
+}
+
+#[test]
+fn live_node_without_addresses_keeps_its_previous_objects() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    let registering = node("b", &[], &[]);
+    let p = r.plan(Some(&cp), &[a(), registering], &k);
+    assert!(p.is_empty(), "{p:?}");
+    assert!(p.frees.is_empty());
+    assert!(
+        p.checkpoint.nodes.contains(&with_id(b(), 2)),
+        "record kept for next time"
+    );
+    // And no other node gets its ID or its address meanwhile.
+    let thief = node("c", &["10.0.0.2"], &["10.1.3.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), node("b", &[], &[]), thief, d()], &k);
+    assert_eq!(p.allocations.len(), 1);
+    assert_eq!(p.allocations[0].node, "d");
+    assert_eq!(p.allocations[0].id, id(3));
+    assert!(matches!(
+        problems(&p)[..],
+        [(
+            "c",
+            InputProblem::Conflict {
+                why: ConflictWhy::Held,
+                ..
+            }
+        )]
+    ));
+}
+
+#[test]
+fn orphans_are_swept_without_a_checkpoint() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    r.reconcile(None, &[a(), b()], &mut k);
+    k.put(map("10.0.0.9", 9));
+    let p = r.plan(None, &[a(), b()], &k);
+    assert_eq!(
+        deleted(&p),
+        [(map("10.0.0.9", 9).id(), DeleteReason::Orphan)]
+    );
+    assert!(
+        p.upserts.is_empty(),
+        "IDs restored from the map: {:?}",
+        p.upserts
+    );
+    assert_eq!(p.frees, [id(9)]);
+}
+
+#[test]
+fn failed_stale_delete_stays_pending_with_attempts_and_keeps_its_id() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    let p = r.plan(Some(&cp), &[a(), c()], &k);
+    let failed = [Op::Delete(route("10.1.2.0/24", "10.0.0.2"))];
+    let next = p.checkpoint_after(&failed);
+    assert_eq!(
+        next.pending_deletes,
+        [PendingDelete {
+            node: with_id(b(), 2),
+            attempts: 1
+        }]
+    );
+    assert!(next.ids.freed.is_empty());
+    // Applied all but the failed op; after a restart it is retried, and counted again, but not
+    // by the brake: its removal was released before.
+    let ops: Vec<Op> = p.ops().into_iter().filter(|o| *o != failed[0]).collect();
+    k.apply(&ops);
+    let p2 = r.plan(Some(&next), &[a(), c()], &k);
+    assert!(p2.brake.is_none());
+    assert_eq!(
+        deleted(&p2),
+        [(
+            route("10.1.2.0/24", "10.0.0.2").id(),
+            DeleteReason::StaleNode
+        )]
+    );
+    assert_eq!(p2.checkpoint_after(&failed).pending_deletes[0].attempts, 2);
+    assert!(p2.checkpoint_after(&[]).pending_deletes.is_empty());
+}
+
+#[test]
+fn ipsec_adds_states_both_ways_and_a_policy_per_cidr_for_each_shared_family() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig { spi: 3 });
+    r.cfg.local_addresses = vec![ip("10.0.0.100")];
+    let mut k = Kernel::default();
+    let dual = node(
+        "a",
+        &["10.0.0.1", "fd00::1"],
+        &["10.1.1.0/24", "fd01:1::/64"],
+    );
+    let (p, cp) = r.reconcile(None, std::slice::from_ref(&dual), &mut k);
+    let count = |kind| k.ours.values().filter(|o| o.kind() == kind).count();
+    assert_eq!(count(ObjectKind::MapEntry), 2);
+    assert_eq!(count(ObjectKind::Route), 2);
+    assert_eq!(count(ObjectKind::XfrmState), 2, "IPv4 only: no local IPv6");
+    assert_eq!(count(ObjectKind::XfrmPolicy), 1);
+    assert!(
+        p.upserts
+            .iter()
+            .all(|u| u.object.node_id().is_none_or(|i| i == id(1)))
+    );
+    assert!(r.plan(Some(&cp), &[dual], &k).is_empty());
+}
+
+#[test]
+fn spi_change_supersedes_old_xfrm_objects_without_the_brake() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig { spi: 3 });
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a()], &mut k);
+    r.cfg.ipsec = Some(IpsecConfig { spi: 4 });
+    let p = r.plan(Some(&cp), &[a()], &k);
+    assert!(p.brake.is_none(), "replacing objects is not removing nodes");
+    let reasons: Vec<_> = p.deletes.iter().map(|d| d.reason).collect();
+    assert_eq!(reasons.len(), 3);
+    assert!(reasons.iter().all(|r| *r == DeleteReason::Superseded));
+    k.apply(&p.ops());
+    assert!(r.plan(Some(&p.checkpoint), &[a()], &k).is_empty());
+}
+
+#[test]
+fn ops_delete_first_and_never_delete_what_they_upsert() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    let d2 = node("d", &["10.0.0.2"], &["10.1.2.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), c(), d2, d()], &k);
+    let ops = p.ops();
+    let first_upsert = ops
+        .iter()
+        .position(|o| !matches!(o, Op::Delete(_)))
+        .unwrap_or(ops.len());
+    assert!(
+        ops[first_upsert..]
+            .iter()
+            .all(|o| !matches!(o, Op::Delete(_)))
+    );
+    let upserted: HashSet<ObjectId> = p.upserts.iter().map(|u| u.object.id()).collect();
+    assert!(p.deletes.iter().all(|d| !upserted.contains(&d.object.id())));
+}
+
+#[test]
+fn duplicate_live_name_keeps_the_first_entry() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let other = node("a", &["10.0.0.50"], &[]);
+    let (p, _) = r.reconcile(None, &[a(), other], &mut k);
+    assert!(matches!(
+        problems(&p)[..],
+        [("a", InputProblem::DuplicateName)]
+    ));
+    assert!(k.has(&map("10.0.0.1", 1)));
+}
+
+#[test]
+fn cidr_without_gateway_is_skipped_and_the_rest_programmed() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let v6_cidr_v4_only = node("c", &["10.0.0.3"], &["10.1.3.0/24", "fd01:3::/64"]);
+    let (p, _) = r.reconcile(None, &[v6_cidr_v4_only], &mut k);
+    assert!(matches!(
+        problems(&p)[..],
+        [(
+            "c",
+            InputProblem::NoGateway {
+                family: Family::V6,
+                ..
+            }
+        )]
+    ));
+    assert!(k.has(&route("10.1.3.0/24", "10.0.0.3")));
+}
+
+// ---- Invariant 13: a node is one node ----
+
+#[test]
+fn an_internal_ip_that_is_also_the_external_ip_is_one_address_and_programmed() {
+    let mut r = Run::new();
+    r.cfg.include_external_ips = true;
+    let raw = crate::node::RawNode {
+        name: "a".into(),
+        uid: "uid-a".into(),
+        addresses: vec![
+            ("InternalIP".into(), "10.0.0.1".into()),
+            ("ExternalIP".into(), "10.0.0.1".into()),
+        ],
+        pod_cidrs: vec!["10.1.1.0/24".into()],
+        boot_id: String::new(),
+    };
+    let a = Node::from_raw(raw).unwrap();
+    let mut k = Kernel::default();
+    let (p, _) = r.reconcile(None, &[a], &mut k);
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    assert!(k.has(&map("10.0.0.1", 1)));
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
+}
+
+#[test]
+fn nodes_behind_one_unmapped_nat_address_are_all_programmed() {
+    let mut r = Run::new();
+    r.cfg.include_external_ips = false;
+    let nat = "203.0.113.7";
+    let nodes = [external(a(), nat), external(b(), nat), external(c(), nat)];
+    let mut k = Kernel::default();
+    let (p, _) = r.reconcile(None, &nodes, &mut k);
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    assert_eq!(k.len(), 6, "three map entries and three routes");
+    assert!(!k.ours.contains_key(&map(nat, 1).id()));
+    // Mapped, the shared address is a conflict again: one node keeps it.
+    r.cfg.include_external_ips = true;
+    let p = r.plan(None, &nodes, &Kernel::default());
+    assert_eq!(p.errors.len(), 2, "{:?}", p.errors);
+}
+
+// ---- Invariant 14: the incumbent keeps what it has ----
+
+#[test]
+fn the_incumbent_keeps_its_address_against_a_newcomer_whose_name_sorts_first() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let old = node("z-old", &["10.0.0.1"], &["10.1.1.0/24"]);
+    let (_, cp) = r.reconcile(None, &[old.clone()], &mut k);
+    let newcomer = node("a-new", &["10.0.0.1"], &["10.1.9.0/24"]);
+    let p = r.plan(Some(&cp), &[old.clone(), newcomer.clone()], &k);
+    assert!(p.is_empty(), "nothing changes for the incumbent: {p:?}");
+    assert!(matches!(
+        problems(&p)[..],
+        [(
+            "a-new",
+            InputProblem::Conflict {
+                resource: Resource::Address(_),
+                why: ConflictWhy::Incumbent,
+                ..
+            }
+        )]
+    ));
+    assert_eq!(ids_of(&p.checkpoint), BTreeMap::from([("z-old".into(), 1)]));
+    // Once the incumbent lets go of the address, the newcomer gets it.
+    let moved = node("z-old", &["10.0.0.5"], &["10.1.1.0/24"]);
+    let p = r.plan(Some(&cp), &[moved, newcomer], &k);
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    assert_eq!(ids_of(&p.checkpoint).len(), 2);
+}
+
+#[test]
+fn the_incumbent_keeps_its_pod_cidr_against_a_newcomer() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[b()], &mut k);
+    let newcomer = node("a", &["10.0.0.1"], &["10.1.2.0/24"]);
+    let p = r.plan(Some(&cp), &[b(), newcomer], &k);
+    assert!(p.is_empty(), "{p:?}");
+    assert!(matches!(
+        problems(&p)[..],
+        [(
+            "a",
+            InputProblem::Conflict {
+                why: ConflictWhy::Incumbent,
+                ..
+            }
+        )]
+    ));
+    assert!(k.has(&route("10.1.2.0/24", "10.0.0.2")));
+}
+
+#[test]
+fn without_a_record_name_order_decides_the_same_way_every_time() {
+    let r = Run::new();
+    let twin_a = node("a", &["10.0.0.1"], &["10.1.1.0/24"]);
+    let twin_b = node("b", &["10.0.0.1"], &["10.1.2.0/24"]);
+    for live in [
+        [twin_a.clone(), twin_b.clone()],
+        [twin_b.clone(), twin_a.clone()],
+    ] {
+        let p = r.plan(None, &live, &Kernel::default());
+        assert!(matches!(
+            problems(&p)[..],
+            [(
+                "b",
+                InputProblem::Conflict {
+                    why: ConflictWhy::Order,
+                    ..
+                }
+            )]
+        ));
+    }
+}
+
+#[test]
+fn the_local_node_keeps_its_addresses_and_pod_cidr() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, mut cp) = r.reconcile(None, &[a()], &mut k);
+    // A checkpoint (say from a bug) lists the local node, and the map has an entry for its IP.
+    // The entry is deleted as an orphan: ID 0 is the local node, we never write its IPs.
+    cp.nodes.push(with_id(local(), 5));
+    k.put(map("10.0.0.100", 5));
+    let p = r.plan(Some(&cp), &[a()], &k);
+    assert_eq!(
+        deleted(&p),
+        [(map("10.0.0.100", 5).id(), DeleteReason::Orphan)]
+    );
+    assert!(p.upserts.is_empty() && p.errors.is_empty() && p.brake.is_none());
+    assert!(p.checkpoint.nodes.iter().all(|n| n.name != "local"));
+    // Remote nodes claiming a local address, or the local pod CIDR, are held and reported.
+    let addr_thief = node("y", &["10.0.0.100"], &[]);
+    let cidr_thief = node("z", &["10.0.0.26"], &["10.1.100.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), addr_thief, cidr_thief], &k);
+    assert!(matches!(
+        problems(&p)[..],
+        [
+            ("y", InputProblem::LocalResource { .. }),
+            ("z", InputProblem::LocalResource { .. })
+        ]
+    ));
+    assert!(p.upserts.is_empty(), "{:?}", p.upserts);
+}
+
+// ---- Invariant 8: transient is not gone ----
+
+#[test]
+fn a_malformed_node_keeps_every_object_after_a_restart() {
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    // After the restart b's record does not validate; only the checkpoint knows its objects.
+    r.malformed = vec!["b".into()];
+    let p = r.plan(Some(&cp), &[a()], &k);
+    assert!(p.is_empty(), "{p:?}");
+    assert!(p.brake.is_none());
+    assert!(p.checkpoint.nodes.contains(&with_id(b(), 2)));
+    assert!(p.frees.is_empty());
+    // Its address stays its own.
+    let thief = node("c", &["10.0.0.2"], &["10.1.3.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), thief], &k);
+    assert!(k.has(&map("10.0.0.2", 2)));
+    assert!(p.upserts.is_empty(), "{:?}", p.upserts);
+}
+
+// ---- Invariant 6: foreign objects ----
+
+#[test]
+fn a_foreign_route_at_our_identity_is_a_conflict_and_never_replaced() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    k.foreign.insert(
+        route("10.1.2.0/24", "10.0.0.2").id(),
+        "route 10.1.2.0/24 dev cni0 proto kernel".into(),
+    );
+    let (p, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    assert!(matches!(
+        problems(&p)[..],
+        [("b", InputProblem::Foreign { foreign, .. })] if foreign.contains("proto kernel")
+    ));
+    assert!(!k.ours.contains_key(&route("10.1.2.0/24", "10.0.0.2").id()));
+    assert!(k.has(&map("10.0.0.2", 2)), "the node's other objects are programmed");
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
+    // Nothing to do next time but report the conflict again.
+    let p = r.plan(Some(&cp), &[a(), b()], &k);
+    assert!(p.is_empty() && p.errors.len() == 1);
+}
+
+// ---- Invariant 9: the brake sees every mass deletion ----
+
+#[test]
+fn brake_holds_mass_stale_deletion_and_keeps_the_nodes_pending() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    // 3 of 4 known nodes vanish: 75% > 50%.
+    let p = r.plan(Some(&cp), &[a()], &k);
+    let hold = p.brake.as_ref().expect("brake");
+    assert_eq!(hold.kind, HoldKind::Ratio);
+    assert_eq!((hold.removed_nodes, hold.known_nodes), (3, 4));
+    assert_eq!(hold.nodes, ["b", "c", "d"]);
+    assert_eq!(hold.deletes.len(), 6);
+    assert!(hold.to_string().contains("75%"), "{hold}");
+    assert!(p.deletes.is_empty());
+    let pending: Vec<_> = p
+        .checkpoint
+        .pending_deletes
+        .iter()
+        .map(|p| p.node.name.as_str())
+        .collect();
+    assert_eq!(pending, ["b", "c", "d"]);
+    assert!(p.frees.is_empty(), "held nodes keep their IDs");
+    // Still held on the next restart; released by force-prune.
+    let p2 = r.plan(Some(&p.checkpoint), &[a()], &k);
+    assert!(p2.brake.is_some() && p2.deletes.is_empty());
+    let mut forced = Run::new();
+    forced.cfg.force_prune = true;
+    let p3 = forced.plan(Some(&p.checkpoint), &[a()], &k);
+    assert!(p3.brake.is_none());
+    assert_eq!(p3.deletes.len(), 6);
+    assert!(p3.checkpoint.pending_deletes.is_empty());
+}
+
+#[test]
+fn a_newcomer_on_a_held_removal_address_waits_for_the_brake() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    let on_b = node("e", &["10.0.0.2"], &["10.1.5.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), on_b], &k);
+    assert!(p.brake.is_some());
+    assert!(matches!(
+        problems(&p)[..],
+        [(
+            "e",
+            InputProblem::Conflict {
+                why: ConflictWhy::HeldRemoval,
+                ..
+            }
+        )]
+    ));
+    assert!(p.upserts.is_empty() && p.deletes.is_empty());
+}
+
+#[test]
+fn a_wrong_cluster_with_more_nodes_than_before_is_held() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    let other: Vec<Node> = (0..20)
+        .map(|i| {
+            node(
+                &format!("other-{i}"),
+                &[&format!("10.50.0.{i}")],
+                &[&format!("10.60.{i}.0/24")],
+            )
+        })
+        .collect();
+    let p = r.plan(Some(&cp), &other, &k);
+    let hold = p.brake.as_ref().expect("held");
+    assert_eq!(hold.kind, HoldKind::Wipe, "all 4 known nodes would go");
+    assert_eq!(hold.known_nodes, 4, "counted against what the agent knows");
+    assert!(p.deletes.is_empty());
+}
+
+#[test]
+fn the_same_names_with_other_uids_are_removals_the_brake_counts() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    let impostors: Vec<Node> = [a(), b(), c()]
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut n)| {
+            n.uid = format!("other-{i}");
+            n.addresses[0].ip = ip(&format!("10.70.0.{i}"));
+            n.pod_cidrs = vec![net(&format!("10.71.{i}.0/24"))];
+            n
+        })
+        .chain([d()])
+        .collect();
+    let p = r.plan(Some(&cp), &impostors, &k);
+    let hold = p.brake.as_ref().expect("held");
+    assert_eq!(hold.nodes, ["a", "b", "c"]);
+    assert!(p.deletes.is_empty(), "{:?}", p.deletes);
+    // The impostors are new nodes: none of them inherits a known node's ID.
+    assert!(p.allocations.iter().all(|a| a.id.get() > 4), "{:?}", p.allocations);
+}
+
+#[test]
+fn orphans_without_a_checkpoint_are_counted_in_objects() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    // The checkpoint is lost and the list is partial: 6 of 8 objects would be swept.
+    let p = r.plan(None, &[a()], &k);
+    let hold = p.brake.as_ref().expect("held");
+    assert_eq!(hold.orphans, 6);
+    assert!(p.deletes.is_empty());
+    // A smaller sweep goes ahead.
+    let p = r.plan(None, &[a(), b(), c()], &k);
+    assert!(p.brake.is_none());
+    assert_eq!(p.deletes.len(), 2);
+}
+
+#[test]
+fn a_list_without_the_local_node_changes_nothing() {
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    r.with_local = false;
+    let e = node("e", &["10.0.0.5"], &["10.1.5.0/24"]);
+    let p = r.plan(Some(&cp), &[a(), e], &k);
+    assert!(p.is_empty(), "no deletes and no adds: {p:?}");
+    assert!(p.allocations.is_empty() && p.frees.is_empty());
+    assert_eq!(
+        p.brake.as_ref().map(|b| b.kind),
+        Some(HoldKind::NoLocalNode)
+    );
+    assert_eq!(p.checkpoint, cp, "the record stays as it was");
+    // Also an empty list, which a plain ratio would miss with nothing known.
+    let p = r.plan(None, &[], &k);
+    assert!(p.is_empty() && p.brake.is_some());
+}
+
+#[test]
+fn removals_just_released_count_against_the_next_plan() {
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let nodes: Vec<Node> = (1..=10)
+        .map(|i| {
+            node(
+                &format!("n{i:02}"),
+                &[&format!("10.0.1.{i}")],
+                &[&format!("10.2.{i}.0/24")],
+            )
+        })
+        .collect();
+    let (_, cp) = r.reconcile(None, &nodes, &mut k);
+    // Four go (40%): fine.
+    let (p1, cp1) = r.reconcile(Some(&cp), &nodes[4..], &mut k);
+    assert!(p1.brake.is_none());
+    r.brake = p1.brake_memory.clone();
+    // Two more a moment later: six of ten within the window, held.
+    r.now = NOW + Duration::from_secs(1);
+    let p2 = r.plan(Some(&cp1), &nodes[6..], &k);
+    assert!(p2.brake.is_some(), "{:?}", p2.deletes);
+    // The window survives a restart through the checkpoint.
+    r.brake = BrakeMemory::restored(Some(&cp1));
+    let p3 = r.plan(Some(&cp1), &nodes[6..], &k);
+    assert!(p3.brake.is_some());
+    // After the window, two of six are fine.
+    r.now = NOW + Duration::from_secs(120);
+    let p4 = r.plan(Some(&cp1), &nodes[6..], &k);
+    assert!(p4.brake.is_none());
+}
+
+#[test]
+fn a_confirming_list_releases_what_was_held_and_holds_what_it_adds() {
+    let mut r = Run::new();
+    r.cfg.confirm_by_relist = true;
+    let mut k = Kernel::default();
+    let nodes: Vec<Node> = (1..=10)
+        .map(|i| {
+            node(
+                &format!("n{i:02}"),
+                &[&format!("10.0.1.{i}")],
+                &[&format!("10.2.{i}.0/24")],
+            )
+        })
+        .collect();
+    let (_, cp) = r.reconcile(None, &nodes, &mut k);
+    let held = r.plan(Some(&cp), &nodes[6..], &k);
+    assert_eq!(held.brake.as_ref().map(|h| h.nodes.len()), Some(6));
+    r.brake = held.brake_memory.clone();
+    // After the delay a newer list asks for the six and one more.
+    r.now = NOW + Duration::from_secs(61);
+    r.relists = 2;
+    let p = r.plan(Some(&held.checkpoint), &nodes[7..], &k);
+    assert_eq!(p.released_nodes.len(), 6);
+    let hold = p.brake.as_ref().expect("the seventh is held anew");
+    assert_eq!(hold.nodes, ["n07"]);
+    assert_eq!(p.deletes.len(), 12);
+}
+
+// ---- Invariant 17: map room ----
+
+#[test]
+fn a_full_map_never_displaces_a_programmed_node() {
+    let mut r = Run::new();
+    r.cfg.map_capacity = 2;
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[b(), c()], &mut k);
+    // A new node whose name sorts first arrives while the map is full.
+    let p = r.plan(Some(&cp), &[a(), b(), c()], &k);
+    assert!(matches!(
+        problems(&p)[..],
+        [("a", InputProblem::MapFull { limit: 2, .. })]
+    ));
+    assert!(p.is_empty(), "{p:?}");
+    // Room freed by a removal goes to the newcomer.
+    let (p, _) = r.reconcile(Some(&cp), &[a(), c()], &mut k);
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    assert!(k.has(&map("10.0.0.1", 3)));
+}
+
+#[test]
+fn map_room_counts_the_entries_held_nodes_keep() {
+    let mut r = Run::new();
+    r.cfg.map_capacity = 3;
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    // b registers again (no addresses): it keeps its entry, so there is no room for d.
+    let p = r.plan(Some(&cp), &[a(), node("b", &[], &[]), c(), d()], &k);
+    assert!(matches!(
+        problems(&p)[..],
+        [("d", InputProblem::MapFull { .. })]
+    ));
+}
+
+// ---- Invariant 5: stable IDs ----
+
+#[test]
+fn a_drifted_map_id_is_rewritten_to_the_recorded_id() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    // Someone rewrites a's entry with another ID.
+    k.put(map("10.0.0.1", 40));
+    let p = r.plan(Some(&cp), &[a(), b()], &k);
+    assert_eq!(ids_of(&p.checkpoint)["a"], 1);
+    assert_eq!(p.upserts.len(), 1);
+    assert_eq!(p.upserts[0].object, map("10.0.0.1", 1));
+    assert!(p.upserts[0].update);
+    assert!(p.allocations.is_empty() && p.deletes.is_empty());
+}
+
+#[test]
+fn without_a_record_the_map_id_wins_but_never_one_another_record_owns() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    k.put(map("10.0.0.1", 40));
+    k.put(map("10.0.0.2", 7));
+    let mut cp = Checkpoint::default();
+    cp.nodes.push(with_id(c(), 7));
+    let p = r.plan(Some(&cp), &[a(), b(), c()], &k);
+    let ids = ids_of(&p.checkpoint);
+    assert_eq!(ids["a"], 40, "no record: the map's ID");
+    assert_eq!(ids["c"], 7, "the record's ID");
+    assert_ne!(ids["b"], 7, "7 is c's by the record");
+}
+
+#[test]
+fn freed_ids_wait_out_the_cooldown_and_longest_freed_is_reused_first() {
+    let r = Run::new();
+    let k = Kernel::default();
+    // Everything but 5 and 6 is cooling; 6 was freed longer ago.
+    let mut freed: Vec<FreedId> = (1..=u16::MAX)
+        .map(|v| FreedId {
+            id: id(v),
+            freed_at: NOW,
+        })
+        .collect();
+    freed[4].freed_at = NOW - Duration::from_secs(3600);
+    freed[5].freed_at = NOW - Duration::from_secs(7200);
+    let cp = Checkpoint {
+        ids: AllocatorState { freed },
+        ..Checkpoint::default()
+    };
+    let p = r.plan(Some(&cp), &[a(), b(), c()], &k);
+    let allocated: Vec<(&str, u16, Option<Duration>)> = p
+        .allocations
+        .iter()
+        .map(|a| (a.node.as_str(), a.id.get(), a.reused_after))
+        .collect();
+    assert_eq!(
+        allocated,
+        [
+            ("a", 6, Some(NOW - Duration::from_secs(7200))),
+            ("b", 5, Some(NOW - Duration::from_secs(3600)))
+        ]
+    );
+    assert!(matches!(
+        problems(&p)[..],
+        [("c", InputProblem::Ids(IdError::Exhausted { limit: 65535, .. }))]
+    ));
+}
+
+#[test]
+fn an_exhausted_id_space_holds_new_nodes_and_keeps_programmed_ones() {
+    let mut r = Run::new();
+    r.cfg.max_node_id = 2;
+    let mut k = Kernel::default();
+    let (p, cp) = r.reconcile(None, &[a(), b(), c()], &mut k);
+    assert!(matches!(
+        problems(&p)[..],
+        [("c", InputProblem::Ids(IdError::Exhausted { limit: 2, .. }))]
+    ));
+    assert_eq!(k.len(), 4);
+    let e = p.errors[0].to_string();
+    assert!(e.contains("node c") && e.contains("all 2 IDs"), "{e}");
+    // Once a freed ID has cooled down, the next node gets it.
+    let (_, cp2) = r.reconcile(Some(&cp), &[a(), c()], &mut k);
+    assert!(ids_of(&cp2).get("c").is_none(), "2 is cooling");
+    let mut later = Run::new();
+    later.cfg.max_node_id = 2;
+    later.now = NOW + later.cfg.id_cooldown;
+    let p = later.plan(Some(&cp2), &[a(), c()], &k);
+    assert_eq!(ids_of(&p.checkpoint)["c"], 2);
+    assert!(p.allocations[0].reused_after.is_some());
+}
