@@ -25,6 +25,11 @@ pub const NODE_STATS_MAP: &str = "NODE_STATS";
 /// Pin name of the counters map under [`PIN_DIR`].
 pub const NODE_STATS_PIN: &str = "node_stats";
 
+/// Pin name, under [`PIN_DIR`], of the record of freed node IDs: an array of one `u64` per node
+/// ID, the second (since the Unix epoch) the ID was last freed, 0 for never. Only the agent
+/// uses it; it keeps a freed ID's cool-down when the checkpoint is lost.
+pub const FREED_IDS_PIN: &str = "freed_ids";
+
 /// Capacity of `NODE_IDS` unless the agent asks for another at first creation.
 pub const DEFAULT_NODE_MAP_MAX: u32 = 16384;
 /// `NODE_STATS` is indexed by node ID, so it has one slot per possible ID.

@@ -4,7 +4,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use node_agent::cli::{
-    Cli, Command, LogFormat, MapCommand, StateCommand, map_dump, run, state_show,
+    Cli, Command, LogFormat, MapCommand, PruneCommand, StateCommand, map_dump, prune, run,
+    state_show,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -21,11 +22,17 @@ fn main() -> ExitCode {
         Command::Map {
             command: MapCommand::Dump(args),
         } => map_dump::run(args, &mut out).map(|()| 0),
+        Command::Prune {
+            command: PruneCommand::Status(args),
+        } => prune::status(args, &mut out).map(|()| 0),
+        Command::Prune {
+            command: PruneCommand::Confirm(args),
+        } => prune::confirm(args, &mut out).map(|()| 0),
     };
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("node-agent: {e:#}");
+            eprintln!("node-agent: {}", node_agent::cli::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -10,9 +10,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
 use state::checkpoint::{Checkpoint, CheckpointStore, decode, encode};
-use state::node::{AddressKind, Node, NodeAddress};
 use state::inventory::Inventory;
 use state::node::RawNode;
+use state::node::{AddressKind, Node, NodeAddress};
 use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan};
 
 const NODES: usize = 5_000;

@@ -161,9 +161,7 @@ impl IdAllocator {
         let best = self
             .freed
             .iter()
-            .filter(|(id, at)| {
-                id.get() <= self.max_id && now.saturating_sub(**at) >= self.cooldown
-            })
+            .filter(|(id, at)| id.get() <= self.max_id && now.saturating_sub(**at) >= self.cooldown)
             .min_by_key(|(id, at)| (**at, **id))
             .map(|(id, at)| (*id, *at));
         match best {

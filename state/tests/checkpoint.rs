@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use state::checkpoint::{
-    Checkpoint, DecodeError, FORMAT_VERSION, KeySeen, PendingDelete, RecentRemovals, decode,
-    encode,
+    Checkpoint, DecodeError, FORMAT_VERSION, KeySeen, PendingDelete, RecentRemovals, decode, encode,
 };
 use state::ids::{AllocatorState, FreedId};
 use state::node::{Node, RawNode};
@@ -115,7 +114,10 @@ fn v2_content() -> Checkpoint {
 #[test]
 #[ignore = "generates the frozen fixture of a new format version; run only when adding one"]
 fn generate_newest_fixture() {
-    assert_eq!(FORMAT_VERSION, 2, "add a content function and fixture for the new version");
+    assert_eq!(
+        FORMAT_VERSION, 2,
+        "add a content function and fixture for the new version"
+    );
     std::fs::write(FIXTURE_V2, encode(&v2_content()).unwrap()).unwrap();
 }
 

@@ -19,8 +19,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use state::checkpoint::{Checkpoint, decode, encode};
 use state::desired::desired_objects;
-use state::node::{AddressKind, Node, NodeAddress};
 use state::inventory::Inventory;
+use state::node::{AddressKind, Node, NodeAddress};
 use state::objects::{KernelObject, ObjectId, Op};
 use state::plan::{BrakeMemory, IpsecConfig, LiveView, Plan, PlanConfig, PlanInput, plan};
 

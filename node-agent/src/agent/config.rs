@@ -31,6 +31,8 @@ pub struct AgentConfig {
     pub include_external_ips: bool,
     /// How long a freed node ID rests before reuse.
     pub id_cooldown: Duration,
+    /// The highest node ID handed out: 65535, or less where a test shrinks the ID space.
+    pub max_node_id: u16,
     /// With `--once`: how long to wait for the source's first full list.
     pub sync_timeout: Duration,
     /// The IPsec key file; `None` runs without xfrm state.
@@ -57,6 +59,7 @@ impl AgentConfig {
             checkpoint_interval: Duration::from_secs(1),
             include_external_ips: false,
             id_cooldown: Duration::from_secs(15 * 60),
+            max_node_id: state::ids::MAX_ID,
             sync_timeout: Duration::from_secs(120),
             ipsec_key_file: None,
         }

@@ -1,14 +1,66 @@
 //! The agent: one reconciler that owns every kernel mutation, fed by a node source.
 //!
-//! [`reconciler::Reconciler`] joins the source's live view, the checkpoint and the kernel
-//! backends through the state crate's planner; [`run`] is the daemon loop around it and
-//! [`run_once`] the one-shot form (`--once`, `--dry-run`, `node-agent plan`).
+//! [`reconciler::Reconciler`] joins the source's live view, the agent's record and the kernel
+//! (through the [`kernel::Kernel`] seam) with the state crate's planner, and [`apply`] carries a
+//! plan out in phases. [`schedule::Schedule`] is the daemon's timers as data, [`checkpointer`]
+//! the checkpoint file, [`hold_file`] the operator's side of a held prune; [`runner`] is the
+//! daemon loop around them all, and the one-shot form (`--once`, `--dry-run`, `node-agent plan`).
 
+pub mod apply;
+pub mod checkpointer;
 pub mod config;
+pub mod hold_file;
+pub mod kernel;
 pub mod reconciler;
 pub mod report;
 mod runner;
+pub mod schedule;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use state::checkpoint::StoreError;
 
 pub use config::AgentConfig;
-pub use reconciler::{AgentError, Reconciler};
+pub use reconciler::Reconciler;
 pub use runner::{ExitStatus, run, run_once};
+
+use crate::backends::DumpError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// Invariant 11: one agent per node. The message names the holder's PID.
+    #[error("node-agent is already running: {0}")]
+    AlreadyRunning(StoreError),
+    #[error(transparent)]
+    Store(StoreError),
+    #[error("reading checkpoint {path} (read-only): {source}")]
+    ReadCheckpoint {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Open(#[from] crate::backends::OpenError),
+    #[error("kernel inventory: {0}")]
+    Dump(#[from] DumpError),
+    #[error("removing invalid node-ID map entries: {0}")]
+    Purge(#[from] crate::backends::OpError),
+    #[error("the node source did not complete a full list within {0:?}")]
+    SyncTimeout(Duration),
+    #[error("the node source ended before completing a full list")]
+    SourceEnded,
+    #[error("the node source cannot deliver a list: {0}")]
+    SourceUnusable(String),
+    #[error("installing the signal handlers: {0}")]
+    Signal(#[source] std::io::Error),
+}
+
+impl From<StoreError> for AgentError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::AlreadyRunning { .. } => Self::AlreadyRunning(e),
+            other => Self::Store(other),
+        }
+    }
+}

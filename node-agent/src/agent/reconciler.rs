@@ -1,80 +1,31 @@
 //! The reconciler: the single owner of every kernel mutation.
 //!
-//! Each reconcile dumps what the kernel really holds (by owner mark), asks the planner what to
-//! delete and add given the last known checkpoint and the live view, applies the plan, and keeps
-//! the checkpoint that the outcome implies (failed cleanups stay pending deletes). Because one
-//! task does all of it, a prune and a concurrent re-add of the same node can never interleave.
+//! Each reconcile dumps what the kernel really holds (ours, and foreign objects at identities we
+//! might write), asks the planner what to delete and add given the agent's record, the live view
+//! and the brake's memory, applies the plan in phases, and keeps the record the outcome implies
+//! (failed cleanups stay pending deletes). Because one task does all of it, a prune and a
+//! concurrent re-add of the same node can never interleave. It drives the kernel through one seam,
+//! [`Kernel`], so unit tests run it against a fake that fails on command.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::IpAddr;
-use std::path::PathBuf;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreError};
-use state::ids::AllocatorState;
+use state::checkpoint::Checkpoint;
+use state::ids::{AllocatorState, FreedId};
+use state::inventory::Inventory;
 use state::node::AddressKind;
-use state::objects::{KernelObject, ObjectId, ObjectKind, Op};
-use state::plan::{DeleteReason, IpsecConfig, Plan, PlanConfig, PlanInput};
+use state::objects::{ObjectKind, Op};
+use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, IpsecConfig, Plan, PlanConfig};
 
+use super::apply::{OpResult, apply_plan};
 use super::config::AgentConfig;
-use crate::backends::map::MapBackend;
-use crate::backends::routes::RouteBackend;
-use crate::backends::xfrm::XfrmBackend;
-use crate::backends::{Backends, DumpError, OpError};
-use crate::datapath::{Datapath, DatapathError, node_ids_pin};
-use crate::ipsec_key::KeyFile;
-use crate::node_map::NodeMapError;
+use super::kernel::Kernel;
+use super::{AgentError, report};
 use crate::source::SourceEvent;
 use crate::source::live::LiveState;
 use crate::telemetry::Telemetry;
-use crate::telemetry::metrics::{KindLabel, OpLabels, ResultLabel, StateLabel};
-
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    /// Invariant 11: one agent per node. The message names the holder's PID.
-    #[error("node-agent is already running: {0}")]
-    AlreadyRunning(StoreError),
-    #[error(transparent)]
-    Store(StoreError),
-    #[error("reading checkpoint {path} (read-only): {source}")]
-    ReadCheckpoint {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Datapath(#[from] DatapathError),
-    #[error(transparent)]
-    NodeMap(Box<NodeMapError>),
-    #[error("opening the routing netlink socket: {0}")]
-    Netlink(std::io::Error),
-    #[error("kernel inventory: {0}")]
-    Dump(#[from] DumpError),
-    #[error("removing invalid node-ID map entries: {0}")]
-    Purge(Box<NodeMapError>),
-    #[error("the node source did not complete a full list within {0:?}")]
-    SyncTimeout(Duration),
-    #[error("the node source ended before completing a full list")]
-    SourceEnded,
-    #[error("installing the signal handlers: {0}")]
-    Signal(std::io::Error),
-    #[error(transparent)]
-    IpsecKey(#[from] crate::ipsec_key::KeyError),
-    #[error("opening the xfrm netlink socket: {0}")]
-    XfrmSocket(std::io::Error),
-    /// IPsec is configured but the kernel cannot create ESP states: a start-up error, since
-    /// running without the encryption the operator asked for is worse than not running.
-    #[error(transparent)]
-    Esp(#[from] crate::backends::xfrm::ProbeError),
-}
-
-/// One operation that failed, with the node it was for.
-#[derive(Debug)]
-pub struct FailedOp {
-    pub op: Op,
-    pub node: Option<String>,
-    pub error: OpError,
-}
+use crate::telemetry::metrics::{KindLabel, OpLabels, StateLabel};
 
 /// What one reconcile did.
 #[derive(Debug)]
@@ -82,161 +33,93 @@ pub struct Outcome {
     pub plan: Plan,
     /// Kernel mutations performed (successful operations).
     pub writes: usize,
-    pub failed: Vec<FailedOp>,
+    /// Operations that failed or were not attempted.
+    pub failed: Vec<OpResult>,
     /// Stale nodes whose every delete succeeded in this reconcile.
     pub pruned: BTreeSet<String>,
 }
 
-/// A brake hold being watched for confirmation.
-#[derive(Debug)]
-struct BrakeWatch {
-    since: Instant,
-    /// Full lists completed when the hold began; confirmation needs a newer one.
-    relists: u64,
-    nodes: Vec<String>,
-    /// The last plan that saw this hold.
-    checked: Instant,
-}
-
-/// Shortest wait between two brake re-checks once the confirm delay has passed.
-const BRAKE_RECHECK: Duration = Duration::from_millis(250);
-
-pub struct Reconciler {
-    config: AgentConfig,
-    plan_config: PlanConfig,
-    /// `None` in dry-run: nothing is locked and nothing is written.
-    store: Option<CheckpointStore>,
-    /// The restored checkpoint at first, then the one implied by the last reconcile.
-    known: Option<Checkpoint>,
-    restored_nodes: usize,
-    ids: AllocatorState,
-    live: LiveState,
-    backends: Backends,
-    _datapath: Option<Datapath>,
-    brake: Option<BrakeWatch>,
-    dirty: bool,
-    last_write: Option<Instant>,
-    total_writes: usize,
-    pruned: BTreeSet<String>,
-    telemetry: Arc<Telemetry>,
-}
-
-impl From<StoreError> for AgentError {
-    fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::AlreadyRunning { .. } => Self::AlreadyRunning(e),
-            other => Self::Store(other),
-        }
-    }
-}
-
-impl From<NodeMapError> for AgentError {
-    fn from(e: NodeMapError) -> Self {
-        Self::NodeMap(Box::new(e))
-    }
-}
-
-fn now_since_epoch() -> Duration {
+/// Since the Unix epoch, as the planner and the checkpoint count time.
+pub fn wall_clock() -> Duration {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
 }
 
-impl Reconciler {
-    /// Start-up steps 1-3: lock the state dir, load the checkpoint (moving a corrupt one aside),
-    /// open the pinned maps (loading and attaching the datapath). With `dry_run` nothing is
-    /// locked, created, attached or written: the checkpoint is read as it is and the maps only
-    /// if they already exist.
-    pub async fn start(
+pub struct Reconciler<K: Kernel> {
+    config: AgentConfig,
+    plan_config: PlanConfig,
+    /// The agent's record: the restored checkpoint at first, then the one each reconcile implies.
+    record: Option<Checkpoint>,
+    restored_nodes: usize,
+    ids: AllocatorState,
+    brake: BrakeMemory,
+    live: LiveState,
+    kernel: K,
+    /// The hold an operator confirmed, until a plan has seen it.
+    confirmed_hold: Option<String>,
+    /// The last plan's hold.
+    hold: Option<BrakeHold>,
+    /// The input errors last logged, so each is logged once, not at every reconcile.
+    logged_errors: BTreeSet<String>,
+    total_writes: usize,
+    pruned: BTreeSet<String>,
+    telemetry: Arc<Telemetry>,
+}
+
+impl<K: Kernel> Reconciler<K> {
+    /// A reconciler over `kernel`, starting from the restored checkpoint `record`. The freed IDs
+    /// the kernel remembers are merged into the record's, so their cool-down survives a lost
+    /// checkpoint.
+    pub fn new(
         config: AgentConfig,
-        dry_run: bool,
+        ipsec: Option<IpsecConfig>,
+        record: Option<Checkpoint>,
+        mut kernel: K,
         telemetry: Arc<Telemetry>,
-    ) -> Result<Self, AgentError> {
-        let (store, restored) = if dry_run {
-            (None, read_checkpoint(&config.state_dir)?)
-        } else {
-            let store = CheckpointStore::open(&config.state_dir)?;
-            let restored = match store.load()? {
-                LoadOutcome::Loaded(cp) => Some(cp),
-                LoadOutcome::NotFound => {
-                    tracing::info!(path = %store.path().display(), "no checkpoint: first start or lost; the kernel sweep alone decides what is ours");
-                    None
-                }
-                LoadOutcome::MovedAside { reason, moved_to } => {
-                    tracing::error!(%reason, moved_to = %moved_to.display(), "checkpoint unreadable, moved aside; continuing on the kernel sweep alone");
-                    None
-                }
-            };
-            (Some(store), restored)
-        };
-
-        let pin = node_ids_pin(&config.datapath.bpffs);
-        let (datapath, map) = if dry_run {
-            let map = if pin.exists() {
-                Some(MapBackend::open(&pin, config.datapath.node_map_max)?)
-            } else {
-                None
-            };
-            (None, map)
-        } else {
-            let dp = Datapath::load(&config.datapath)?;
-            (
-                Some(dp),
-                Some(MapBackend::open(&pin, config.datapath.node_map_max)?),
-            )
-        };
-        let routes = RouteBackend::new(config.route_protocol, config.route_table)
-            .map_err(AgentError::Netlink)?;
-        let (xfrm, ipsec) = match &config.ipsec_key_file {
-            None => (None, None),
-            Some(path) => {
-                let file = KeyFile::load(path)?;
-                let spi = file.key.spi();
-                let backend = XfrmBackend::new(Some(file.key)).map_err(AgentError::XfrmSocket)?;
-                if !dry_run {
-                    backend.probe_esp().await?;
-                }
-                (Some(backend), Some(IpsecConfig { spi }))
-            }
-        };
-
+    ) -> Self {
+        let mut ids = record.as_ref().map(|c| c.ids.clone()).unwrap_or_default();
+        match kernel.freed_ids() {
+            Ok(freed) => merge_freed(&mut ids, freed),
+            Err(e) => tracing::warn!("reading the kernel's record of freed node IDs: {e}"),
+        }
         let plan_config = PlanConfig {
             local_node: config.node_name.clone(),
             local_addresses: Vec::new(),
             ipsec,
             max_prune_ratio: config.max_prune_ratio,
             force_prune: config.force_prune,
+            confirm_delay: config.prune_confirm_delay,
+            confirm_by_relist: false,
             map_capacity: config.datapath.node_map_max as usize,
             id_cooldown: config.id_cooldown,
+            max_node_id: config.max_node_id,
             include_external_ips: config.include_external_ips,
             agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+            ..PlanConfig::default()
         };
-        let restored_nodes = restored.as_ref().map_or(0, |cp| cp.records().count());
-        let ids = restored
-            .as_ref()
-            .map(|cp| cp.ids.clone())
-            .unwrap_or_default();
-        Ok(Self {
+        Self {
+            live: LiveState::new(config.node_name.clone()),
+            restored_nodes: record.as_ref().map_or(0, |cp| cp.records().count()),
+            brake: BrakeMemory::restored(record.as_ref()),
             config,
             plan_config,
-            store,
-            known: restored,
-            restored_nodes,
+            record,
             ids,
-            live: LiveState::default(),
-            backends: Backends {
-                map,
-                routes: Some(routes),
-                xfrm,
-            },
-            _datapath: datapath,
-            brake: None,
-            dirty: false,
-            last_write: None,
+            kernel,
+            confirmed_hold: None,
+            hold: None,
+            logged_errors: BTreeSet::new(),
             total_writes: 0,
             pruned: BTreeSet::new(),
             telemetry,
-        })
+        }
+    }
+
+    /// As a daemon, a fresh full list after the confirm delay releases a hold; one-shot runs
+    /// only release with `--force-prune`.
+    pub fn confirm_by_relist(&mut self, yes: bool) {
+        self.plan_config.confirm_by_relist = yes;
     }
 
     pub fn config(&self) -> &AgentConfig {
@@ -247,23 +130,18 @@ impl Reconciler {
         &self.live
     }
 
-    /// Folds a source event into the live view; `true` if a reconcile is due.
-    pub fn on_event(&mut self, event: SourceEvent) -> bool {
-        let m = &self.telemetry.metrics;
-        if matches!(event, SourceEvent::Error(_)) {
-            m.source_errors.inc();
-        }
-        let relists = self.live.relists();
-        let due = self.live.apply(event) && self.live.synced();
-        if self.live.relists() > relists {
-            m.source_relists.inc();
-        }
-        m.source_synced.set(i64::from(self.live.synced()));
-        due
+    pub fn kernel(&mut self) -> &mut K {
+        &mut self.kernel
     }
 
-    pub fn telemetry(&self) -> &Arc<Telemetry> {
-        &self.telemetry
+    /// The record the last reconcile implied: what the checkpoint should say.
+    pub fn record(&self) -> Option<&Checkpoint> {
+        self.record.as_ref()
+    }
+
+    /// What the brake held at the last plan.
+    pub fn hold(&self) -> Option<&BrakeHold> {
+        self.hold.as_ref()
     }
 
     /// Nodes found in the checkpoint at start.
@@ -281,23 +159,35 @@ impl Reconciler {
         &self.pruned
     }
 
-    /// Whether a held brake has been confirmed: held for at least the confirm delay, and a full
-    /// list completed since it began still asks for the same deletions.
-    fn brake_confirmed(&self) -> bool {
-        self.brake.as_ref().is_some_and(|w| {
-            w.since.elapsed() >= self.config.prune_confirm_delay && self.live.relists() > w.relists
-        })
+    /// Folds a source event into the live view; `true` if a reconcile is due: the view changed,
+    /// or a fresh full list arrived that a held brake waits for.
+    pub fn on_event(&mut self, event: SourceEvent) -> bool {
+        let m = &self.telemetry.metrics;
+        if matches!(event, SourceEvent::Error(_)) {
+            m.source_errors.inc();
+        }
+        let relists = self.live.relists();
+        let changed = self.live.apply(event);
+        let relisted = self.live.relists() > relists;
+        if relisted {
+            m.source_relists.inc();
+        }
+        m.source_synced.set(i64::from(self.live.synced()));
+        self.telemetry.set_source_failing(self.live.failing());
+        self.live.synced() && (changed || (relisted && self.hold.is_some()))
     }
 
-    /// When a held brake could next be confirmed, for the daemon's timer.
-    pub fn brake_recheck_at(&self) -> Option<Instant> {
-        self.brake
-            .as_ref()
-            .map(|w| (w.since + self.config.prune_confirm_delay).max(w.checked + BRAKE_RECHECK))
+    /// An operator confirmed the hold `id` (`node-agent prune confirm`); the next plan releases
+    /// it if it is still exactly that hold.
+    pub fn confirm_hold(&mut self, id: String) {
+        tracing::warn!(hold = %id, "an operator confirmed a held prune");
+        self.confirmed_hold = Some(id);
     }
 
-    fn local_addresses(&self) -> Vec<IpAddr> {
-        self.live
+    fn plan_config(&self) -> PlanConfig {
+        let mut config = self.plan_config.clone();
+        config.local_addresses = self
+            .live
             .get(&self.config.node_name)
             .map_or_else(Vec::new, |n| {
                 n.addresses
@@ -305,135 +195,68 @@ impl Reconciler {
                     .filter(|a| a.kind == AddressKind::InternalIP)
                     .map(|a| a.ip)
                     .collect()
-            })
+            });
+        config
+    }
+
+    fn make_plan(&self, inventory: &Inventory, now: Duration) -> Plan {
+        let view = self.live.view();
+        let config = self.plan_config();
+        state::plan::plan(&state::plan::PlanInput {
+            record: self.record.as_ref(),
+            live: &view,
+            inventory,
+            allocator: &self.ids,
+            brake: &self.brake,
+            confirmed_hold: self.confirmed_hold.as_deref(),
+            now,
+            config: &config,
+        })
     }
 
     /// Plans against the kernel as it is now, without changing anything.
     pub async fn plan(&mut self) -> Result<Plan, AgentError> {
-        let (plan, inventory) = self.plan_with_inventory().await?;
-        self.record_objects(inventory.iter().map(|o| (o.id(), o.kind())).collect());
-        Ok(plan)
+        let inventory = self.kernel.dump().await?;
+        self.record_objects(&inventory);
+        Ok(self.make_plan(&inventory, wall_clock()))
     }
 
-    async fn plan_with_inventory(&mut self) -> Result<(Plan, Vec<KernelObject>), AgentError> {
-        let inventory = self.backends.dump().await?;
-        let view = self.live.view();
-        let mut config = self.plan_config.clone();
-        config.local_addresses = self.local_addresses();
-        let confirmed = self.brake_confirmed();
-        if confirmed {
-            tracing::warn!(
-                "brake confirmed by a fresh full list after the confirm delay; deleting the held nodes"
-            );
-            config.force_prune = true;
-        }
-        let input = PlanInput {
-            restored: self.known.as_ref(),
-            live: &view,
-            inventory: &inventory,
-            allocator: &self.ids,
-            now: now_since_epoch(),
-            config: &config,
-        };
-        let plan = state::plan::plan(&input);
-        self.watch_brake(&plan);
-        Ok((plan, inventory))
-    }
-
-    /// Sets the kernel-object gauges from the objects (by identity) the kernel holds.
-    fn record_objects(&self, objects: HashMap<ObjectId, ObjectKind>) {
-        let m = &self.telemetry.metrics;
-        let mut by_kind: BTreeMap<&'static str, i64> =
-            ["map_entry", "route", "xfrm_state", "xfrm_policy"]
-                .into_iter()
-                .map(|k| (k, 0))
-                .collect();
-        for kind in objects.values() {
-            *by_kind.entry(kind_name(*kind)).or_default() += 1;
-        }
-        for (kind, n) in &by_kind {
-            m.kernel_objects
-                .get_or_create(&KindLabel {
-                    kind: (*kind).into(),
-                })
-                .set(*n);
-        }
-        let capacity = f64::from(self.config.datapath.node_map_max.max(1));
-        m.node_map_fill_ratio
-            .set(by_kind["map_entry"] as f64 / capacity);
-    }
-
-    fn watch_brake(&mut self, plan: &Plan) {
-        match &plan.brake {
-            None => self.brake = None,
-            Some(hold) => {
-                if let Some(w) = self.brake.as_mut().filter(|w| w.nodes == hold.nodes) {
-                    w.checked = Instant::now();
-                } else {
-                    tracing::error!(nodes = ?hold.nodes, "{hold}");
-                    self.brake = Some(BrakeWatch {
-                        since: Instant::now(),
-                        relists: self.live.relists(),
-                        nodes: hold.nodes.clone(),
-                        checked: Instant::now(),
-                    });
-                }
-            }
-        }
-    }
-
-    /// Plans and applies once. The checkpoint the outcome implies becomes the known state and is
-    /// marked for writing.
+    /// Dumps, plans, applies. The record the outcome implies becomes the agent's record; the
+    /// caller writes it to the checkpoint when the schedule says so.
     pub async fn reconcile(&mut self) -> Result<Outcome, AgentError> {
         let started = Instant::now();
-        let (plan, inventory) = self.plan_with_inventory().await?;
-        // What the kernel holds once the successful ops are in, for the gauges.
-        let mut objects: HashMap<ObjectId, ObjectKind> =
-            inventory.iter().map(|o| (o.id(), o.kind())).collect();
-        if let Some(map) = &mut self.backends.map
-            && !map.invalid().is_empty()
-        {
-            let n = map
-                .purge_invalid()
-                .map_err(|e| AgentError::Purge(Box::new(e)))?;
-            self.total_writes += n;
+        let mut inventory = self.kernel.dump().await?;
+        let now = wall_clock();
+        let plan = self.make_plan(&inventory, now);
+        self.confirmed_hold = None;
+        if self.live.synced() {
+            let purged = self.kernel.purge_junk().await?;
+            self.total_writes += purged;
         }
-        for e in &plan.errors {
-            tracing::warn!(node = %e.node, "skipping: {}", e.problem);
-        }
-        for (node, e) in self.live.errors() {
-            tracing::warn!(%node, "malformed node: {e}");
-        }
-        let ops = plan.ops();
-        let results = self.backends.apply(&ops).await;
-        let mut failed = Vec::new();
-        let mut writes = 0;
+        self.log_problems(&plan);
+        let results = apply_plan(&mut self.kernel, &plan).await;
         let m = &self.telemetry.metrics;
-        for (op, result) in ops.into_iter().zip(results) {
+        let mut writes = 0;
+        let mut failed = Vec::new();
+        for r in results {
             m.operations
                 .get_or_create(&OpLabels {
-                    kind: kind_name(op.object().kind()).into(),
-                    op: if matches!(op, Op::Upsert(_)) {
-                        "upsert"
-                    } else {
-                        "delete"
-                    }
-                    .into(),
-                    result: if result.is_ok() { "ok" } else { "error" }.into(),
+                    kind: r.op.object().kind().name().into(),
+                    op: op_label(&r.op).into(),
+                    result: if r.result.is_ok() { "ok" } else { "error" }.into(),
                 })
                 .inc();
-            match result {
+            match &r.result {
                 Ok(()) => {
                     writes += 1;
-                    match &op {
-                        Op::Upsert(o) => objects.insert(o.id(), o.kind()),
-                        Op::Delete(o) => objects.remove(&o.id()),
-                    };
+                    inventory.apply(&r.op);
+                    if let Op::Delete(o) = &r.op {
+                        tracing::info!(node = r.node.as_deref().unwrap_or("-"), "deleted {o}");
+                    }
                 }
-                Err(error) => {
-                    let node = node_of(&plan, &op.object().id());
-                    tracing::error!(node = node.as_deref().unwrap_or("-"), "{error}");
-                    failed.push(FailedOp { op, node, error });
+                Err(e) => {
+                    tracing::error!(node = r.node.as_deref().unwrap_or("-"), "{e}");
+                    failed.push(r);
                 }
             }
         }
@@ -447,29 +270,13 @@ impl Reconciler {
             .filter_map(|d| d.node.clone())
             .filter(|n| !failed_nodes.contains(n.as_str()))
             .collect();
-        for d in &plan.deletes {
-            tracing::info!(node = d.node.as_deref().unwrap_or("-"), reason = %d.reason, "deleted {}", super::report::describe(&d.object));
-        }
         let cp = plan.checkpoint_after(&failed_ops);
-        m.nodes
-            .get_or_create(&StateLabel {
-                state: "live".into(),
-            })
-            .set(cp.nodes.len() as i64);
-        m.nodes
-            .get_or_create(&StateLabel {
-                state: "pending_delete".into(),
-            })
-            .set(cp.pending_deletes.len() as i64);
-        m.brake_held.set(i64::from(plan.brake.is_some()));
-        m.node_input_errors
-            .set((plan.errors.len() + self.live.errors().len()) as i64);
-        m.reconcile_duration
-            .observe(started.elapsed().as_secs_f64());
-        self.record_objects(objects);
+        self.remember_freed(&plan, &cp);
+        self.record_outcome(&plan, &cp, &inventory, started);
         self.ids = cp.ids.clone();
-        self.known = Some(cp);
-        self.dirty = true;
+        self.brake = plan.brake_memory.clone();
+        self.hold = plan.brake.clone();
+        self.record = Some(cp);
         self.total_writes += writes;
         self.pruned.extend(pruned.iter().cloned());
         tracing::info!(
@@ -488,81 +295,160 @@ impl Reconciler {
         })
     }
 
-    /// Writes the checkpoint if it changed, at most once per checkpoint interval unless `force`.
-    pub fn flush_checkpoint(&mut self, force: bool) -> Result<(), AgentError> {
-        let (Some(store), Some(cp)) = (&self.store, &mut self.known) else {
-            return Ok(());
-        };
-        if !self.dirty {
-            return Ok(());
-        }
-        if !force
-            && self
-                .last_write
-                .is_some_and(|t| t.elapsed() < self.config.checkpoint_interval)
-        {
-            return Ok(());
-        }
-        cp.written_at = now_since_epoch();
-        let written = store.write(cp);
-        let result = if written.is_ok() { "ok" } else { "error" };
-        self.telemetry
-            .metrics
-            .checkpoint_writes
-            .get_or_create(&ResultLabel {
-                result: result.into(),
-            })
-            .inc();
-        written?;
-        self.dirty = false;
-        self.last_write = Some(Instant::now());
-        Ok(())
-    }
-
-    /// When a coalesced checkpoint write is due, if one is pending.
-    pub fn checkpoint_due_at(&self) -> Option<Instant> {
-        self.dirty.then(|| {
-            self.last_write
-                .map_or_else(Instant::now, |t| t + self.config.checkpoint_interval)
-        })
-    }
-}
-
-fn kind_name(kind: ObjectKind) -> &'static str {
-    match kind {
-        ObjectKind::MapEntry => "map_entry",
-        ObjectKind::Route => "route",
-        ObjectKind::XfrmState => "xfrm_state",
-        ObjectKind::XfrmPolicy => "xfrm_policy",
-    }
-}
-
-/// The node an operation was planned for.
-fn node_of(plan: &Plan, id: &ObjectId) -> Option<String> {
-    plan.deletes
-        .iter()
-        .find(|d| &d.object.id() == id)
-        .and_then(|d| d.node.clone())
-        .or_else(|| {
-            plan.upserts
-                .iter()
-                .find(|u| &u.object.id() == id)
-                .map(|u| u.node.clone())
-        })
-}
-
-/// The checkpoint as it is on disk, without taking the lock (for dry runs and `plan`).
-fn read_checkpoint(dir: &std::path::Path) -> Result<Option<Checkpoint>, AgentError> {
-    let path = dir.join("nodes.ckpt");
-    match std::fs::read(&path) {
-        Ok(bytes) => match checkpoint::decode(&bytes) {
-            Ok(cp) => Ok(Some(cp)),
-            Err(e) => {
-                tracing::warn!(path = %path.display(), "checkpoint unreadable ({e}); planning on the kernel sweep alone");
-                Ok(None)
+    /// Logs each input problem and hold once, when it first appears.
+    fn log_problems(&mut self, plan: &Plan) {
+        let mut now = BTreeSet::new();
+        for e in &plan.errors {
+            let line = e.to_string();
+            if !self.logged_errors.contains(&line) {
+                tracing::warn!(node = %e.node, "skipping: {}", e.problem);
             }
-        },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(AgentError::ReadCheckpoint { path, source }),
+            now.insert(line);
+        }
+        for (node, e) in self.live.errors() {
+            let line = format!("{node}: {e}");
+            if !self.logged_errors.contains(&line) {
+                tracing::warn!(%node, "malformed node: {e}");
+            }
+            now.insert(line);
+        }
+        if let Some(hold) = &plan.brake {
+            let line = format!("hold {} {:?}", hold.id, hold.kind);
+            if !self.logged_errors.contains(&line) {
+                tracing::error!(nodes = ?hold.nodes, orphans = hold.orphans, "{hold}");
+            }
+            now.insert(line);
+        }
+        for a in plan.allocations.iter().filter(|a| a.reused_after.is_some()) {
+            tracing::warn!(node = %a.node, id = a.id.get(), "every never-used node ID is taken: reusing an ID whose cool-down has passed");
+        }
+        if !plan.released_nodes.is_empty() && self.hold.is_some() {
+            tracing::warn!(nodes = ?plan.released_nodes, "the brake released held removals");
+        }
+        self.logged_errors = now;
+    }
+
+    /// Writes the IDs this reconcile freed into the kernel's record of freed IDs.
+    fn remember_freed(&mut self, plan: &Plan, cp: &Checkpoint) {
+        let freed: Vec<FreedId> = cp
+            .ids
+            .freed
+            .iter()
+            .filter(|f| plan.frees.contains(&f.id))
+            .copied()
+            .collect();
+        if freed.is_empty() {
+            return;
+        }
+        if let Err(e) = self.kernel.remember_freed(&freed) {
+            tracing::warn!(
+                "remembering freed node IDs in the kernel (the checkpoint has them): {e}"
+            );
+        }
+    }
+
+    fn record_outcome(
+        &self,
+        plan: &Plan,
+        cp: &Checkpoint,
+        inventory: &Inventory,
+        started: Instant,
+    ) {
+        let m = &self.telemetry.metrics;
+        for (state, n) in [
+            ("live", cp.nodes.len()),
+            ("pending_delete", cp.pending_deletes.len()),
+        ] {
+            m.nodes
+                .get_or_create(&StateLabel {
+                    state: state.into(),
+                })
+                .set(n as i64);
+        }
+        m.brake_held.set(i64::from(
+            plan.brake
+                .as_ref()
+                .is_some_and(|b| b.kind != HoldKind::NoLocalNode),
+        ));
+        m.brake_held_nodes
+            .set(plan.brake.as_ref().map_or(0, |b| b.nodes.len()) as i64);
+        m.local_node_missing.set(i64::from(
+            plan.brake
+                .as_ref()
+                .is_some_and(|b| b.kind == HoldKind::NoLocalNode),
+        ));
+        let conflicts = plan
+            .errors
+            .iter()
+            .filter(|e| e.problem.is_conflict())
+            .count();
+        m.conflicts.set(conflicts as i64);
+        m.node_input_errors
+            .set((plan.errors.len() - conflicts + self.live.errors().len()) as i64);
+        m.id_exhausted.set(
+            plan.errors
+                .iter()
+                .filter(|e| matches!(e.problem, state::plan::InputProblem::Ids(_)))
+                .count() as i64,
+        );
+        m.reconcile_duration
+            .observe(started.elapsed().as_secs_f64());
+        self.record_objects(inventory);
+    }
+
+    /// Sets the kernel-object gauges from what the kernel holds.
+    fn record_objects(&self, inventory: &Inventory) {
+        let m = &self.telemetry.metrics;
+        let mut by_kind: BTreeMap<ObjectKind, i64> =
+            ObjectKind::ALL.iter().map(|k| (*k, 0)).collect();
+        for o in inventory.objects() {
+            *by_kind.entry(o.kind()).or_default() += 1;
+        }
+        for (kind, n) in &by_kind {
+            m.kernel_objects
+                .get_or_create(&KindLabel {
+                    kind: kind.name().into(),
+                })
+                .set(*n);
+        }
+        let capacity = f64::from(self.config.datapath.node_map_max.max(1));
+        m.node_map_fill_ratio
+            .set(by_kind[&ObjectKind::MapEntry] as f64 / capacity);
+    }
+
+    /// The run report for `--once --output json`.
+    pub fn report(&self, plan: &Plan, failed: &[OpResult]) -> report::RunReport {
+        report::RunReport {
+            synced: self.live.synced(),
+            live_nodes: self.live.view().nodes.len(),
+            restored_nodes: self.restored_nodes,
+            pruned_nodes: self.pruned.len(),
+            pruned: self.pruned.iter().cloned().collect(),
+            kernel_writes: self.total_writes,
+            errors: report::node_errors(plan, &self.live),
+            failed_ops: report::failed_ops(failed),
+            brake: report::brake(plan),
+        }
+    }
+}
+
+/// Merges freed IDs the kernel remembers into the checkpoint's, keeping the later time of each:
+/// the safer cool-down.
+fn merge_freed(ids: &mut AllocatorState, kernel: Vec<FreedId>) {
+    let mut by_id: BTreeMap<u16, FreedId> = ids.freed.iter().map(|f| (f.id.get(), *f)).collect();
+    for f in kernel {
+        by_id
+            .entry(f.id.get())
+            .and_modify(|e| e.freed_at = e.freed_at.max(f.freed_at))
+            .or_insert(f);
+    }
+    ids.freed = by_id.into_values().collect();
+}
+
+/// The `op` label of an operation: `upsert` (a create or an in-place replace) or `delete`.
+fn op_label(op: &Op) -> &'static str {
+    match op {
+        Op::Create(_) | Op::Replace(_) => "upsert",
+        Op::Delete(_) => "delete",
     }
 }

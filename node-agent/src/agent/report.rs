@@ -1,57 +1,52 @@
 //! What the agent reports: the `--output json` summary of `run --once`, and plans as tables or
 //! JSON for `--dry-run` and `node-agent plan`.
 
-use serde::Serialize;
-use state::objects::{KernelObject, XfrmDir};
-use state::plan::Plan;
+use serde::{Deserialize, Serialize};
+use state::objects::Op;
+use state::plan::{HoldKind, Plan};
 
-use super::reconciler::FailedOp;
+use super::apply::OpResult;
 use crate::source::live::LiveState;
 
 /// One line naming an object the way `ip` and `bpftool` users read it.
-pub fn describe(obj: &KernelObject) -> String {
-    let dir = |d: XfrmDir| match d {
-        XfrmDir::Out => "out",
-        XfrmDir::In => "in",
-    };
-    match obj {
-        KernelObject::MapEntry(e) => format!("map {} -> node {}", e.ip, e.node_id),
-        KernelObject::Route(r) => format!("route {} via {}", r.dst, r.gateway),
-        KernelObject::XfrmState(s) => format!(
-            "xfrm state {} {} -> {} spi {} node {}",
-            dir(s.dir),
-            s.src,
-            s.dst,
-            s.spi,
-            s.node_id
-        ),
-        KernelObject::XfrmPolicy(p) => format!(
-            "xfrm policy {} {} -> {} via {} -> {} node {}",
-            dir(p.dir),
-            p.src,
-            p.dst,
-            p.tmpl_src,
-            p.tmpl_dst,
-            p.node_id
-        ),
-    }
+pub fn describe(obj: &state::objects::KernelObject) -> String {
+    obj.to_string()
 }
 
 #[derive(Debug, Serialize)]
 pub struct NodeErrorReport {
     pub node: String,
     pub error: String,
+    /// Whether it is a conflict over an address, a pod CIDR or a kernel identity.
+    pub conflict: bool,
 }
 
-#[derive(Debug, Serialize)]
+/// What the brake holds, for reports, `/readyz` and `node-agent prune status`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct BrakeReport {
-    /// The stale nodes whose deletion is held.
+    /// `ratio` (a fresh list after the confirm delay releases it), `wipe` (only an operator
+    /// does), or `no_local_node` (the list is no view of this cluster; nothing changes).
+    pub kind: String,
+    /// What `node-agent prune confirm` takes.
+    pub id: String,
+    /// The held nodes.
     pub nodes: Vec<String>,
+    /// How many nodes are held (as before format changes: the length of `nodes`).
     pub stale_nodes: usize,
+    /// Held orphan objects.
+    pub orphans: usize,
+    /// Removals counted: the held nodes and those removed within the window.
+    pub removed_nodes: usize,
     pub known_nodes: usize,
+    /// The larger of `node_ratio` and `orphan_ratio`: what went over `max_ratio`.
     pub ratio: f64,
+    pub node_ratio: f64,
+    pub orphan_ratio: f64,
     pub max_ratio: f64,
+    /// Objects kept because of the hold.
     pub held_deletes: usize,
+    /// When a fresh list may confirm the hold (Unix seconds); absent when only an operator can.
+    pub confirmable_at_unix: Option<u64>,
     pub message: String,
 }
 
@@ -73,7 +68,8 @@ pub struct RunReport {
     pub pruned: Vec<String>,
     /// Kernel mutations actually performed.
     pub kernel_writes: usize,
-    /// Per-node input errors: malformed nodes and conflicts, each skipped.
+    /// Per-node input errors: malformed nodes, conflicts (with other nodes, the local node, or
+    /// foreign objects), a full map, no free ID; each node held or skipped.
     pub errors: Vec<NodeErrorReport>,
     /// Kernel operations that still failed when the run ended.
     pub failed_ops: Vec<FailedOpReport>,
@@ -86,38 +82,56 @@ pub fn node_errors(plan: &Plan, live: &LiveState) -> Vec<NodeErrorReport> {
         .map(|(node, e)| NodeErrorReport {
             node: node.clone(),
             error: e.to_string(),
+            conflict: false,
         })
         .chain(plan.errors.iter().map(|e| NodeErrorReport {
             node: e.node.clone(),
             error: e.problem.to_string(),
+            conflict: e.problem.is_conflict(),
         }))
         .collect()
 }
 
 pub fn brake(plan: &Plan) -> Option<BrakeReport> {
     plan.brake.as_ref().map(|b| BrakeReport {
+        kind: match b.kind {
+            HoldKind::Ratio => "ratio",
+            HoldKind::Wipe => "wipe",
+            HoldKind::NoLocalNode => "no_local_node",
+        }
+        .into(),
+        id: b.id.clone(),
         nodes: b.nodes.clone(),
-        stale_nodes: b.stale_nodes,
+        stale_nodes: b.nodes.len(),
+        orphans: b.orphans,
+        removed_nodes: b.removed_nodes,
         known_nodes: b.known_nodes,
-        ratio: b.ratio,
+        ratio: b.node_ratio.max(b.orphan_ratio),
+        node_ratio: b.node_ratio,
+        orphan_ratio: b.orphan_ratio,
         max_ratio: b.max_ratio,
         held_deletes: b.deletes.len(),
+        confirmable_at_unix: b.confirmable_at.map(|t| t.as_secs()),
         message: b.to_string(),
     })
 }
 
-pub fn failed_ops(failed: &[FailedOp]) -> Vec<FailedOpReport> {
+pub fn failed_ops(failed: &[OpResult]) -> Vec<FailedOpReport> {
     failed
         .iter()
         .map(|f| FailedOpReport {
             node: f.node.clone(),
-            op: match &f.op {
-                state::objects::Op::Upsert(o) => format!("upsert {}", describe(o)),
-                state::objects::Op::Delete(o) => format!("delete {}", describe(o)),
+            op: op_line(&f.op),
+            error: match &f.result {
+                Err(e) => e.to_string(),
+                Ok(()) => String::new(),
             },
-            error: f.error.to_string(),
         })
         .collect()
+}
+
+fn op_line(op: &Op) -> String {
+    format!("{} {}", op.verb(), op.object())
 }
 
 /// A plan as data, for `--output json`.
@@ -127,6 +141,8 @@ pub struct PlanReport {
     pub deletes: Vec<PlannedChange>,
     pub upserts: Vec<PlannedChange>,
     pub allocations: Vec<(String, u16)>,
+    /// How many of the errors are conflicts.
+    pub conflicts: usize,
     pub errors: Vec<NodeErrorReport>,
     pub brake: Option<BrakeReport>,
 }
@@ -146,7 +162,7 @@ pub fn plan_report(plan: &Plan, live: &LiveState) -> PlanReport {
             .deletes
             .iter()
             .map(|d| PlannedChange {
-                object: describe(&d.object),
+                object: d.object.to_string(),
                 node: d.node.clone(),
                 reason: d.reason.to_string(),
             })
@@ -155,7 +171,7 @@ pub fn plan_report(plan: &Plan, live: &LiveState) -> PlanReport {
             .upserts
             .iter()
             .map(|u| PlannedChange {
-                object: describe(&u.object),
+                object: u.object.to_string(),
                 node: Some(u.node.clone()),
                 reason: if u.update { "update" } else { "add" }.into(),
             })
@@ -165,6 +181,11 @@ pub fn plan_report(plan: &Plan, live: &LiveState) -> PlanReport {
             .iter()
             .map(|a| (a.node.clone(), a.id.get()))
             .collect(),
+        conflicts: plan
+            .errors
+            .iter()
+            .filter(|e| e.problem.is_conflict())
+            .count(),
         errors: node_errors(plan, live),
         brake: brake(plan),
     }
@@ -188,11 +209,17 @@ pub fn plan_table(report: &PlanReport) -> String {
         let _ = writeln!(s, "{:<8} {:<20} {:<22} {}", u.reason, node, "", u.object);
     }
     for e in &report.errors {
-        let _ = writeln!(s, "{:<8} {:<20} {}", "error", e.node, e.error);
+        let action = if e.conflict { "conflict" } else { "error" };
+        let _ = writeln!(s, "{:<8} {:<20} {}", action, e.node, e.error);
     }
     if let Some(b) = &report.brake {
-        let _ = writeln!(s, "BRAKE: {}", b.message);
-        let _ = writeln!(s, "held nodes: {}", b.nodes.join(", "));
+        let _ = writeln!(s, "BRAKE ({}, hold {}): {}", b.kind, b.id, b.message);
+        if !b.nodes.is_empty() {
+            let _ = writeln!(s, "held nodes: {}", b.nodes.join(", "));
+        }
+        if b.orphans > 0 {
+            let _ = writeln!(s, "held orphan objects: {}", b.orphans);
+        }
     }
     let _ = writeln!(
         s,

@@ -1,17 +1,30 @@
 //! Driving the reconciler: the daemon loop, and the one-shot run.
+//!
+//! The daemon does what its [`Schedule`] says is due and sleeps until the next deadline: a
+//! reconcile after source changes (debounced), at the resync interval, or on a backoff after a
+//! failure; a checkpoint write when the record changed (coalesced, and on a backoff while the
+//! state directory cannot be written); a request for a fresh list when a held brake is ripe.
+//! Nothing polls: waiting for a confirmation, for an API server, for disk space costs one
+//! heartbeat every few seconds.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::signal::unix::{SignalKind, signal};
+use state::checkpoint::Checkpoint;
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio::time::sleep_until;
 
+use super::checkpointer::Checkpointer;
 use super::config::AgentConfig;
-use super::reconciler::{AgentError, Outcome, Reconciler};
+use super::kernel::Kernel;
+use super::reconciler::{Outcome, Reconciler, wall_clock};
 use super::report::{self, RunReport};
-use crate::source::SourceEvent;
-use crate::telemetry::{Readiness, Telemetry};
+use super::schedule::{HEARTBEAT, Reconciled, Schedule};
+use super::{AgentError, hold_file};
+use crate::backends::Backends;
+use crate::source::{SourceEvent, SourceRequest};
+use crate::telemetry::Telemetry;
 
 /// How a run ended, as the process exit status: 0 converged, 3 brake held, 1 failed ops remain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,31 +44,41 @@ impl ExitStatus {
     }
 }
 
-/// The loop turns at least this often, so `/healthz` can tell a stuck loop from an idle one.
-const HEARTBEAT: Duration = Duration::from_secs(5);
 /// How often "still waiting for sync" is logged.
 const WAIT_LOG_EVERY: Duration = Duration::from_secs(10);
 /// Passes `--once` makes before it settles for what failed.
 const ONCE_MAX_PASSES: usize = 5;
 
-/// Start-up step 5: feeds events in until the source completes its first full list.
-async fn wait_for_sync(
-    rec: &mut Reconciler,
-    rx: &mut mpsc::Receiver<SourceEvent>,
+/// How the wait for the first full list may end early.
+#[derive(Clone, Copy)]
+struct SyncWait {
     timeout: Option<Duration>,
+    /// A source error before sync ends the wait (a one-shot run on a file that does not parse:
+    /// no list can come until someone edits it).
+    fail_on_error: bool,
+}
+
+/// Start-up step: feeds events in until the source completes its first full list.
+async fn wait_for_sync<K: Kernel>(
+    rec: &mut Reconciler<K>,
+    rx: &mut mpsc::Receiver<SourceEvent>,
+    wait: SyncWait,
 ) -> Result<(), AgentError> {
     let started = Instant::now();
     let mut next_log = started + WAIT_LOG_EVERY;
     while !rec.live().synced() {
-        let deadline = timeout.map(|t| started + t);
+        let deadline = wait.timeout.map(|t| started + t);
         let wake = deadline.map_or(next_log, |d| d.min(next_log));
         tokio::select! {
             ev = rx.recv() => match ev {
+                Some(SourceEvent::Error(e)) if wait.fail_on_error => {
+                    return Err(AgentError::SourceUnusable(e));
+                }
                 Some(ev) => { rec.on_event(ev); }
                 None => return Err(AgentError::SourceEnded),
             },
             () = sleep_until(wake.into()) => {
-                if let (Some(d), Some(t)) = (deadline, timeout) && Instant::now() >= d {
+                if let (Some(d), Some(t)) = (deadline, wait.timeout) && Instant::now() >= d {
                     return Err(AgentError::SyncTimeout(t));
                 }
                 tracing::info!(waited_s = started.elapsed().as_secs(), last_error = rec.live().last_error().unwrap_or("-"), "still waiting for the node source to sync; nothing is pruned before it does");
@@ -70,27 +93,44 @@ async fn wait_for_sync(
     Ok(())
 }
 
+/// What `run --once` (and `--dry-run`, `node-agent plan`) produced.
+pub struct OnceResult {
+    pub status: ExitStatus,
+    pub report: RunReport,
+    /// The plan, for a dry run.
+    pub plan: Option<report::PlanReport>,
+}
+
 /// `--once` and `--dry-run`: sync, reconcile to convergence (or only plan), write the
-/// checkpoint, report.
+/// checkpoint, report. `file_source` makes a source error before sync fatal.
 pub async fn run_once(
     config: AgentConfig,
     dry_run: bool,
+    file_source: bool,
     mut rx: mpsc::Receiver<SourceEvent>,
-) -> Result<(ExitStatus, RunReport, Option<report::PlanReport>), AgentError> {
-    let timeout = config.sync_timeout;
+) -> Result<OnceResult, AgentError> {
+    let wait = SyncWait {
+        timeout: Some(config.sync_timeout),
+        fail_on_error: file_source,
+    };
     let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-    let mut rec = Reconciler::start(config, dry_run, telemetry).await?;
-    wait_for_sync(&mut rec, &mut rx, Some(timeout)).await?;
+    let (checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
+    let (backends, ipsec) = Backends::open(&config, dry_run).await?;
+    let mut rec = Reconciler::new(config, ipsec, record, backends, telemetry);
+    wait_for_sync(&mut rec, &mut rx, wait).await?;
     if dry_run {
         let plan = rec.plan().await?;
         let plan_report = report::plan_report(&plan, rec.live());
-        let run = summary(&rec, &plan, &[]);
         let status = if plan.brake.is_some() {
             ExitStatus::BrakeHeld
         } else {
             ExitStatus::Converged
         };
-        return Ok((status, run, Some(plan_report)));
+        return Ok(OnceResult {
+            status,
+            report: rec.report(&plan, &[]),
+            plan: Some(plan_report),
+        });
     }
     let mut last: Option<Outcome> = None;
     for _ in 0..ONCE_MAX_PASSES {
@@ -101,7 +141,9 @@ pub async fn run_once(
             break;
         }
     }
-    rec.flush_checkpoint(true)?;
+    if let Some(cp) = rec.record() {
+        checkpointer.write(&stamped(cp))?;
+    }
     let outcome = last.expect("at least one pass");
     // Converged means a pass that found nothing left to do, apart from what the brake holds.
     let status = if outcome.plan.brake.is_some() {
@@ -111,40 +153,55 @@ pub async fn run_once(
     } else {
         ExitStatus::Converged
     };
-    let report = summary(&rec, &outcome.plan, &outcome.failed);
-    Ok((status, report, None))
+    Ok(OnceResult {
+        status,
+        report: rec.report(&outcome.plan, &outcome.failed),
+        plan: None,
+    })
 }
 
-fn summary(
-    rec: &Reconciler,
-    plan: &state::plan::Plan,
-    failed: &[super::reconciler::FailedOp],
-) -> RunReport {
-    RunReport {
-        synced: rec.live().synced(),
-        live_nodes: rec.live().view().nodes.len(),
-        restored_nodes: rec.restored_nodes(),
-        pruned_nodes: rec.pruned().len(),
-        pruned: rec.pruned().iter().cloned().collect(),
-        kernel_writes: rec.total_writes(),
-        errors: report::node_errors(plan, rec.live()),
-        failed_ops: report::failed_ops(failed),
-        brake: report::brake(plan),
+/// The record as it is written: stamped with the time of writing.
+fn stamped(cp: &Checkpoint) -> Checkpoint {
+    Checkpoint {
+        written_at: wall_clock(),
+        ..cp.clone()
     }
 }
 
-/// The daemon: start up, then reconcile on source changes (coalesced), on the resync interval,
-/// on retry backoff after failures, and when a held brake may be confirmed; write the checkpoint
-/// coalesced; on SIGTERM or SIGINT write it once more and return. The maps stay pinned and the
-/// programs attached when it returns.
+/// The signals the daemon handles.
+struct Signals {
+    term: Signal,
+    int: Signal,
+    /// `node-agent prune confirm` left a confirmation.
+    usr1: Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, AgentError> {
+        let s = |kind| signal(kind).map_err(AgentError::Signal);
+        Ok(Self {
+            term: s(SignalKind::terminate())?,
+            int: s(SignalKind::interrupt())?,
+            usr1: s(SignalKind::user_defined1())?,
+        })
+    }
+}
+
+/// The daemon: start up, wait for sync, then do what the schedule says until SIGTERM or
+/// SIGINT; then write the checkpoint once more and return. The maps stay pinned and the programs
+/// attached when it returns. An unwritable state directory at the end is an error (the exit
+/// status says the record is stale); nothing else of it ever stops the daemon.
 pub async fn run(
     config: AgentConfig,
     telemetry: Arc<Telemetry>,
     mut rx: mpsc::Receiver<SourceEvent>,
+    relist: mpsc::Sender<SourceRequest>,
 ) -> Result<(), AgentError> {
-    let mut term = signal(SignalKind::terminate()).map_err(AgentError::Signal)?;
-    let mut int = signal(SignalKind::interrupt()).map_err(AgentError::Signal)?;
-    let mut rec = Reconciler::start(config, false, telemetry.clone()).await?;
+    let mut signals = Signals::install()?;
+    let (checkpointer, record) = Checkpointer::open(&config.state_dir, false)?;
+    let (backends, ipsec) = Backends::open(&config, false).await?;
+    let mut rec = Reconciler::new(config, ipsec, record, backends, telemetry.clone());
+    rec.confirm_by_relist(true);
     let beat = tokio::spawn({
         // Liveness while waiting for sync: the loop below beats on its own turns.
         let t = telemetry.clone();
@@ -155,93 +212,221 @@ pub async fn run(
             }
         }
     });
-    tokio::select! {
-        r = wait_for_sync(&mut rec, &mut rx, None) => { beat.abort(); r? },
-        _ = term.recv() => { beat.abort(); tracing::info!("SIGTERM before sync; exiting without changes"); return Ok(()); }
-        _ = int.recv() => { beat.abort(); tracing::info!("SIGINT before sync; exiting without changes"); return Ok(()); }
-    }
-    let resync = rec.config().resync_interval;
-    let debounce = rec.config().debounce;
-    let mut backoff = Duration::from_secs(1);
-    let mut reconcile_at = Some(Instant::now());
-    let mut resync_at = Instant::now() + resync;
-    let mut ready = false;
-    loop {
-        telemetry.beat();
-        let mut wake = resync_at.min(Instant::now() + HEARTBEAT);
-        for t in [
-            reconcile_at,
-            rec.checkpoint_due_at(),
-            rec.brake_recheck_at(),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            wake = wake.min(t);
+    let wait = SyncWait {
+        timeout: None,
+        fail_on_error: false,
+    };
+    let synced = tokio::select! {
+        r = wait_for_sync(&mut rec, &mut rx, wait) => Some(r),
+        _ = signals.term.recv() => None,
+        _ = signals.int.recv() => None,
+    };
+    beat.abort();
+    match synced {
+        Some(r) => r?,
+        None => {
+            tracing::info!("signalled before sync; exiting without changes");
+            return Ok(());
         }
+    }
+    let mut daemon = Daemon {
+        schedule: Schedule::new(
+            Instant::now(),
+            rec.config().debounce,
+            rec.config().resync_interval,
+            rec.config().checkpoint_interval,
+        ),
+        rec,
+        checkpointer,
+        telemetry,
+        stale_since: None,
+        published_hold: None,
+    };
+    loop {
+        daemon.turn(&relist).await;
+        let wake = daemon.schedule.next_wake(Instant::now());
         tokio::select! {
             ev = rx.recv() => match ev {
-                Some(ev) => {
-                    if rec.on_event(ev) {
-                        let at = Instant::now() + debounce;
-                        reconcile_at = Some(reconcile_at.map_or(at, |t| t.min(at)));
-                    }
-                }
+                Some(ev) => daemon.on_event(ev),
                 None => {
                     tracing::error!("node source ended; keeping the kernel state as it is");
                     break;
                 }
             },
-            () = sleep_until(wake.into()) => {
-                let now = Instant::now();
-                let brake_due = rec.brake_recheck_at().is_some_and(|t| t <= now);
-                if reconcile_at.is_some_and(|t| t <= now) || resync_at <= now || brake_due {
-                    reconcile_at = None;
-                    if resync_at <= now {
-                        resync_at = now + resync;
-                    }
-                    let result = rec.reconcile().await;
-                    telemetry.set_readiness(match &result {
-                        Ok(o) if o.plan.brake.is_some() => Readiness::BrakeHeld(
-                            o.plan.brake.as_ref().map(ToString::to_string).unwrap_or_default(),
-                        ),
-                        Ok(o) if !o.failed.is_empty() => Readiness::Failing(format!(
-                            "{} operations failed, first: {}",
-                            o.failed.len(),
-                            o.failed[0].error
-                        )),
-                        Ok(_) => Readiness::Ready,
-                        Err(e) => Readiness::Failing(e.to_string()),
-                    });
-                    match result {
-                        Ok(outcome) if outcome.failed.is_empty() => {
-                            backoff = Duration::from_secs(1);
-                            if !ready {
-                                ready = true;
-                                rec.flush_checkpoint(true)?;
-                                tracing::info!("ready: first reconcile done");
-                            }
-                        }
-                        Ok(outcome) => {
-                            tracing::warn!(failed = outcome.failed.len(), retry_in_s = backoff.as_secs(), "some operations failed; retrying");
-                            reconcile_at = Some(now + backoff);
-                            backoff = (backoff * 2).min(Duration::from_secs(60));
-                        }
-                        Err(e) => {
-                            tracing::error!("reconcile failed: {e}; retrying in {backoff:?}");
-                            reconcile_at = Some(now + backoff);
-                            backoff = (backoff * 2).min(Duration::from_secs(60));
-                        }
-                    }
-                }
-                if let Err(e) = rec.flush_checkpoint(false) {
-                    tracing::error!("checkpoint write failed: {e}");
-                }
-            },
-            _ = term.recv() => { tracing::info!("SIGTERM: writing the final checkpoint"); break; }
-            _ = int.recv() => { tracing::info!("SIGINT: writing the final checkpoint"); break; }
+            () = sleep_until(wake.into()) => {}
+            _ = signals.usr1.recv() => {}
+            _ = signals.term.recv() => { tracing::info!("SIGTERM: writing the final checkpoint"); break; }
+            _ = signals.int.recv() => { tracing::info!("SIGINT: writing the final checkpoint"); break; }
         }
     }
-    rec.flush_checkpoint(true)?;
-    Ok(())
+    daemon.shutdown()
+}
+
+/// The daemon's state between turns.
+struct Daemon<K: Kernel> {
+    rec: Reconciler<K>,
+    schedule: Schedule,
+    checkpointer: Checkpointer,
+    telemetry: Arc<Telemetry>,
+    /// Since when the record has had changes the checkpoint file lacks, while writes fail.
+    stale_since: Option<Instant>,
+    /// The hold last published in the state directory, by ID.
+    published_hold: Option<String>,
+}
+
+impl<K: Kernel> Daemon<K> {
+    fn on_event(&mut self, ev: SourceEvent) {
+        if self.rec.on_event(ev) {
+            self.schedule.source_changed(Instant::now());
+        }
+    }
+
+    /// One turn: whatever is due, in order.
+    async fn turn(&mut self, relist: &mpsc::Sender<SourceRequest>) {
+        self.telemetry.beat();
+        self.take_confirmation();
+        let due = self.schedule.due(Instant::now());
+        if due.reconcile {
+            self.reconcile().await;
+        }
+        if due.relist {
+            tracing::info!("a held prune is ripe: asking the node source for a fresh full list");
+            // A full channel means a request is already pending: one is enough.
+            let _ = relist.try_send(SourceRequest::Relist);
+            self.schedule.relist_asked();
+        }
+        if self.schedule.due(Instant::now()).checkpoint {
+            self.write_checkpoint();
+        }
+        let stale = self.stale_since.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        self.telemetry.metrics.checkpoint_stale_seconds.set(stale);
+    }
+
+    fn take_confirmation(&mut self) {
+        match hold_file::take_confirmation(self.checkpointer.dir()) {
+            Ok(Some(id)) => {
+                self.rec.confirm_hold(id);
+                self.schedule.reconcile_now(Instant::now());
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!("{e}"),
+        }
+    }
+
+    async fn reconcile(&mut self) {
+        let before = self.rec.record().map(unstamped);
+        let result = self.rec.reconcile().await;
+        let now = Instant::now();
+        let changed = self.rec.record().map(unstamped) != before;
+        let outcome = match &result {
+            Ok(o) if o.failed.is_empty() => {
+                self.telemetry.set_reconciled(Ok(()));
+                Reconciled::Done
+            }
+            Ok(o) => {
+                let why = format!(
+                    "{} operations failed, first: {}",
+                    o.failed.len(),
+                    o.failed[0]
+                        .result
+                        .as_ref()
+                        .err()
+                        .map_or_else(String::new, ToString::to_string)
+                );
+                tracing::warn!("{why}; retrying with backoff");
+                self.telemetry.set_reconciled(Err(why));
+                Reconciled::Failed
+            }
+            Err(e) => {
+                tracing::error!("reconcile failed: {e}; retrying with backoff");
+                self.telemetry.set_reconciled(Err(e.to_string()));
+                Reconciled::Failed
+            }
+        };
+        let plan = result.as_ref().ok().map(|o| &o.plan);
+        let hold = plan.and_then(|p| p.brake.as_ref());
+        self.telemetry.set_brake(hold.map(ToString::to_string));
+        // When a fresh list may confirm the hold, on this process's clock.
+        let confirmable = hold
+            .and_then(|h| h.confirmable_at)
+            .map(|at| now + at.saturating_sub(wall_clock()));
+        self.schedule.reconciled(now, outcome, changed, confirmable);
+        if let Some(plan) = plan {
+            self.publish_hold(plan);
+        }
+    }
+
+    /// Keeps `<state-dir>/hold.json` in step with the brake, for `node-agent prune`.
+    fn publish_hold(&mut self, plan: &state::plan::Plan) {
+        let report = report::brake(plan);
+        let id = report.as_ref().map(|r| r.id.clone());
+        if id == self.published_hold {
+            return;
+        }
+        match hold_file::publish(self.checkpointer.dir(), report.as_ref()) {
+            Ok(()) => self.published_hold = id,
+            Err(e) => tracing::warn!("publishing the brake's hold for `node-agent prune`: {e}"),
+        }
+    }
+
+    fn write_checkpoint(&mut self) {
+        let Some(cp) = self.rec.record() else {
+            return;
+        };
+        let now = Instant::now();
+        let result = self.checkpointer.write(&stamped(cp));
+        let ok = result.is_ok();
+        let label = if ok { "ok" } else { "error" };
+        self.telemetry
+            .metrics
+            .checkpoint_writes
+            .get_or_create(&crate::telemetry::metrics::ResultLabel {
+                result: label.into(),
+            })
+            .inc();
+        let retry = self.schedule.checkpoint_written(now, ok);
+        match result {
+            Ok(_) => {
+                if self.stale_since.take().is_some() {
+                    tracing::info!("checkpoint written again; the record is current");
+                }
+                self.telemetry.set_checkpoint_failing(None);
+            }
+            Err(e) => {
+                let since = *self.stale_since.get_or_insert(now);
+                let retry_in = retry.map_or(Duration::ZERO, |t| t - now);
+                tracing::error!(
+                    retry_in_s = retry_in.as_secs(),
+                    "checkpoint write failed: {e}; kernel work goes on, the record on disk is stale"
+                );
+                self.telemetry.set_checkpoint_failing(Some(format!(
+                    "{e} (stale for {}s)",
+                    since.elapsed().as_secs()
+                )));
+            }
+        }
+    }
+
+    /// The final checkpoint write: tried once; a failure is the exit status.
+    fn shutdown(self) -> Result<(), AgentError> {
+        if !self.schedule.dirty() {
+            return Ok(());
+        }
+        let Some(cp) = self.rec.record() else {
+            return Ok(());
+        };
+        self.checkpointer.write(&stamped(cp)).map_err(|e| {
+            tracing::error!("final checkpoint write failed: {e}; the record on disk is stale (the kernel state is right)");
+            AgentError::from(e)
+        })?;
+        Ok(())
+    }
+}
+
+/// A record without its write time, for telling whether a reconcile changed it.
+fn unstamped(cp: &Checkpoint) -> Checkpoint {
+    Checkpoint {
+        written_at: Duration::ZERO,
+        ..cp.clone()
+    }
 }

@@ -8,7 +8,8 @@ use std::net::IpAddr;
 use std::path::Path;
 
 use node_agent_common::NodeValue;
-use state::objects::{KernelObject, MapEntry, NodeId, ObjectKind, Op};
+use state::inventory::Inventory;
+use state::objects::{KernelObject, MapEntry, NodeId, Op};
 
 use super::{Backend, DumpError, OpError};
 use crate::node_map::{BadEntry, NodeMap, NodeMapError};
@@ -34,10 +35,13 @@ impl MapBackend {
     }
 
     /// Removes the entries of [`Self::invalid`], returning how many were removed.
-    pub fn purge_invalid(&mut self) -> Result<usize, NodeMapError> {
+    pub fn purge_invalid(&mut self) -> Result<usize, OpError> {
         let bad = std::mem::take(&mut self.invalid);
         for b in &bad {
-            self.map.remove_raw(&b.key)?;
+            self.map.remove_raw(&b.key).map_err(|e| OpError::Kernel {
+                what: format!("removing the invalid node-ID map entry {:?}", b.key),
+                source: e.into_io(),
+            })?;
         }
         Ok(bad.len())
     }
@@ -47,7 +51,7 @@ impl MapBackend {
             unreachable!("Backends::apply routes only map entries here");
         };
         let result = match op {
-            Op::Upsert(_) => self.map.upsert(
+            Op::Create(_) | Op::Replace(_) => self.map.upsert(
                 e.ip,
                 NodeValue {
                     id: e.node_id.get(),
@@ -80,20 +84,15 @@ fn op_is_full(errno: Option<i32>) -> bool {
 }
 
 impl Backend for MapBackend {
-    fn kind(&self) -> ObjectKind {
-        ObjectKind::MapEntry
-    }
-
-    async fn dump(&mut self) -> Result<Vec<KernelObject>, DumpError> {
+    async fn dump_into(&mut self, inv: &mut Inventory) -> Result<(), DumpError> {
         let dump = self.map.dump().map_err(|e| DumpError::Kernel {
-            kind: ObjectKind::MapEntry,
+            kind: state::objects::ObjectKind::MapEntry,
             source: e.into_io(),
         })?;
         self.invalid = dump.undecodable;
-        let mut objects = Vec::with_capacity(dump.entries.len());
         for e in dump.entries {
             match NodeId::new(e.node_id) {
-                Some(node_id) => objects.push(KernelObject::MapEntry(MapEntry {
+                Some(node_id) => inv.insert(KernelObject::MapEntry(MapEntry {
                     ip: e.ip,
                     node_id,
                     spi: e.spi,
@@ -111,7 +110,7 @@ impl Backend for MapBackend {
         for b in &self.invalid {
             tracing::warn!(key = ?b.key, value = ?b.value, "node-ID map entry the agent never writes; it will be removed");
         }
-        Ok(objects)
+        Ok(())
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {

@@ -1,13 +1,18 @@
 //! The routes backend: one route per remote pod CIDR, via the node's address, over rtnetlink.
 //!
 //! Every route we create carries our route protocol number (`--route-protocol`, default 201),
-//! and that number is the only thing that makes a route ours: the dump asks the kernel for
-//! routes of that protocol and table only (strict dump filtering) and checks both again on each
-//! answer, so a route without our protocol can never be listed, let alone deleted. Add `201
-//! node-agent` to `/etc/iproute2/rt_protos.d/node-agent.conf` and `ip route` prints the name.
+//! and that number is the only thing that makes a route ours. The dump asks the kernel for every
+//! route of our table (strict dump filtering) and sorts each answer: our protocol makes it ours;
+//! any other protocol makes it foreign, and its identity (destination and metric, what a
+//! replace would match) is reported as occupied, so the planner never writes ours over it
+//! (invariant 6). Add `201 node-agent` to `/etc/iproute2/rt_protos.d/node-agent.conf` and
+//! `ip route` prints the name.
 //!
-//! Upserts use `NLM_F_REPLACE`, so a gateway change is one atomic replace, never a
-//! delete-then-add gap. Requests are pipelined over one netlink socket.
+//! A new route is created exclusively (`NLM_F_CREATE | NLM_F_EXCL`): if anything appeared at its
+//! identity since the dump, the kernel refuses and nothing is replaced. A route of ours whose
+//! gateway changed is replaced in place (`NLM_F_REPLACE`): one atomic change, never a
+//! delete-then-add gap. Deletes carry our protocol, so the kernel matches only ours. Requests are
+//! pipelined over one netlink socket.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -18,7 +23,8 @@ use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
 use rtnetlink::{Handle, RouteMessageBuilder};
-use state::objects::{KernelObject, ObjectKind, Op, Route};
+use state::inventory::Inventory;
+use state::objects::{KernelObject, ObjectId, ObjectKind, Op, Route};
 
 use super::{Backend, DumpError, OpError};
 
@@ -52,10 +58,12 @@ impl RouteBackend {
             (IpNet::V4(dst), IpAddr::V4(gw)) => RouteMessageBuilder::<Ipv4Addr>::new()
                 .destination_prefix(dst.network(), dst.prefix_len())
                 .gateway(gw)
+                .priority(route.metric)
                 .build(),
             (IpNet::V6(dst), IpAddr::V6(gw)) => RouteMessageBuilder::<Ipv6Addr>::new()
                 .destination_prefix(dst.network(), dst.prefix_len())
                 .gateway(gw)
+                .priority(route.metric)
                 .build(),
             // The planner pairs a CIDR only with a gateway of its own family.
             (dst, gateway) => {
@@ -85,35 +93,51 @@ impl RouteBackend {
         msg
     }
 
-    fn parse(&self, msg: &RouteMessage) -> Option<Route> {
-        if msg.header.protocol != RouteProtocol::from(self.protocol) || table_of(msg) != self.table
-        {
-            return None;
+    /// Sorts one route of our table into `inv`: ours by protocol, or foreign. Routes of ours in
+    /// a shape the agent never writes (no single gateway, a TOS) are left alone, and count as
+    /// foreign, so ours is never written over them either.
+    fn parse_into(&self, msg: &RouteMessage, inv: &mut Inventory) {
+        if table_of(msg) != self.table || msg.header.kind != RouteType::Unicast {
+            return;
         }
         let mut dst = None;
         let mut gateway = None;
+        let mut metric = 0;
         for attr in &msg.attributes {
             match attr {
                 RouteAttribute::Destination(RouteAddress::Inet(a)) => dst = Some(IpAddr::V4(*a)),
                 RouteAttribute::Destination(RouteAddress::Inet6(a)) => dst = Some(IpAddr::V6(*a)),
                 RouteAttribute::Gateway(RouteAddress::Inet(a)) => gateway = Some(IpAddr::V4(*a)),
                 RouteAttribute::Gateway(RouteAddress::Inet6(a)) => gateway = Some(IpAddr::V6(*a)),
+                RouteAttribute::Priority(p) => metric = *p,
                 _ => {}
             }
         }
         let len = msg.header.destination_prefix_length;
-        let dst = match dst {
-            Some(a) => IpNet::new(a, len).ok()?,
-            None => match msg.header.address_family {
-                AddressFamily::Inet => IpNet::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0).ok()?,
-                _ => IpNet::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0).ok()?,
-            },
+        let unspecified = match msg.header.address_family {
+            AddressFamily::Inet => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            _ => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         };
+        let Ok(dst) = IpNet::new(dst.unwrap_or(unspecified), len) else {
+            return;
+        };
+        let ours = msg.header.protocol == RouteProtocol::from(self.protocol);
         match gateway {
-            Some(gateway) => Some(Route { dst, gateway }),
-            None => {
-                tracing::warn!(%dst, protocol = self.protocol, "route with our protocol but no single gateway; leaving it alone");
-                None
+            Some(gateway) if ours && msg.header.tos == 0 => {
+                inv.insert(KernelObject::Route(Route {
+                    dst,
+                    gateway,
+                    metric,
+                }))
+            }
+            _ => {
+                if ours {
+                    tracing::warn!(%dst, protocol = self.protocol, "route with our protocol but not in a shape we write (no single gateway, or a TOS); leaving it alone");
+                }
+                inv.occupy(
+                    ObjectId::Route { dst, metric },
+                    describe_foreign(msg, dst, metric),
+                );
             }
         }
     }
@@ -128,7 +152,8 @@ impl RouteBackend {
         };
         let msg = msg?;
         let result = match &op {
-            Op::Upsert(_) => handle.route().add(msg).replace().execute().await,
+            Op::Create(_) => handle.route().add(msg).execute().await,
+            Op::Replace(_) => handle.route().add(msg).replace().execute().await,
             Op::Delete(_) => match handle.route().del(msg).execute().await {
                 Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ESRCH => Ok(()),
                 other => other,
@@ -140,27 +165,36 @@ impl RouteBackend {
                 other => std::io::Error::other(other.to_string()),
             };
             let errno = source.raw_os_error();
-            if matches!(op, Op::Upsert(_))
-                && matches!(errno, Some(libc::ENETUNREACH) | Some(libc::EHOSTUNREACH))
-            {
+            let upsert = !matches!(op, Op::Delete(_));
+            if upsert && matches!(errno, Some(libc::ENETUNREACH) | Some(libc::EHOSTUNREACH)) {
                 OpError::GatewayUnreachable {
                     dst: route.dst,
                     gateway: route.gateway,
                     source,
                 }
+            } else if matches!(op, Op::Create(_)) && errno == Some(libc::EEXIST) {
+                OpError::Occupied {
+                    what: format!("route {} metric {}", route.dst, route.metric),
+                }
             } else {
-                let verb = if matches!(op, Op::Upsert(_)) {
-                    "replacing"
-                } else {
-                    "deleting"
-                };
                 OpError::Kernel {
-                    what: format!("{verb} route {} via {}", route.dst, route.gateway),
+                    what: format!("{} {}", op.verb(), KernelObject::Route(route.clone())),
                     source,
                 }
             }
         })
     }
+}
+
+/// A foreign route in words: `route 10.1.2.0/24 metric 0 proto static`.
+fn describe_foreign(msg: &RouteMessage, dst: IpNet, metric: u32) -> String {
+    let proto = match msg.header.protocol {
+        RouteProtocol::Kernel => "kernel".to_string(),
+        RouteProtocol::Boot => "boot".to_string(),
+        RouteProtocol::Static => "static".to_string(),
+        other => u8::from(other).to_string(),
+    };
+    format!("route {dst} metric {metric} proto {proto}")
 }
 
 fn table_of(msg: &RouteMessage) -> u32 {
@@ -174,42 +208,29 @@ fn table_of(msg: &RouteMessage) -> u32 {
 }
 
 impl Backend for RouteBackend {
-    fn kind(&self) -> ObjectKind {
-        ObjectKind::Route
-    }
-
-    async fn dump(&mut self) -> Result<Vec<KernelObject>, DumpError> {
-        let mut out = Vec::new();
+    async fn dump_into(&mut self, inv: &mut Inventory) -> Result<(), DumpError> {
         for filter in [
             RouteMessageBuilder::<Ipv4Addr>::new().build(),
             RouteMessageBuilder::<Ipv6Addr>::new().build(),
         ] {
             let mut filter = self.stamp(filter);
-            // Scope and type would also filter under strict checking; ours are the defaults,
-            // but match on protocol and table only.
+            // Every route of our table, whatever its protocol, scope or type: the foreign ones
+            // are the identities we must not write over.
+            filter.header.protocol = RouteProtocol::Unspec;
             filter.header.scope = RouteScope::Universe;
             filter.header.kind = RouteType::Unspec;
-            let msgs: Vec<RouteMessage> = self
-                .handle
-                .route()
-                .get(filter)
-                .execute()
-                .try_collect()
-                .await
-                .map_err(|e| DumpError::Kernel {
-                    kind: ObjectKind::Route,
-                    source: match e {
-                        rtnetlink::Error::NetlinkError(m) => m.to_io(),
-                        other => std::io::Error::other(other.to_string()),
-                    },
-                })?;
-            out.extend(
-                msgs.iter()
-                    .filter_map(|m| self.parse(m))
-                    .map(KernelObject::Route),
-            );
+            let mut answers = self.handle.route().get(filter).execute();
+            while let Some(msg) = answers.try_next().await.map_err(|e| DumpError::Kernel {
+                kind: ObjectKind::Route,
+                source: match e {
+                    rtnetlink::Error::NetlinkError(m) => m.to_io(),
+                    other => std::io::Error::other(other.to_string()),
+                },
+            })? {
+                self.parse_into(&msg, inv);
+            }
         }
-        Ok(out)
+        Ok(())
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {

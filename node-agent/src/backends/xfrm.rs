@@ -79,6 +79,7 @@ use netlink_packet_xfrm::{
 };
 use netlink_proto::sys::{AsyncSocket, SocketAddr, TokioSocket, protocols::NETLINK_XFRM};
 use netlink_proto::{ConnectionHandle, NetlinkMessageCodec};
+use state::inventory::Inventory;
 use state::objects::{KernelObject, ObjectKind, Op, XfrmDir, XfrmPolicy, XfrmState, mark};
 
 use super::{Backend, DumpError, OpError};
@@ -263,25 +264,14 @@ impl XfrmBackend {
 }
 
 impl Backend for XfrmBackend {
-    /// One of the two kinds this backend owns; see [`XfrmBackend::kinds`].
-    fn kind(&self) -> ObjectKind {
-        ObjectKind::XfrmPolicy
-    }
-
-    async fn dump(&mut self) -> Result<Vec<KernelObject>, DumpError> {
-        let mut all: Vec<KernelObject> = self
-            .dump_states()
-            .await?
-            .into_iter()
-            .map(KernelObject::XfrmState)
-            .collect();
-        all.extend(
-            self.dump_policies()
-                .await?
-                .into_iter()
-                .map(KernelObject::XfrmPolicy),
-        );
-        Ok(all)
+    async fn dump_into(&mut self, inv: &mut Inventory) -> Result<(), DumpError> {
+        for s in self.dump_states().await? {
+            inv.insert(KernelObject::XfrmState(s));
+        }
+        for p in self.dump_policies().await? {
+            inv.insert(KernelObject::XfrmPolicy(p));
+        }
+        Ok(())
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
@@ -364,11 +354,16 @@ struct Ctx {
 impl Ctx {
     async fn apply_one(self, op: Op) -> Result<(), OpError> {
         match op {
-            Op::Upsert(KernelObject::XfrmPolicy(p)) => self.upsert_policy(&p).await,
+            Op::Create(KernelObject::XfrmPolicy(p)) => self.upsert_policy(&p, false).await,
+            Op::Replace(KernelObject::XfrmPolicy(p)) => self.upsert_policy(&p, true).await,
             Op::Delete(KernelObject::XfrmPolicy(p)) => self.delete_policy(&p).await,
-            Op::Upsert(KernelObject::XfrmState(s)) => self.upsert_state(&s).await,
+            Op::Create(KernelObject::XfrmState(s)) | Op::Replace(KernelObject::XfrmState(s)) => {
+                self.upsert_state(&s).await
+            }
             Op::Delete(KernelObject::XfrmState(s)) => self.delete_state(&s).await,
-            Op::Upsert(o) | Op::Delete(o) => Err(OpError::Disabled { kind: o.kind() }),
+            Op::Create(o) | Op::Replace(o) | Op::Delete(o) => {
+                Err(OpError::Disabled { kind: o.kind() })
+            }
         }
     }
 
@@ -379,14 +374,26 @@ impl Ctx {
         Ok(())
     }
 
-    async fn upsert_policy(&self, p: &XfrmPolicy) -> Result<(), OpError> {
+    /// Creates a policy exclusively (`XFRM_MSG_NEWPOLICY`), or replaces ours in place
+    /// (`XFRM_MSG_UPDPOLICY`, which keeps the kernel's index).
+    async fn upsert_policy(&self, p: &XfrmPolicy, replace: bool) -> Result<(), OpError> {
+        let verb = if replace { "updating" } else { "adding" };
+        let what = || format!("{verb} {}", describe_policy(p));
         let msg = policy_message(p).map_err(|source| OpError::Kernel {
-            what: format!("updating {}", describe_policy(p)),
+            what: what(),
             source,
         })?;
-        self.write(XfrmMessage::UpdatePolicy(msg))
-            .await
-            .map_err(|e| e.into_op(format!("updating {}", describe_policy(p))))
+        let msg = if replace {
+            XfrmMessage::UpdatePolicy(msg)
+        } else {
+            XfrmMessage::AddPolicy(msg)
+        };
+        match self.write(msg).await {
+            Err(e) if !replace && e.errno() == Some(libc::EEXIST) => Err(OpError::Occupied {
+                what: describe_policy(p),
+            }),
+            other => other.map_err(|e| e.into_op(what())),
+        }
     }
 
     async fn delete_policy(&self, p: &XfrmPolicy) -> Result<(), OpError> {
@@ -985,8 +992,8 @@ mod tests {
         let b = KernelObject::XfrmPolicy(pol(2, "10.2.0.0/24"));
         let ops = vec![
             Op::Delete(a.clone()),
-            Op::Upsert(b.clone()),
-            Op::Upsert(a.clone()),
+            Op::Create(b.clone()),
+            Op::Create(a.clone()),
             Op::Delete(b),
         ];
         let w = waves(&ops);

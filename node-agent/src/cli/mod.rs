@@ -1,6 +1,7 @@
 //! The command line: argument definitions and one module per subcommand.
 
 pub mod map_dump;
+pub mod prune;
 pub mod run;
 pub mod state_show;
 
@@ -37,6 +38,20 @@ pub enum Command {
         #[command(subcommand)]
         command: MapCommand,
     },
+    /// What a running agent's brake holds, and releasing it.
+    Prune {
+        #[command(subcommand)]
+        command: PruneCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PruneCommand {
+    /// Print what the running agent's brake holds: the nodes, the orphans, the hold's ID.
+    Status(prune::StatusArgs),
+    /// Release a hold of the running agent (a near-total wipe only releases this way): the
+    /// agent deletes the held nodes' objects if it still holds exactly that hold.
+    Confirm(prune::ConfirmArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -72,4 +87,53 @@ pub struct BpffsArg {
     /// Root of the bpffs mount that holds the `node-agent/` pin directory.
     #[arg(long, default_value = "/sys/fs/bpf", env = "NODE_AGENT_BPFFS")]
     pub bpffs: PathBuf,
+}
+
+/// An error and its causes on one line, each cause once: a cause whose text the line already
+/// ends with (an error that prints its source in its own message) is not repeated.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !line.ends_with(&text) && !line.contains(&format!("{text}:")) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        cause = c.source();
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("checking /tmp/x: {source}")]
+    struct Repeats {
+        source: std::io::Error,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("opening the state directory")]
+    struct Quiet {
+        #[source]
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn each_cause_is_printed_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::ENOENT);
+        let e = anyhow::Error::new(Repeats { source: io() });
+        assert_eq!(
+            error_chain(e.as_ref()),
+            "checking /tmp/x: No such file or directory (os error 2)"
+        );
+        let e = anyhow::Error::new(Quiet { source: io() }).context("starting");
+        assert_eq!(
+            error_chain(e.as_ref()),
+            "starting: opening the state directory: No such file or directory (os error 2)"
+        );
+    }
 }

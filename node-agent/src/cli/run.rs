@@ -11,6 +11,7 @@ use super::{BpffsArg, Output};
 use crate::agent::{self, AgentConfig, ExitStatus};
 use crate::source::file::FileSource;
 use crate::source::kube::KubeSource;
+use crate::source::{SourceEvent, SourceRequest};
 use crate::telemetry::{self, Telemetry};
 use std::sync::Arc;
 
@@ -85,6 +86,10 @@ pub struct AgentArgs {
     /// How long a freed node ID rests before it is handed out again.
     #[arg(long, env = "NODE_AGENT_ID_COOLDOWN", default_value = "15m", value_parser = parse_duration)]
     pub id_cooldown: Duration,
+    /// Tests only: hand out node IDs up to this one (65535 in real use), to reach the edge of the
+    /// ID space with a few nodes.
+    #[arg(long, env = "NODE_AGENT_TEST_MAX_NODE_ID", default_value_t = state::ids::MAX_ID, hide = true)]
+    pub max_node_id: u16,
     /// IPsec key file, one key per line: `<spi 1-15> rfc4106(gcm(aes)) 0x<key+salt hex> <icv
     /// bits>`; the last line is the active key. Enables xfrm states and policies toward every
     /// remote node; start-up fails if the kernel has no ESP.
@@ -191,6 +196,7 @@ impl AgentArgs {
         c.resync_interval = self.resync_interval;
         c.include_external_ips = self.include_external_ips;
         c.id_cooldown = self.id_cooldown;
+        c.max_node_id = self.max_node_id;
         c.sync_timeout = self.sync_timeout;
         c.checkpoint_interval = self.checkpoint_interval;
         c.ipsec_key_file = self.ipsec_key_file.clone();
@@ -198,12 +204,19 @@ impl AgentArgs {
     }
 }
 
+/// A running source: its events, and where to ask it for a fresh list.
+struct Source {
+    events: mpsc::Receiver<SourceEvent>,
+    requests: mpsc::Sender<SourceRequest>,
+    /// A NodeList file: one that does not parse will not fix itself.
+    file: bool,
+}
+
 /// Starts the configured source; a Kubernetes client that cannot be built fails here, at
 /// start-up, rather than reading as "no nodes".
-async fn spawn_source(
-    args: &SourceArgs,
-) -> anyhow::Result<mpsc::Receiver<crate::source::SourceEvent>> {
-    let (tx, rx) = mpsc::channel(1024);
+async fn spawn_source(args: &SourceArgs) -> anyhow::Result<Source> {
+    let (tx, events) = mpsc::channel(1024);
+    let (requests, rx) = mpsc::channel(1);
     match &args.nodes_file {
         Some(path) => {
             let source = FileSource {
@@ -211,17 +224,21 @@ async fn spawn_source(
                 poll: args.nodes_file_poll,
                 relist: args.relist_interval,
             };
-            tokio::spawn(source.run(tx));
+            tokio::spawn(source.run(tx, rx));
         }
         None => {
             let source = KubeSource {
                 kubeconfig: args.kubeconfig.clone(),
             };
             let client = source.client().await?;
-            tokio::spawn(source.run(client, tx));
+            tokio::spawn(source.run(client, tx, rx));
         }
     }
-    Ok(rx)
+    Ok(Source {
+        events,
+        requests,
+        file: args.nodes_file.is_some(),
+    })
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -235,9 +252,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
     runtime()?.block_on(async {
-        let rx = spawn_source(&args.source).await?;
+        let source = spawn_source(&args.source).await?;
         if args.once || args.dry_run {
-            let (status, report, plan) = agent::run_once(config, args.dry_run, rx).await?;
+            let once = agent::run_once(config, args.dry_run, source.file, source.events).await?;
+            let (status, report, plan) = (once.status, once.report, once.plan);
             match (args.output, plan) {
                 (Output::Json, Some(plan)) => writeln!(out, "{}", serde_json::to_string_pretty(&plan)?)?,
                 (Output::Json, None) => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
@@ -261,7 +279,10 @@ pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
                 }
             }
             if let Some(b) = &report.brake {
-                eprintln!("node-agent: brake held: {} stale nodes would have been deleted: {}", b.stale_nodes, b.message);
+                eprintln!(
+                    "node-agent: brake held: {} stale nodes would have been deleted (hold {}): {}",
+                    b.stale_nodes, b.id, b.message
+                );
             }
             Ok(status.code())
         } else {
@@ -270,7 +291,7 @@ pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
                 .await
                 .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
             tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-            agent::run(config, telemetry, rx).await?;
+            agent::run(config, telemetry, source.events, source.requests).await?;
             Ok(ExitStatus::Converged.code())
         }
     })
@@ -280,8 +301,9 @@ pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
 pub fn plan(args: &PlanArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
     runtime()?.block_on(async {
-        let rx = spawn_source(&args.source).await?;
-        let (status, _, plan) = agent::run_once(config, true, rx).await?;
+        let source = spawn_source(&args.source).await?;
+        let once = agent::run_once(config, true, source.file, source.events).await?;
+        let (status, plan) = (once.status, once.plan);
         let plan = plan.expect("a dry run returns its plan");
         match args.output {
             Output::Json => writeln!(out, "{}", serde_json::to_string_pretty(&plan)?)?,

@@ -22,9 +22,13 @@ pub struct Args {
 #[derive(Serialize)]
 struct Shown<'a> {
     path: String,
+    /// The version the file was written in.
     format_version: u32,
     agent_version: &'a str,
     written_at_unix: u64,
+    /// The same time in UTC, `2026-11-23T21:52:00Z`.
+    written_at: String,
+    age_seconds: u64,
     local_node: &'a str,
     nodes: &'a [Node],
     pending_deletes: Vec<Pending<'a>>,
@@ -40,11 +44,18 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     let path = args.state_dir.join("nodes.ckpt");
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let cp = checkpoint::decode(&bytes).with_context(|| format!("decoding {}", path.display()))?;
+    let written = cp.written_at.as_secs();
+    let now = crate::agent::reconciler::wall_clock().as_secs();
     let shown = Shown {
         path: path.display().to_string(),
-        format_version: checkpoint::FORMAT_VERSION,
+        format_version: bytes
+            .get(8..12)
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, u32::from_le_bytes),
         agent_version: &cp.agent_version,
-        written_at_unix: cp.written_at.as_secs(),
+        written_at_unix: written,
+        written_at: utc(written),
+        age_seconds: now.saturating_sub(written),
         local_node: &cp.local_node,
         nodes: &cp.nodes,
         pending_deletes: cp
@@ -61,11 +72,12 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
         Output::Text => {
             writeln!(
                 out,
-                "{} (format v{}, agent {}, written at {} unix, local node {})",
+                "{} (format v{}, agent {}, written {} ({} ago), local node {})",
                 shown.path,
                 shown.format_version,
                 shown.agent_version,
-                shown.written_at_unix,
+                shown.written_at,
+                age(shown.age_seconds),
                 shown.local_node
             )?;
             writeln!(
@@ -99,4 +111,52 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `secs` since the Unix epoch as an RFC 3339 UTC time (the civil calendar, from days since
+/// 1970-01-01 by Howard Hinnant's algorithm).
+fn utc(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+/// A duration as people say it: `42s`, `3m 12s`, `2h 5m`, `3d 4h`.
+fn age(secs: u64) -> String {
+    match secs {
+        0..60 => format!("{secs}s"),
+        60..3600 => format!("{}m {}s", secs / 60, secs % 60),
+        3600..86_400 => format!("{}h {}m", secs / 3600, secs / 60 % 60),
+        _ => format!("{}d {}h", secs / 86_400, secs / 3600 % 24),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_print_as_utc_dates_and_ages() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(utc(1_795_463_520), "2026-11-23T19:52:00Z");
+        assert_eq!(age(42), "42s");
+        assert_eq!(age(192), "3m 12s");
+        assert_eq!(age(7_500), "2h 5m");
+        assert_eq!(age(273_600), "3d 4h");
+    }
 }

@@ -16,8 +16,8 @@ use serde::Deserialize;
 use state::node::RawNode;
 use tokio::sync::mpsc;
 
-use super::SourceEvent;
 use super::node_object::raw_node;
+use super::{SourceEvent, SourceRequest};
 
 /// Why the file could not be read as a NodeList.
 #[derive(Debug, thiserror::Error)]
@@ -100,14 +100,22 @@ pub struct FileSource {
 }
 
 impl FileSource {
-    /// Runs until the receiver is dropped.
-    pub async fn run(self, tx: mpsc::Sender<SourceEvent>) {
+    /// Runs until the receiver is dropped. A [`SourceRequest::Relist`] re-reads the file at
+    /// once.
+    pub async fn run(
+        self,
+        tx: mpsc::Sender<SourceEvent>,
+        mut requests: mpsc::Receiver<SourceRequest>,
+    ) {
         let mut last: Option<Signature> = None;
         let mut last_read = Instant::now();
         let mut missing_logged = false;
+        let mut asked = false;
+        let mut requests_open = true;
         loop {
             let sig = signature(&self.path);
-            let due = last_read.elapsed() >= self.relist;
+            let due = asked || last_read.elapsed() >= self.relist;
+            asked = false;
             match sig {
                 None => {
                     if !missing_logged {
@@ -119,24 +127,7 @@ impl FileSource {
                     missing_logged = false;
                     last = Some(sig);
                     last_read = Instant::now();
-                    let events = match std::fs::read_to_string(&self.path) {
-                        Ok(text) => parse(&self.path, &text),
-                        Err(source) => Err(ParseError::Read {
-                            path: self.path.clone(),
-                            source,
-                        }),
-                    };
-                    let events = match events {
-                        Ok(nodes) => std::iter::once(SourceEvent::Init)
-                            .chain(nodes.into_iter().map(SourceEvent::InitApply))
-                            .chain(std::iter::once(SourceEvent::InitDone))
-                            .collect(),
-                        Err(e) => {
-                            tracing::error!("nodes file unusable, keeping the last good view: {e}");
-                            vec![SourceEvent::Error(e.to_string())]
-                        }
-                    };
-                    for ev in events {
+                    for ev in self.read() {
                         if tx.send(ev).await.is_err() {
                             return;
                         }
@@ -144,7 +135,34 @@ impl FileSource {
                 }
                 Some(_) => {}
             }
-            tokio::time::sleep(self.poll).await;
+            tokio::select! {
+                () = tokio::time::sleep(self.poll) => {}
+                req = requests.recv(), if requests_open => match req {
+                    Some(SourceRequest::Relist) => asked = true,
+                    None => requests_open = false,
+                },
+            }
+        }
+    }
+
+    /// One read of the file: a full list, or the error.
+    fn read(&self) -> Vec<SourceEvent> {
+        let parsed = match std::fs::read_to_string(&self.path) {
+            Ok(text) => parse(&self.path, &text),
+            Err(source) => Err(ParseError::Read {
+                path: self.path.clone(),
+                source,
+            }),
+        };
+        match parsed {
+            Ok(nodes) => std::iter::once(SourceEvent::Init)
+                .chain(nodes.into_iter().map(SourceEvent::InitApply))
+                .chain(std::iter::once(SourceEvent::InitDone))
+                .collect(),
+            Err(e) => {
+                tracing::error!("nodes file unusable, keeping the last good view: {e}");
+                vec![SourceEvent::Error(e.to_string())]
+            }
         }
     }
 }

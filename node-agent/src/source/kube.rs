@@ -8,21 +8,25 @@
 //! string record at once, so nothing else of them (`managedFields` included) is ever kept.
 //!
 //! Failures never make nodes look deleted: disconnects, timeouts and API errors (403 from
-//! missing RBAC included) become [`SourceEvent::Error`], the live view stays, and the watcher
-//! retries with backoff.
+//! missing RBAC, 401 from an expired token) become [`SourceEvent::Error`], the live view stays,
+//! the agent reports itself not ready, and the watcher retries with a backoff that only data
+//! resets.
 
 use std::path::PathBuf;
 
+use std::time::Duration;
+
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
+use kube::api::ListParams;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client, Config};
 use tokio::sync::mpsc;
 
-use super::SourceEvent;
 use super::node_object::raw_node;
+use super::{SourceEvent, SourceRequest};
+use crate::agent::schedule::Backoff;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeSourceError {
@@ -63,31 +67,122 @@ impl KubeSource {
         Client::try_from(config).map_err(KubeSourceError::Client)
     }
 
-    /// Watches until the receiver is dropped.
-    pub async fn run(self, client: Client, tx: mpsc::Sender<SourceEvent>) {
+    /// Watches until the receiver is dropped. A [`SourceRequest::Relist`] starts the watch
+    /// over from a fresh list.
+    ///
+    /// Errors back off exponentially with jitter (1 s doubling to [`MAX_BACKOFF`]), reset only
+    /// by data: kube-runtime's watcher announces every new list attempt with `Init`, before
+    /// the list is even sent, so a backoff that resets on any event retries a failing API
+    /// server about every second forever. After an error the source also asks the API server
+    /// for one node (`limit=1`) once per backoff period: a watch that resumes quietly sends no
+    /// event, and that probe is what says the agent can see nodes again.
+    pub async fn run(
+        self,
+        client: Client,
+        tx: mpsc::Sender<SourceEvent>,
+        mut requests: mpsc::Receiver<SourceRequest>,
+    ) {
         let api: Api<Node> = Api::all(client);
-        let mut stream = watcher::watcher(api, watcher::Config::default())
-            .default_backoff()
-            .boxed();
-        while let Some(item) = stream.next().await {
-            let event = match item {
-                Ok(Event::Init) => SourceEvent::Init,
-                Ok(Event::InitApply(n)) => SourceEvent::InitApply(raw_node(&n)),
-                Ok(Event::InitDone) => SourceEvent::InitDone,
-                Ok(Event::Apply(n)) => SourceEvent::Apply(raw_node(&n)),
-                Ok(Event::Delete(n)) => SourceEvent::Delete(n.metadata.name.unwrap_or_default()),
-                Err(e) => {
-                    let msg = describe(&e);
-                    tracing::warn!(
-                        "Kubernetes node watch: {msg}; keeping the last view, retrying with backoff"
-                    );
-                    SourceEvent::Error(msg)
+        let mut backoff = Jittered::new(Duration::from_secs(1), MAX_BACKOFF);
+        let mut requests_open = true;
+        loop {
+            let mut stream = watcher::watcher(api.clone(), watcher::Config::default()).boxed();
+            loop {
+                let item = tokio::select! {
+                    req = requests.recv(), if requests_open => {
+                        match req {
+                            Some(SourceRequest::Relist) => {
+                                tracing::info!("starting the node watch over from a fresh list");
+                                break;
+                            }
+                            None => {
+                                requests_open = false;
+                                continue;
+                            }
+                        }
+                    }
+                    item = stream.next() => item,
+                };
+                let Some(item) = item else { return };
+                let event = match item {
+                    Ok(ev) => {
+                        if !matches!(ev, Event::Init) {
+                            backoff.reset();
+                        }
+                        convert(ev)
+                    }
+                    Err(e) => {
+                        let msg = describe(&e);
+                        let delay = backoff.next_delay();
+                        tracing::warn!(
+                            retry_in_ms = delay.as_millis() as u64,
+                            "Kubernetes node watch: {msg}; keeping the last view"
+                        );
+                        if tx.send(SourceEvent::Error(msg)).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(delay).await;
+                        match api.list(&ListParams::default().limit(1)).await {
+                            Ok(_) => SourceEvent::Healthy,
+                            Err(e) => {
+                                tracing::debug!("probe list after a watch error: {e}");
+                                continue;
+                            }
+                        }
+                    }
+                };
+                if tx.send(event).await.is_err() {
+                    return;
                 }
-            };
-            if tx.send(event).await.is_err() {
-                return;
             }
         }
+    }
+}
+
+/// The longest wait between two attempts on a failing API server.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+fn convert(ev: Event<Node>) -> SourceEvent {
+    match ev {
+        Event::Init => SourceEvent::Init,
+        Event::InitApply(n) => SourceEvent::InitApply(raw_node(&n)),
+        Event::InitDone => SourceEvent::InitDone,
+        Event::Apply(n) => SourceEvent::Apply(raw_node(&n)),
+        Event::Delete(n) => SourceEvent::Delete(n.metadata.name.unwrap_or_default()),
+    }
+}
+
+/// Capped exponential backoff with full jitter: each wait is drawn from [d/2, d], so agents on
+/// every node of a cluster spread their retries against a struggling API server.
+struct Jittered {
+    backoff: Backoff,
+    rng: u64,
+}
+
+impl Jittered {
+    fn new(base: Duration, cap: Duration) -> Self {
+        // Seeded per process: enough to keep a cluster's agents apart.
+        let seed = u64::from(std::process::id())
+            ^ crate::agent::reconciler::wall_clock().as_nanos() as u64;
+        Self {
+            backoff: Backoff::new(base, cap),
+            rng: seed | 1,
+        }
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let d = self.backoff.next_delay();
+        // xorshift64*
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        let r = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let half = d / 2;
+        half + Duration::from_nanos(r % (half.as_nanos() as u64 + 1))
+    }
+
+    fn reset(&mut self) {
+        self.backoff.reset();
     }
 }
 
@@ -106,6 +201,30 @@ pub fn describe(e: &watcher::Error) -> String {
              `nodes` (cluster scope, API group \"\"); the API server said: {}",
             s.message
         ),
+        Some(s) if s.code == 401 => format!(
+            "unauthorized (401): the API server rejected the agent's credentials (an expired or \
+             revoked service account token?); the API server said: {}",
+            s.message
+        ),
         _ => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jittered_backoff_grows_to_its_cap_and_stays_within_half_to_full() {
+        let mut b = Jittered::new(Duration::from_secs(1), MAX_BACKOFF);
+        let mut nominal = Backoff::new(Duration::from_secs(1), MAX_BACKOFF);
+        for _ in 0..12 {
+            let d = b.next_delay();
+            let n = nominal.next_delay();
+            assert!(d >= n / 2 && d <= n, "{d:?} outside [{:?}, {n:?}]", n / 2);
+        }
+        assert!(b.next_delay() >= MAX_BACKOFF / 2);
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_secs(1));
     }
 }

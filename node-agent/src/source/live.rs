@@ -1,8 +1,11 @@
 //! The live view, folded from source events.
 //!
-//! Like kube-runtime's reflector store, with one more rule: a node whose new record is
+//! Like kube-runtime's reflector store, with two more rules. A node whose new record is
 //! malformed keeps its last good record (and the error is reported), because dropping it would
-//! make its kernel state look stale and get it deleted over a typo (invariant 12).
+//! make its kernel state look stale and get it deleted over a typo; a malformed node with no
+//! good record in this process is still listed by name, so the planner keeps what the agent's
+//! own record says it had (invariants 8 and 12). And only full lists that contain the local node
+//! count as confirmations for the brake (invariant 15).
 
 use std::collections::BTreeMap;
 
@@ -13,6 +16,8 @@ use super::SourceEvent;
 
 #[derive(Debug, Default)]
 pub struct LiveState {
+    /// The node this agent runs on.
+    local: String,
     nodes: BTreeMap<String, Node>,
     /// Nodes whose latest record failed validation, with the reason.
     errors: BTreeMap<String, NodeError>,
@@ -21,13 +26,27 @@ pub struct LiveState {
     relist_errors: BTreeMap<String, NodeError>,
     synced: bool,
     relists: u64,
+    /// Full lists that contained the local node.
+    confirming_relists: u64,
     source_errors: u64,
     last_error: Option<String>,
+    /// The source's error since its last success: it cannot see node changes now.
+    failing: Option<String>,
 }
 
 impl LiveState {
+    pub fn new(local: impl Into<String>) -> Self {
+        Self {
+            local: local.into(),
+            ..Self::default()
+        }
+    }
+
     /// Folds one event in; returns whether the live view (or its sync state) changed.
     pub fn apply(&mut self, event: SourceEvent) -> bool {
+        if !matches!(event, SourceEvent::Error(_)) {
+            self.failing = None;
+        }
         match event {
             SourceEvent::Init => {
                 self.relist = Some(BTreeMap::new());
@@ -46,10 +65,15 @@ impl LiveState {
                     return false;
                 };
                 let changed = !self.synced || new != self.nodes;
+                let with_local =
+                    new.contains_key(&self.local) || self.relist_errors.contains_key(&self.local);
                 self.nodes = new;
                 self.errors = std::mem::take(&mut self.relist_errors);
                 self.synced = true;
                 self.relists += 1;
+                if with_local {
+                    self.confirming_relists += 1;
+                }
                 self.last_error = None;
                 changed
             }
@@ -65,9 +89,11 @@ impl LiveState {
             }
             SourceEvent::Error(msg) => {
                 self.source_errors += 1;
+                self.failing = Some(msg.clone());
                 self.last_error = Some(msg);
                 false
             }
+            SourceEvent::Healthy => false,
         }
     }
 
@@ -95,17 +121,35 @@ impl LiveState {
     pub fn view(&self) -> LiveView {
         LiveView {
             nodes: self.nodes.values().cloned().collect(),
+            malformed: self
+                .errors
+                .keys()
+                .filter(|n| !self.nodes.contains_key(*n))
+                .cloned()
+                .collect(),
             synced: self.synced,
+            relists: self.confirming_relists,
         }
+    }
+
+    /// The source's error since its last success, if it has failed since: the agent cannot see
+    /// node changes, so it is not ready.
+    pub fn failing(&self) -> Option<&str> {
+        self.failing.as_deref()
     }
 
     pub fn synced(&self) -> bool {
         self.synced
     }
 
-    /// Completed full lists so far; the brake waits for a newer one before it lets go.
+    /// Completed full lists so far.
     pub fn relists(&self) -> u64 {
         self.relists
+    }
+
+    /// Completed full lists that contained the local node: the ones that may confirm a hold.
+    pub fn confirming_relists(&self) -> u64 {
+        self.confirming_relists
     }
 
     /// Nodes skipped or kept at their last good record because their input is malformed.
@@ -140,6 +184,10 @@ mod tests {
         }
     }
 
+    fn state() -> LiveState {
+        LiveState::new("local")
+    }
+
     fn relist(s: &mut LiveState, nodes: &[RawNode]) -> bool {
         s.apply(SourceEvent::Init);
         for n in nodes {
@@ -150,7 +198,7 @@ mod tests {
 
     #[test]
     fn not_synced_until_the_first_full_list_completes() {
-        let mut s = LiveState::default();
+        let mut s = state();
         s.apply(SourceEvent::Init);
         s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
         assert!(!s.view().synced);
@@ -165,20 +213,64 @@ mod tests {
 
     #[test]
     fn a_relist_replaces_the_view_so_missed_deletes_show() {
-        let mut s = LiveState::default();
+        let mut s = state();
         relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "10.0.0.2")]);
         assert!(relist(&mut s, &[raw("a", "10.0.0.1")]));
         assert_eq!(s.view().nodes.len(), 1);
         assert_eq!(s.relists(), 2);
         assert!(
             !relist(&mut s, &[raw("a", "10.0.0.1")]),
-            "an identical relist changes nothing"
+            "an identical relist without the local node changes nothing"
         );
     }
 
     #[test]
+    fn only_lists_with_the_local_node_confirm() {
+        let mut s = state();
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        assert_eq!((s.relists(), s.view().relists), (1, 0));
+        let local = raw("local", "10.0.0.100");
+        assert!(relist(&mut s, std::slice::from_ref(&local)));
+        assert!(
+            !relist(&mut s, std::slice::from_ref(&local)),
+            "an identical list"
+        );
+        assert_eq!((s.relists(), s.view().relists), (3, 2));
+        // A malformed local node is still the local node.
+        relist(&mut s, &[raw("local", "bad")]);
+        assert_eq!(s.view().relists, 3);
+    }
+
+    #[test]
+    fn malformed_nodes_without_a_good_record_are_listed_by_name() {
+        let mut s = state();
+        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "nope")]);
+        let v = s.view();
+        assert_eq!(v.nodes.len(), 1);
+        assert_eq!(v.malformed, ["b"]);
+        // With a good record from before, the record stands and the name is not repeated.
+        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "10.0.0.2")]);
+        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "nope")]);
+        assert!(s.view().malformed.is_empty());
+        assert_eq!(s.view().nodes.len(), 2);
+    }
+
+    #[test]
+    fn the_source_fails_until_its_next_success() {
+        let mut s = state();
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        s.apply(SourceEvent::Error("forbidden (403)".into()));
+        assert_eq!(s.failing(), Some("forbidden (403)"));
+        s.apply(SourceEvent::Healthy);
+        assert_eq!(s.failing(), None);
+        s.apply(SourceEvent::Error("timed out".into()));
+        s.apply(SourceEvent::Apply(raw("b", "10.0.0.2")));
+        assert_eq!(s.failing(), None);
+    }
+
+    #[test]
     fn errors_keep_the_view() {
-        let mut s = LiveState::default();
+        let mut s = state();
         relist(&mut s, &[raw("a", "10.0.0.1")]);
         assert!(!s.apply(SourceEvent::Error("connection reset".into())));
         assert_eq!(s.view().nodes.len(), 1);
@@ -187,7 +279,7 @@ mod tests {
 
     #[test]
     fn a_malformed_update_keeps_the_last_good_record() {
-        let mut s = LiveState::default();
+        let mut s = state();
         relist(&mut s, &[raw("a", "10.0.0.1")]);
         s.apply(SourceEvent::Apply(raw("a", "not-an-ip")));
         assert_eq!(s.get("a").unwrap().addresses[0].ip.to_string(), "10.0.0.1");
@@ -199,7 +291,7 @@ mod tests {
 
     #[test]
     fn apply_and_delete_between_relists() {
-        let mut s = LiveState::default();
+        let mut s = state();
         relist(&mut s, &[]);
         assert!(s.apply(SourceEvent::Apply(raw("a", "10.0.0.1"))));
         assert!(!s.apply(SourceEvent::Apply(raw("a", "10.0.0.1"))));

@@ -29,4 +29,14 @@ pub enum SourceEvent {
     Delete(String),
     /// The source could not read the nodes; what it said before still holds.
     Error(String),
+    /// The source reached its nodes again after an error, with nothing to report.
+    Healthy,
+}
+
+/// What the agent may ask of its source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceRequest {
+    /// Deliver a fresh full list soon (a hold of the brake waits for one; a healthy watch may
+    /// never relist on its own).
+    Relist,
 }

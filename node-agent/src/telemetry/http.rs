@@ -57,7 +57,7 @@ fn respond(req: &Request<Incoming>, t: &Telemetry) -> Response<Full<Bytes>> {
             ),
         },
         "/readyz" => match t.ready() {
-            Ok(()) => (StatusCode::OK, "text/plain", "ready\n".into()),
+            Ok(detail) => (StatusCode::OK, "text/plain", format!("{detail}\n")),
             Err(why) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "text/plain",

@@ -16,14 +16,14 @@ pub struct StateLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
-    /// `map_entry`, `route`, `xfrm_state`, `xfrm_policy`.
+    /// `map_entry`, `route`, `xfrm_state`, `xfrm_policy` ([`state::objects::ObjectKind::name`]).
     pub kind: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OpLabels {
     pub kind: String,
-    /// `upsert` or `delete`.
+    /// `upsert` (a create or an in-place replace) or `delete`.
     pub op: String,
     /// `ok` or `error`.
     pub result: String,
@@ -42,7 +42,14 @@ pub struct Metrics {
     pub operations: Family<OpLabels, Counter>,
     pub reconcile_duration: Histogram,
     pub brake_held: Gauge,
+    pub brake_held_nodes: Gauge,
+    pub local_node_missing: Gauge,
+    pub conflicts: Gauge,
+    pub id_exhausted: Gauge,
     pub checkpoint_writes: Family<ResultLabel, Counter>,
+    pub checkpoint_stale_seconds: Gauge<f64, AtomicU64>,
+    pub drift_repaired: Family<KindLabel, Counter>,
+    pub source_failing: Gauge,
     pub source_synced: Gauge,
     pub source_relists: Counter,
     pub source_errors: Counter,
@@ -59,7 +66,14 @@ impl Default for Metrics {
             operations: Family::default(),
             reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             brake_held: Gauge::default(),
+            brake_held_nodes: Gauge::default(),
+            local_node_missing: Gauge::default(),
+            conflicts: Gauge::default(),
+            id_exhausted: Gauge::default(),
             checkpoint_writes: Family::default(),
+            checkpoint_stale_seconds: Gauge::default(),
+            drift_repaired: Family::default(),
+            source_failing: Gauge::default(),
             source_synced: Gauge::default(),
             source_relists: Counter::default(),
             source_errors: Counter::default(),
@@ -93,9 +107,44 @@ impl Default for Metrics {
             m.brake_held.clone(),
         );
         registry.register(
+            "brake_held_nodes",
+            "Known remote nodes whose removal the brake holds",
+            m.brake_held_nodes.clone(),
+        );
+        registry.register(
+            "local_node_missing",
+            "1 while the node list lacks the local node: no view of this cluster, nothing changes",
+            m.local_node_missing.clone(),
+        );
+        registry.register(
+            "conflicts",
+            "Conflicts at the last plan: nodes held over an address or pod CIDR another node keeps, and objects not written over a foreign object",
+            m.conflicts.clone(),
+        );
+        registry.register(
+            "node_ids_exhausted",
+            "Nodes held because no node ID is free (all in use or cooling down)",
+            m.id_exhausted.clone(),
+        );
+        registry.register(
             "checkpoint_writes",
             "Checkpoint writes by result (ok, error)",
             m.checkpoint_writes.clone(),
+        );
+        registry.register(
+            "checkpoint_stale_seconds",
+            "How long the record has had changes the checkpoint file lacks (0 when written)",
+            m.checkpoint_stale_seconds.clone(),
+        );
+        registry.register(
+            "drift_repaired",
+            "Objects of ours found changed or missing in the kernel by a resync and repaired, by kind",
+            m.drift_repaired.clone(),
+        );
+        registry.register(
+            "source_failing",
+            "1 while the node source fails after its last success (API errors, unreachable)",
+            m.source_failing.clone(),
         );
         registry.register(
             "source_synced",

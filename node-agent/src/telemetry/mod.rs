@@ -11,22 +11,23 @@ use std::time::{Duration, Instant};
 
 pub use metrics::Metrics;
 
-/// Why the agent is not ready, or that it is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Readiness {
-    NotSynced,
-    BrakeHeld(String),
-    Failing(String),
-    Ready,
-}
-
+/// What readiness is made of. Each part is set by whoever knows it; [`Telemetry::ready`] joins
+/// them.
 #[derive(Debug)]
 struct Status {
-    readiness: Readiness,
     /// The reconciler loop's last turn: `/healthz` fails when it is too old.
     heartbeat: Instant,
     /// Whether any reconcile has succeeded yet: readiness stays false until one has.
     reconciled: bool,
+    /// The last reconcile failed, or some of its operations did.
+    failing: Option<String>,
+    /// What the brake holds.
+    brake: Option<String>,
+    /// The node source's error since its last success: the agent cannot see node changes.
+    source: Option<String>,
+    /// The checkpoint cannot be written: the datapath is right, only the record is stale, so
+    /// the agent stays ready and says so.
+    checkpoint: Option<String>,
 }
 
 #[derive(Debug)]
@@ -42,9 +43,12 @@ impl Telemetry {
         Self {
             metrics: Metrics::default(),
             status: Mutex::new(Status {
-                readiness: Readiness::NotSynced,
                 heartbeat: Instant::now(),
                 reconciled: false,
+                failing: None,
+                brake: None,
+                source: None,
+                checkpoint: None,
             }),
             stall_after,
         }
@@ -60,12 +64,29 @@ impl Telemetry {
         self.status().heartbeat = Instant::now();
     }
 
-    pub fn set_readiness(&self, r: Readiness) {
+    /// A reconcile ended: `Ok` when everything applied, or what failed.
+    pub fn set_reconciled(&self, result: Result<(), String>) {
         let mut s = self.status();
-        if r == Readiness::Ready {
-            s.reconciled = true;
+        match result {
+            Ok(()) => {
+                s.reconciled = true;
+                s.failing = None;
+            }
+            Err(why) => s.failing = Some(why),
         }
-        s.readiness = r;
+    }
+
+    pub fn set_brake(&self, held: Option<String>) {
+        self.status().brake = held;
+    }
+
+    pub fn set_source_failing(&self, why: Option<&str>) {
+        self.status().source = why.map(str::to_owned);
+        self.metrics.source_failing.set(i64::from(why.is_some()));
+    }
+
+    pub fn set_checkpoint_failing(&self, why: Option<String>) {
+        self.status().checkpoint = why;
     }
 
     /// `Ok` when alive, or why not.
@@ -80,16 +101,36 @@ impl Telemetry {
         Ok(())
     }
 
-    /// `Ok` when ready (a reconcile succeeded and nothing holds it back), or why not.
-    pub fn ready(&self) -> Result<(), String> {
+    /// `Ok` with details worth knowing when ready; otherwise why not, every reason on its line.
+    pub fn ready(&self) -> Result<String, String> {
         let s = self.status();
-        match &s.readiness {
-            Readiness::Ready if s.reconciled => Ok(()),
-            Readiness::Ready | Readiness::NotSynced => {
-                Err("not synced: waiting for the node source's first full list".into())
-            }
-            Readiness::BrakeHeld(why) => Err(format!("brake held: {why}")),
-            Readiness::Failing(why) => Err(format!("last reconcile failed: {why}")),
+        let mut not = Vec::new();
+        if !s.reconciled {
+            not.push(
+                "not synced: waiting for the node source's first full list and a first reconcile"
+                    .to_string(),
+            );
+        }
+        if let Some(why) = &s.source {
+            not.push(format!(
+                "node source failing: {why}; no node change can be seen, nothing is pruned"
+            ));
+        }
+        if let Some(why) = &s.brake {
+            not.push(format!("brake held: {why}"));
+        }
+        if let Some(why) = &s.failing {
+            not.push(format!("last reconcile failed: {why}"));
+        }
+        let detail = s
+            .checkpoint
+            .as_ref()
+            .map(|why| format!("checkpoint failing: {why}"));
+        if not.is_empty() {
+            Ok(detail.map_or_else(|| "ready".into(), |d| format!("ready; {d}")))
+        } else {
+            not.extend(detail);
+            Err(not.join("\n"))
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::ids::AllocatorState;
 use crate::node::Node;
 
 pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, PayloadError, decode, encode};
-pub use store::{CheckpointStore, LoadOutcome, StoreError};
+pub use store::{CheckpointStore, LoadOutcome, StoreError, lock_holder};
 
 /// A restored node whose cleanup has not succeeded yet. It is carried from checkpoint to
 /// checkpoint until its deletes succeed, so a failed or braked cleanup is retried after the next

@@ -71,6 +71,26 @@ pub enum LoadOutcome {
     },
 }
 
+/// The PID of the agent that holds the lock on `dir`, or `None` when no agent runs there.
+pub fn lock_holder(dir: &Path) -> Result<Option<u32>, StoreError> {
+    let lock_path = dir.join(LOCK_NAME);
+    let mut lock = match File::open(&lock_path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err("opening lock file", &lock_path)(e)),
+    };
+    // SAFETY: flock only reads the fd, which `lock` owns and keeps open for this call.
+    let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+    if rc == 0 {
+        // Nobody holds it; dropping the file releases our shared lock at once.
+        return Ok(None);
+    }
+    let mut s = String::new();
+    lock.read_to_string(&mut s)
+        .map_err(io_err("reading lock file", &lock_path))?;
+    Ok(s.trim().parse().ok())
+}
+
 /// The locked state directory.
 #[derive(Debug)]
 pub struct CheckpointStore {

@@ -9,7 +9,9 @@ use foldhash::{HashMap, HashMapExt, HashSet};
 use smallvec::SmallVec;
 
 use super::brake::{Brake, is_local_entry};
-use super::claims::{Blocker, Claims, ClaimedAnywhere, ConflictWhy, Holder, Resource, mapped_ips, resources};
+use super::claims::{
+    Blocker, ClaimedAnywhere, Claims, ConflictWhy, Holder, Resource, mapped_ips, resources,
+};
 use super::classify::{HeldWhy, Live, LiveClass};
 use super::records::Record;
 use super::{Allocation, InputError, InputProblem, Local, PlanInput, err};
@@ -45,7 +47,11 @@ impl MapRoom {
 }
 
 /// How many live nodes claim each mapped address, as they are and as recorded.
-fn address_claims(live: &[Live<'_>], records: &[Record<'_>], input: &PlanInput<'_>) -> HashMap<IpAddr, u32> {
+fn address_claims(
+    live: &[Live<'_>],
+    records: &[Record<'_>],
+    input: &PlanInput<'_>,
+) -> HashMap<IpAddr, u32> {
     let cfg = input.config;
     let mut count: HashMap<IpAddr, u32> = HashMap::with_capacity(2 * live.len());
     for l in live {
@@ -72,7 +78,10 @@ fn staying_entries(
 ) -> usize {
     let mut kept_ips: HashSet<IpAddr> = HashSet::default();
     let mut kept_ids: HashSet<NodeId> = HashSet::default();
-    for r in records.iter().filter(|r| r.live.is_none() && !brake.releases(r)) {
+    for r in records
+        .iter()
+        .filter(|r| r.live.is_none() && !brake.releases(r))
+    {
         kept_ips.extend(r.node.ips());
         kept_ids.extend(r.node.node_id);
     }

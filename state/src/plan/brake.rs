@@ -245,7 +245,10 @@ pub(super) fn decide(
     let ratios = Ratios {
         removed_nodes: asked_nodes + window_nodes,
         known_nodes: counts.known_nodes + window_nodes,
-        nodes: ratio(asked_nodes + window_nodes, counts.known_nodes + window_nodes),
+        nodes: ratio(
+            asked_nodes + window_nodes,
+            counts.known_nodes + window_nodes,
+        ),
         orphans: ratio(
             asked_orphans + window_objects,
             counts.our_objects + window_objects,
@@ -262,7 +265,11 @@ pub(super) fn decide(
         released.clone_from(asked);
     } else {
         for item in asked {
-            let since = memory.held.get(item).copied().unwrap_or(HeldSince { at: now, relists });
+            let since = memory
+                .held
+                .get(item)
+                .copied()
+                .unwrap_or(HeldSince { at: now, relists });
             let ripe = cfg.confirm_by_relist
                 && !wipe
                 && now.saturating_sub(since.at) >= cfg.confirm_delay
@@ -286,7 +293,11 @@ pub(super) fn decide(
         });
     }
     let hold = (!held.is_empty()).then(|| {
-        let kind = if wipe { HoldKind::Wipe } else { HoldKind::Ratio };
+        let kind = if wipe {
+            HoldKind::Wipe
+        } else {
+            HoldKind::Ratio
+        };
         (kind, ratios)
     });
     Decision {
@@ -393,12 +404,7 @@ impl Brake {
     pub fn finish(self, kept: Vec<Delete>) -> (Option<BrakeHold>, BrakeMemory) {
         let memory = self.decision.memory;
         let hold = self.decision.hold.map(|(kind, ratios)| {
-            let since = memory
-                .held
-                .values()
-                .map(|s| s.at)
-                .min()
-                .unwrap_or_default();
+            let since = memory.held.values().map(|s| s.at).min().unwrap_or_default();
             BrakeHold {
                 kind,
                 id: hold_id(memory.held.keys()),
@@ -469,7 +475,15 @@ mod tests {
     #[test]
     fn at_most_the_ratio_goes_ahead_and_enters_the_window() {
         let m = BrakeMemory::default();
-        let d = decide(&ask(&["a", "b", "c", "d", "e"]), TEN, &m, 1, None, MIN, &cfg(true));
+        let d = decide(
+            &ask(&["a", "b", "c", "d", "e"]),
+            TEN,
+            &m,
+            1,
+            None,
+            MIN,
+            &cfg(true),
+        );
         assert_eq!(d.released.len(), 5, "50% is not over 50%");
         assert!(d.hold.is_none());
         assert_eq!(d.memory.window.len(), 1);
@@ -478,7 +492,15 @@ mod tests {
 
     #[test]
     fn removals_within_the_window_count_so_a_mass_deletion_cannot_be_split() {
-        let first = decide(&ask(&["a", "b", "c"]), TEN, &BrakeMemory::default(), 1, None, MIN, &cfg(true));
+        let first = decide(
+            &ask(&["a", "b", "c"]),
+            TEN,
+            &BrakeMemory::default(),
+            1,
+            None,
+            MIN,
+            &cfg(true),
+        );
         assert_eq!(first.released.len(), 3);
         // Seven nodes left; three more a little later: 6 of 10 within the window.
         let known = Ask {
@@ -486,12 +508,28 @@ mod tests {
             our_objects: 28,
         };
         let later = MIN + Duration::from_secs(5);
-        let second = decide(&ask(&["d", "e", "f"]), known, &first.memory, 2, None, later, &cfg(true));
+        let second = decide(
+            &ask(&["d", "e", "f"]),
+            known,
+            &first.memory,
+            2,
+            None,
+            later,
+            &cfg(true),
+        );
         assert!(second.released.is_empty());
         assert_eq!(second.hold.map(|h| h.0), Some(HoldKind::Ratio));
         // Once the window has passed, the same three are fine on their own (3 of 7).
         let much_later = MIN * 3;
-        let third = decide(&ask(&["d", "e", "f"]), known, &second.memory, 3, None, much_later, &cfg(true));
+        let third = decide(
+            &ask(&["d", "e", "f"]),
+            known,
+            &second.memory,
+            3,
+            None,
+            much_later,
+            &cfg(true),
+        );
         assert_eq!(third.released.len(), 3);
     }
 
@@ -499,32 +537,91 @@ mod tests {
     fn a_fresh_list_after_the_delay_releases_exactly_what_was_held_and_holds_the_rest() {
         let c = cfg(true);
         let t0 = MIN;
-        let held = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &BrakeMemory::default(), 1, None, t0, &c);
+        let held = decide(
+            &ask(&["a", "b", "c", "d", "e", "f"]),
+            TEN,
+            &BrakeMemory::default(),
+            1,
+            None,
+            t0,
+            &c,
+        );
         assert!(held.released.is_empty());
         // The delay has passed but no newer list came: still held.
         let t1 = t0 + MIN;
-        let same_list = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &held.memory, 1, None, t1, &c);
+        let same_list = decide(
+            &ask(&["a", "b", "c", "d", "e", "f"]),
+            TEN,
+            &held.memory,
+            1,
+            None,
+            t1,
+            &c,
+        );
         assert!(same_list.released.is_empty());
         // A newer list that asks for more: the six held are released, the seventh waits.
-        let more = decide(&ask(&["a", "b", "c", "d", "e", "f", "g"]), TEN, &same_list.memory, 2, None, t1, &c);
+        let more = decide(
+            &ask(&["a", "b", "c", "d", "e", "f", "g"]),
+            TEN,
+            &same_list.memory,
+            2,
+            None,
+            t1,
+            &c,
+        );
         assert_eq!(more.released, ask(&["a", "b", "c", "d", "e", "f"]));
-        assert_eq!(more.memory.held.keys().cloned().collect::<BTreeSet<_>>(), ask(&["g"]));
+        assert_eq!(
+            more.memory.held.keys().cloned().collect::<BTreeSet<_>>(),
+            ask(&["g"])
+        );
         assert_eq!(more.memory.held[&node("g")].at, t1);
     }
 
     #[test]
     fn a_newer_list_before_the_delay_releases_nothing() {
         let c = cfg(true);
-        let held = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &BrakeMemory::default(), 1, None, MIN, &c);
-        let early = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &held.memory, 5, None, MIN + MIN / 2, &c);
+        let held = decide(
+            &ask(&["a", "b", "c", "d", "e", "f"]),
+            TEN,
+            &BrakeMemory::default(),
+            1,
+            None,
+            MIN,
+            &c,
+        );
+        let early = decide(
+            &ask(&["a", "b", "c", "d", "e", "f"]),
+            TEN,
+            &held.memory,
+            5,
+            None,
+            MIN + MIN / 2,
+            &c,
+        );
         assert!(early.released.is_empty());
     }
 
     #[test]
     fn one_shot_runs_are_never_confirmed_by_a_list() {
         let c = cfg(false);
-        let held = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &BrakeMemory::default(), 1, None, MIN, &c);
-        let later = decide(&ask(&["a", "b", "c", "d", "e", "f"]), TEN, &held.memory, 9, None, MIN * 10, &c);
+        let held = decide(
+            &ask(&["a", "b", "c", "d", "e", "f"]),
+            TEN,
+            &BrakeMemory::default(),
+            1,
+            None,
+            MIN,
+            &c,
+        );
+        let later = decide(
+            &ask(&["a", "b", "c", "d", "e", "f"]),
+            TEN,
+            &held.memory,
+            9,
+            None,
+            MIN * 10,
+            &c,
+        );
         assert!(later.released.is_empty());
     }
 
@@ -536,13 +633,27 @@ mod tests {
         assert_eq!(held.hold.map(|h| h.0), Some(HoldKind::Wipe));
         let id = hold_id(held.memory.held.keys());
         let relisted = decide(&all, TEN, &held.memory, 7, None, MIN * 10, &c);
-        assert!(relisted.released.is_empty(), "a relist never confirms a wipe");
-        let stale = decide(&all, TEN, &held.memory, 7, Some("0123456789ab"), MIN * 10, &c);
+        assert!(
+            relisted.released.is_empty(),
+            "a relist never confirms a wipe"
+        );
+        let stale = decide(
+            &all,
+            TEN,
+            &held.memory,
+            7,
+            Some("0123456789ab"),
+            MIN * 10,
+            &c,
+        );
         assert!(stale.released.is_empty(), "a confirmation of another hold");
         let mut more = all.clone();
         more.insert(node("j"));
         let grown = decide(&more, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
-        assert!(grown.released.is_empty(), "the list asks for more than was confirmed");
+        assert!(
+            grown.released.is_empty(),
+            "the list asks for more than was confirmed"
+        );
         let ok = decide(&all, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
         assert_eq!(ok.released, all);
     }
@@ -560,7 +671,15 @@ mod tests {
             known_nodes: 0,
             our_objects: 40,
         };
-        let held = decide(&orphans, none_known, &BrakeMemory::default(), 1, None, MIN, &cfg(true));
+        let held = decide(
+            &orphans,
+            none_known,
+            &BrakeMemory::default(),
+            1,
+            None,
+            MIN,
+            &cfg(true),
+        );
         assert!(held.released.is_empty(), "30 of 40 objects");
         let forced = decide(
             &orphans,

@@ -196,7 +196,9 @@ pub struct Allocation {
 pub enum InputProblem {
     #[error("name listed twice in the live view; the first entry is used")]
     DuplicateName,
-    #[error("{resource} is claimed by node {holder} too; {holder} keeps it ({why}); this node is held until the conflict clears")]
+    #[error(
+        "{resource} is claimed by node {holder} too; {holder} keeps it ({why}); this node is held until the conflict clears"
+    )]
     Conflict {
         resource: Resource,
         holder: String,
@@ -262,13 +264,14 @@ impl Plan {
     }
 
     /// The deletes in a safe order: users before what they use (policies, states, routes, map
-    /// entries), so map room is freed before it is filled.
-    pub fn delete_ops(&self) -> Vec<Op> {
+    /// entries), so map room is freed before it is filled; each with the node it was reached
+    /// through.
+    pub fn delete_ops(&self) -> Vec<(Op, Option<&str>)> {
         let mut deletes: Vec<&Delete> = self.deletes.iter().collect();
         deletes.sort_by_key(|d| std::cmp::Reverse(d.object.kind().rank()));
         deletes
             .into_iter()
-            .map(|d| Op::Delete(d.object.clone()))
+            .map(|d| (Op::Delete(d.object.clone()), d.node.as_deref()))
             .collect()
     }
 
@@ -286,7 +289,7 @@ impl Plan {
 
     /// Every operation, deletes first.
     pub fn ops(&self) -> Vec<Op> {
-        let mut ops = self.delete_ops();
+        let mut ops: Vec<Op> = self.delete_ops().into_iter().map(|(op, _)| op).collect();
         ops.extend(self.upsert_ops().into_iter().map(|(op, _)| op));
         ops
     }
@@ -366,7 +369,7 @@ impl Local {
     fn new(cfg: &PlanConfig, live: &LiveView) -> Self {
         let mut ips: HashSet<IpAddr> = cfg.local_addresses.iter().copied().collect();
         let mut cidrs = HashSet::new();
-        let mut listed = live.malformed.iter().any(|n| *n == cfg.local_node);
+        let mut listed = live.malformed.contains(&cfg.local_node);
         for n in live.nodes.iter().filter(|n| n.name == cfg.local_node) {
             listed = true;
             ips.extend(claims::mapped_ips(n, cfg));
@@ -514,7 +517,10 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         pending_deletes: pending,
         ids: alloc.state(),
         removals: brake_memory.window.clone(),
-        ipsec_keys: input.record.map(|c| c.ipsec_keys.clone()).unwrap_or_default(),
+        ipsec_keys: input
+            .record
+            .map(|c| c.ipsec_keys.clone())
+            .unwrap_or_default(),
     };
     Plan {
         deletes: deleted.deletes,

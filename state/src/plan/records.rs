@@ -48,17 +48,14 @@ pub(super) fn collect<'a>(cp: Option<&'a Checkpoint>, local: &str) -> Vec<Record
         .pending_deletes
         .iter()
         .map(|p| (&p.node, p.attempts, false));
-    records.extend(
-        listed
-            .chain(pending)
-            .filter(|(n, ..)| n.name != local)
-            .map(|(node, attempts, listed)| Record {
-                node,
-                attempts,
-                listed,
-                live: None,
-            }),
-    );
+    records.extend(listed.chain(pending).filter(|(n, ..)| n.name != local).map(
+        |(node, attempts, listed)| Record {
+            node,
+            attempts,
+            listed,
+            live: None,
+        },
+    ));
     // Stable, so the first record of a name stays first. Checkpoints are written in name order,
     // which makes this one linear pass in the common case.
     records.sort_by(|a, b| a.node.name.cmp(&b.node.name));

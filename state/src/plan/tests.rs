@@ -694,7 +694,7 @@ fn the_incumbent_keeps_its_address_against_a_newcomer_whose_name_sorts_first() {
     let r = Run::new();
     let mut k = Kernel::default();
     let old = node("z-old", &["10.0.0.1"], &["10.1.1.0/24"]);
-    let (_, cp) = r.reconcile(None, &[old.clone()], &mut k);
+    let (_, cp) = r.reconcile(None, std::slice::from_ref(&old), &mut k);
     let newcomer = node("a-new", &["10.0.0.1"], &["10.1.9.0/24"]);
     let p = r.plan(Some(&cp), &[old.clone(), newcomer.clone()], &k);
     assert!(p.is_empty(), "nothing changes for the incumbent: {p:?}");
@@ -828,7 +828,10 @@ fn a_foreign_route_at_our_identity_is_a_conflict_and_never_replaced() {
         [("b", InputProblem::Foreign { foreign, .. })] if foreign.contains("proto kernel")
     ));
     assert!(!k.ours.contains_key(&route("10.1.2.0/24", "10.0.0.2").id()));
-    assert!(k.has(&map("10.0.0.2", 2)), "the node's other objects are programmed");
+    assert!(
+        k.has(&map("10.0.0.2", 2)),
+        "the node's other objects are programmed"
+    );
     assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
     // Nothing to do next time but report the conflict again.
     let p = r.plan(Some(&cp), &[a(), b()], &k);
@@ -933,7 +936,11 @@ fn the_same_names_with_other_uids_are_removals_the_brake_counts() {
     assert_eq!(hold.nodes, ["a", "b", "c"]);
     assert!(p.deletes.is_empty(), "{:?}", p.deletes);
     // The impostors are new nodes: none of them inherits a known node's ID.
-    assert!(p.allocations.iter().all(|a| a.id.get() > 4), "{:?}", p.allocations);
+    assert!(
+        p.allocations.iter().all(|a| a.id.get() > 4),
+        "{:?}",
+        p.allocations
+    );
 }
 
 #[test]
@@ -1131,7 +1138,10 @@ fn freed_ids_wait_out_the_cooldown_and_longest_freed_is_reused_first() {
     );
     assert!(matches!(
         problems(&p)[..],
-        [("c", InputProblem::Ids(IdError::Exhausted { limit: 65535, .. }))]
+        [(
+            "c",
+            InputProblem::Ids(IdError::Exhausted { limit: 65535, .. })
+        )]
     ));
 }
 
@@ -1150,7 +1160,7 @@ fn an_exhausted_id_space_holds_new_nodes_and_keeps_programmed_ones() {
     assert!(e.contains("node c") && e.contains("all 2 IDs"), "{e}");
     // Once a freed ID has cooled down, the next node gets it.
     let (_, cp2) = r.reconcile(Some(&cp), &[a(), c()], &mut k);
-    assert!(ids_of(&cp2).get("c").is_none(), "2 is cooling");
+    assert!(!ids_of(&cp2).contains_key("c"), "2 is cooling");
     let mut later = Run::new();
     later.cfg.max_node_id = 2;
     later.now = NOW + later.cfg.id_cooldown;

@@ -64,10 +64,19 @@ pub fn tests() -> anyhow::Result<Payload> {
     })
 }
 
-/// The test targets that exercise the kernel: the guest runs these. The others (the API-server
+/// The test modules that exercise the kernel: the guest runs these. The others (the API-server
 /// stand-in's own tests, manifests, docs, the benchmarks) do not depend on the kernel, and TCG
 /// makes every second in the guest count.
-const KERNEL_TIER: &[&str] = &["datapath", "backends", "xfrm", "agent", "endpoints", "kube"];
+pub const KERNEL_TIER: &[&str] = &[
+    "datapath::",
+    "backends::",
+    "xfrm::",
+    "agent::",
+    "endpoints::",
+    "kube::",
+];
+/// The one integration-test target (`tests/tests/it`).
+const TEST_TARGET: &str = "it";
 
 /// `cargo test --no-run` with JSON messages: the executables of the kernel-tier test targets.
 fn test_executables() -> anyhow::Result<Vec<PathBuf>> {
@@ -101,7 +110,7 @@ fn test_executables() -> anyhow::Result<Vec<PathBuf>> {
             && msg["profile"]["test"] == true
             && msg["target"]["name"]
                 .as_str()
-                .is_some_and(|t| KERNEL_TIER.contains(&t))
+                .is_some_and(|t| t == TEST_TARGET)
             && let Some(exe) = msg["executable"].as_str()
         {
             exes.push(PathBuf::from(exe));

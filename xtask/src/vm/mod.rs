@@ -30,7 +30,8 @@ pub struct Args {
     /// Boot the compressed bzImage even when the extracted vmlinux could boot through PVH.
     #[arg(long)]
     pub bzimage: bool,
-    /// Arguments passed to every test binary (a test name filter, `--nocapture`, ...).
+    /// Arguments for the test binary (a test name filter, `--nocapture`, ...). Without a
+    /// filter the guest runs the kernel-tier modules.
     #[arg(last = true)]
     pub rest: Vec<String>,
 }
@@ -83,7 +84,7 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
     let payload = build::tests()?;
 
     let t = Instant::now();
-    let tools = initramfs::tools(&vm_dir, &payload, &args.rest)?;
+    let tools = initramfs::tools(&vm_dir, &payload, &test_args(&args.rest))?;
     step(&format!(
         "vm-test: initramfs tools and /init in {:.1} s",
         t.elapsed().as_secs_f64()
@@ -126,4 +127,42 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
         bail!("vm-test failed on {}", failures.join("; "));
     }
     Ok(test_rc)
+}
+
+/// The test binary's arguments: the user's, with the kernel-tier modules as the filter unless
+/// the user gave one (a flag's value, as in `--test-threads 1`, is not a filter).
+fn test_args(rest: &[String]) -> Vec<String> {
+    let mut filtered = false;
+    let mut takes_value = false;
+    for a in rest {
+        if takes_value {
+            takes_value = false;
+        } else if a.starts_with('-') {
+            takes_value = !a.contains('=')
+                && matches!(
+                    a.as_str(),
+                    "--test-threads" | "--skip" | "--format" | "--color" | "-Z"
+                );
+        } else {
+            filtered = true;
+        }
+    }
+    let mut args = rest.to_vec();
+    if !filtered {
+        args.extend(build::KERNEL_TIER.iter().map(|m| (*m).to_owned()));
+    }
+    args
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_tier_is_the_filter_unless_the_user_gives_one() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let args = test_args(&s(&["--nocapture", "--test-threads", "2"]));
+        assert!(args.contains(&"datapath::".to_string()));
+        assert_eq!(test_args(&s(&["ipsec"])), s(&["ipsec"]));
+    }
 }

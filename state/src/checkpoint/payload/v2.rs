@@ -91,7 +91,9 @@ impl<'a> PayloadV2<'a> {
             }
             ipsec_keys.push(KeySeen {
                 spi: k.spi,
-                first_seen: k.first_seen.duration(|| format!("ipsec_keys[{i}].first_seen"))?,
+                first_seen: k
+                    .first_seen
+                    .duration(|| format!("ipsec_keys[{i}].first_seen"))?,
             });
         }
         Ok(Checkpoint {

@@ -317,7 +317,7 @@ fn parse_in_child(args: &[String], env: &[(String, String)]) -> String {
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "child_parses_the_manifest_config",
+            "deploy::child_parses_the_manifest_config",
             "--ignored",
             "--nocapture",
         ])

@@ -142,9 +142,11 @@ fn bench_backends_against_their_floors() {
 
         let routes: Vec<KernelObject> = (0..NODES)
             .map(|i| {
+                let dst = cidr(i).parse().unwrap();
                 KernelObject::Route(Route {
-                    dst: cidr(i).parse().unwrap(),
+                    dst,
                     gateway: gateway(i).parse().unwrap(),
+                    metric: Route::default_metric(&dst),
                 })
             })
             .collect();
@@ -179,7 +181,7 @@ fn bench_backends_against_their_floors() {
             let mut map = MapBackend::open(&node_ids_pin(&sb.bpffs), 16384).unwrap();
             let ups: Vec<Op> = entries
                 .iter()
-                .map(|(_, _, o)| Op::Upsert(o.clone()))
+                .map(|(_, _, o)| Op::Replace(o.clone()))
                 .collect();
             let dels: Vec<Op> = entries
                 .iter()
@@ -211,7 +213,7 @@ fn bench_backends_against_their_floors() {
             bench("map_dump_10000", ms(dump), "ms");
 
             let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
-            let ups: Vec<Op> = routes.iter().cloned().map(Op::Upsert).collect();
+            let ups: Vec<Op> = routes.iter().cloned().map(Op::Replace).collect();
             let dels: Vec<Op> = routes.iter().cloned().map(Op::Delete).collect();
             let t = Instant::now();
             assert!(r.apply(&ups).await.iter().all(Result::is_ok));

@@ -19,9 +19,11 @@ use node_agent_tests::{ip, run, sandbox};
 use state::objects::{KernelObject, MapEntry, NodeId, Op, Route};
 
 fn route(dst: &str, gw: &str) -> KernelObject {
+    let dst = dst.parse::<IpNet>().unwrap();
     KernelObject::Route(Route {
-        dst: dst.parse::<IpNet>().unwrap(),
+        dst,
         gateway: gw.parse::<IpAddr>().unwrap(),
+        metric: Route::default_metric(&dst),
     })
 }
 
@@ -34,7 +36,7 @@ fn entry(ip: &str, id: u16) -> KernelObject {
 }
 
 fn upserts(objs: &[KernelObject]) -> Vec<Op> {
-    objs.iter().cloned().map(Op::Upsert).collect()
+    objs.iter().cloned().map(Op::Replace).collect()
 }
 
 fn deletes(objs: &[KernelObject]) -> Vec<Op> {

@@ -103,7 +103,7 @@ fn our_states() -> Vec<KernelObject> {
 }
 
 fn upserts(objs: &[KernelObject]) -> Vec<Op> {
-    objs.iter().cloned().map(Op::Upsert).collect()
+    objs.iter().cloned().map(Op::Replace).collect()
 }
 
 fn deletes(objs: &[KernelObject]) -> Vec<Op> {
@@ -245,7 +245,7 @@ fn policy_upserts_are_idempotent_and_replace_in_place() {
 
             // Node 7 moved to another address: same identity, new template, replaced in place.
             let moved = KernelObject::XfrmPolicy(policy(7, "10.7.0.0/24", "10.0.0.77"));
-            all_ok(b.apply(&[Op::Upsert(moved.clone())]).await);
+            all_ok(b.apply(&[Op::Replace(moved.clone())]).await);
             let mut want = dump1.clone();
             want.remove(&ours[0]);
             want.insert(moved);
@@ -429,7 +429,7 @@ fn state_upserts_are_idempotent() {
 
         // The node's address changed under the same daddr/SPI/mark (IN state): replaced.
         let moved = KernelObject::XfrmState(state(7, "10.0.0.77", "10.0.0.1", XfrmDir::In));
-        all_ok(b.apply(&[Op::Upsert(moved.clone())]).await);
+        all_ok(b.apply(&[Op::Replace(moved.clone())]).await);
         let mut want = dump1.clone();
         want.remove(&ours[1]);
         want.insert(moved);
@@ -480,7 +480,7 @@ fn foreign_states_are_left_alone() {
         add("3", &[]);
         let shadow = ip_text(&["xfrm", "state"]);
         let out = KernelObject::XfrmState(state(7, "10.0.0.1", "10.0.0.7", XfrmDir::Out));
-        let r = b.apply(&[Op::Upsert(out.clone())]).await;
+        let r = b.apply(&[Op::Replace(out.clone())]).await;
         let e = r[0].as_ref().expect_err("created over a foreign state");
         assert!(e.to_string().contains("not ours"), "{e}");
         let r = b.apply(&[Op::Delete(out)]).await;
@@ -540,7 +540,7 @@ fn state_errors_and_logs_never_show_the_key() {
             let ours = our_states();
             // On a kernel without ESP every upsert fails; with ESP, a state of another SPI does.
             let mut ops = upserts(&ours);
-            ops.push(Op::Upsert(KernelObject::XfrmState(XfrmState {
+            ops.push(Op::Replace(KernelObject::XfrmState(XfrmState {
                 spi: 9,
                 ..state(9, "10.0.0.1", "10.0.0.9", XfrmDir::Out)
             })));

@@ -1,0 +1,84 @@
+//! The agent's side of the checkpoint file: open and load at start, write when the schedule
+//! says so. The store does the file work (lock, atomic replace, corrupt files moved aside); this
+//! adds what the agent does about each outcome.
+
+use std::path::{Path, PathBuf};
+
+use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreError};
+
+use super::AgentError;
+
+pub struct Checkpointer {
+    /// `None` in a dry run: nothing is locked and nothing is written.
+    store: Option<CheckpointStore>,
+    dir: PathBuf,
+}
+
+impl Checkpointer {
+    /// Locks the state directory and loads the checkpoint, moving a corrupt one aside; in a dry
+    /// run, reads the file as it is without locking.
+    pub fn open(dir: &Path, dry_run: bool) -> Result<(Self, Option<Checkpoint>), AgentError> {
+        if dry_run {
+            let cp = read(dir)?;
+            return Ok((
+                Self {
+                    store: None,
+                    dir: dir.to_owned(),
+                },
+                cp,
+            ));
+        }
+        let store = CheckpointStore::open(dir)?;
+        let restored = match store.load()? {
+            LoadOutcome::Loaded(cp) => Some(cp),
+            LoadOutcome::NotFound => {
+                tracing::info!(path = %store.path().display(), "no checkpoint: first start or lost; the kernel sweep alone decides what is ours");
+                None
+            }
+            LoadOutcome::MovedAside { reason, moved_to } => {
+                tracing::error!(%reason, moved_to = %moved_to.display(), "checkpoint unreadable, moved aside; continuing on the kernel sweep alone");
+                None
+            }
+        };
+        Ok((
+            Self {
+                store: Some(store),
+                dir: dir.to_owned(),
+            },
+            restored,
+        ))
+    }
+
+    /// Whether writes happen at all (not in a dry run).
+    pub fn writes(&self) -> bool {
+        self.store.is_some()
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes `cp`; returns its size. Nothing happens in a dry run.
+    pub fn write(&self, cp: &Checkpoint) -> Result<usize, StoreError> {
+        match &self.store {
+            Some(store) => store.write(cp),
+            None => Ok(0),
+        }
+    }
+}
+
+/// The checkpoint as it is on disk, without taking the lock (for dry runs and `plan`).
+fn read(dir: &Path) -> Result<Option<Checkpoint>, AgentError> {
+    let path = dir.join(checkpoint::store::FILE_NAME);
+    match std::fs::read(&path) {
+        Ok(bytes) => match checkpoint::decode(&bytes) {
+            Ok(cp) => Ok(Some(cp)),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), "checkpoint unreadable ({e}); planning on the kernel sweep alone");
+                Ok(None)
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(AgentError::ReadCheckpoint { path, source }),
+    }
+}

@@ -1,0 +1,150 @@
+//! The reconciler's one seam to the kernel.
+//!
+//! [`crate::backends::Backends`] implements it with netlink and the pinned maps; unit tests
+//! implement it with [`fake::FakeKernel`], which holds objects in memory and fails on command.
+//! The same behaviours stay proven against the real kernel in the kernel tier: the fake adds
+//! speed and fault injection, it replaces nothing.
+
+use std::future::Future;
+
+use state::ids::FreedId;
+use state::inventory::Inventory;
+use state::objects::Op;
+
+use crate::backends::{DumpError, OpError};
+
+/// What the reconciler needs from the kernel.
+pub trait Kernel {
+    /// Every object of ours, and the identities foreign objects occupy. All of it or an error:
+    /// a partial inventory must never reach the planner, where missing objects could read as
+    /// gone.
+    fn dump(&mut self) -> impl Future<Output = Result<Inventory, DumpError>>;
+
+    /// Applies `ops` in order; one result per op.
+    fn apply(&mut self, ops: &[Op]) -> impl Future<Output = Vec<Result<(), OpError>>>;
+
+    /// Removes what the last dump found that can be no object of ours (a map entry with an
+    /// undecodable key or ID 0); returns how many.
+    fn purge_junk(&mut self) -> impl Future<Output = Result<usize, OpError>>;
+
+    /// The freed node IDs the kernel remembers, so their cool-down survives a lost checkpoint
+    /// (invariant 5).
+    fn freed_ids(&mut self) -> Result<Vec<FreedId>, OpError>;
+
+    /// Remembers freed node IDs in the kernel.
+    fn remember_freed(&mut self, freed: &[FreedId]) -> Result<(), OpError>;
+}
+
+#[cfg(test)]
+pub mod fake {
+    //! An in-memory kernel that fails on command.
+
+    use std::collections::BTreeMap;
+    use std::io;
+
+    use state::objects::{KernelObject, ObjectId, ObjectKind};
+
+    use super::*;
+
+    /// What to break.
+    #[derive(Default)]
+    pub struct Faults {
+        /// The next this many dumps fail (as a dump that fails halfway does).
+        pub dumps: usize,
+        /// Ops on objects of these kinds fail (with `EBUSY`) while set.
+        pub kinds: Vec<ObjectKind>,
+        /// Ops on these identities fail while set.
+        pub ids: Vec<ObjectId>,
+        /// Remembering freed IDs fails while set.
+        pub freed: bool,
+    }
+
+    #[derive(Default)]
+    pub struct FakeKernel {
+        pub ours: BTreeMap<ObjectId, KernelObject>,
+        pub foreign: BTreeMap<ObjectId, String>,
+        pub freed: BTreeMap<u16, FreedId>,
+        pub faults: Faults,
+        pub dumps: usize,
+        pub applied: Vec<Op>,
+    }
+
+    fn busy(what: &str) -> OpError {
+        OpError::Kernel {
+            what: what.to_string(),
+            source: io::Error::from_raw_os_error(libc::EBUSY),
+        }
+    }
+
+    impl FakeKernel {
+        fn fails(&self, op: &Op) -> bool {
+            let o = op.object();
+            self.faults.kinds.contains(&o.kind()) || self.faults.ids.contains(&o.id())
+        }
+
+        fn apply_one(&mut self, op: &Op) -> Result<(), OpError> {
+            if self.fails(op) {
+                return Err(busy(&format!("{} {}", op.verb(), op.object())));
+            }
+            let id = op.object().id();
+            match op {
+                Op::Create(o) => {
+                    if self.foreign.contains_key(&id) || self.ours.contains_key(&id) {
+                        return Err(OpError::Occupied {
+                            what: o.to_string(),
+                        });
+                    }
+                    self.ours.insert(id, o.clone());
+                }
+                Op::Replace(o) => {
+                    self.ours.insert(id, o.clone());
+                }
+                Op::Delete(_) => {
+                    self.ours.remove(&id);
+                }
+            }
+            self.applied.push(op.clone());
+            Ok(())
+        }
+    }
+
+    impl Kernel for FakeKernel {
+        async fn dump(&mut self) -> Result<Inventory, DumpError> {
+            self.dumps += 1;
+            if self.faults.dumps > 0 {
+                self.faults.dumps -= 1;
+                return Err(DumpError::Kernel {
+                    kind: ObjectKind::Route,
+                    source: io::Error::from_raw_os_error(libc::ENOBUFS),
+                });
+            }
+            let mut inv: Inventory = self.ours.values().cloned().collect();
+            for (id, what) in &self.foreign {
+                inv.occupy(id.clone(), what.clone());
+            }
+            Ok(inv)
+        }
+
+        async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
+            ops.iter().map(|op| self.apply_one(op)).collect()
+        }
+
+        async fn purge_junk(&mut self) -> Result<usize, OpError> {
+            Ok(0)
+        }
+
+        fn freed_ids(&mut self) -> Result<Vec<FreedId>, OpError> {
+            Ok(self.freed.values().copied().collect())
+        }
+
+        fn remember_freed(&mut self, freed: &[FreedId]) -> Result<(), OpError> {
+            if self.faults.freed {
+                return Err(busy("remembering freed IDs"));
+            }
+            for f in freed {
+                self.freed.insert(f.id.get(), *f);
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! The daemon's timers as data: when to reconcile, when to write the checkpoint, when to ask the
+//! source for a fresh list, and when to wake up next.
+//!
+//! Everything here is pure: time comes in as an [`Instant`] argument and nothing sleeps, so unit
+//! tests drive it with a made-up clock. The runner does the I/O that [`Schedule::due`] asks for
+//! and reports the outcome back. Waiting costs nothing: every timer is a deadline, and with none
+//! pending the next wake-up is only the heartbeat.
+
+use std::time::{Duration, Instant};
+
+/// Capped exponential backoff.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    base: Duration,
+    cap: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub const fn new(base: Duration, cap: Duration) -> Self {
+        Self {
+            base,
+            cap,
+            next: base,
+        }
+    }
+
+    /// The wait before the next attempt; each call doubles the following one, up to the cap.
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.cap);
+        d
+    }
+
+    pub fn reset(&mut self) {
+        self.next = self.base;
+    }
+}
+
+/// How often the loop turns at the least, so `/healthz` can tell a stuck loop from an idle one.
+pub const HEARTBEAT: Duration = Duration::from_secs(5);
+/// Retries of a failed reconcile: 1 s, doubling, at most a minute apart.
+pub const RECONCILE_BACKOFF: Backoff =
+    Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+/// Retries of a failed checkpoint write: 1 s, doubling, at most 30 s apart.
+pub const CHECKPOINT_BACKOFF: Backoff =
+    Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+
+/// What is due now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Due {
+    pub reconcile: bool,
+    pub checkpoint: bool,
+    /// Ask the source for a fresh full list (a hold is ripe for confirmation).
+    pub relist: bool,
+}
+
+/// How a reconcile went, as far as timing is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reconciled {
+    /// Everything applied.
+    Done,
+    /// Some operations failed, or the reconcile failed as a whole: retry with backoff.
+    Failed,
+}
+
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    debounce: Duration,
+    resync: Duration,
+    checkpoint_interval: Duration,
+    reconcile_at: Option<Instant>,
+    resync_at: Instant,
+    reconcile_backoff: Backoff,
+    /// The record changed since it was last written: since when.
+    dirty_since: Option<Instant>,
+    last_write: Option<Instant>,
+    checkpoint_retry_at: Option<Instant>,
+    checkpoint_backoff: Backoff,
+    /// When a hold may be confirmed by a fresh list, until the source has been asked for one.
+    relist_at: Option<Instant>,
+}
+
+impl Schedule {
+    /// A schedule whose first reconcile is due at once.
+    pub fn new(now: Instant, debounce: Duration, resync: Duration, checkpoint: Duration) -> Self {
+        Self {
+            debounce,
+            resync,
+            checkpoint_interval: checkpoint,
+            reconcile_at: Some(now),
+            resync_at: now + resync,
+            reconcile_backoff: RECONCILE_BACKOFF,
+            dirty_since: None,
+            last_write: None,
+            checkpoint_retry_at: None,
+            checkpoint_backoff: CHECKPOINT_BACKOFF,
+            relist_at: None,
+        }
+    }
+
+    /// The live view changed: reconcile after the debounce (bursts coalesce into one).
+    pub fn source_changed(&mut self, now: Instant) {
+        self.reconcile_soon(now + self.debounce);
+    }
+
+    /// Reconcile at once (an operator's confirmation, a fresh list a hold waits for).
+    pub fn reconcile_now(&mut self, now: Instant) {
+        self.reconcile_soon(now);
+    }
+
+    fn reconcile_soon(&mut self, at: Instant) {
+        self.reconcile_at = Some(self.reconcile_at.map_or(at, |t| t.min(at)));
+    }
+
+    /// When a coalesced checkpoint write may happen.
+    fn checkpoint_at(&self) -> Option<Instant> {
+        let since = self.dirty_since?;
+        let coalesced = self.last_write.map(|t| t + self.checkpoint_interval);
+        Some(
+            [coalesced, self.checkpoint_retry_at]
+                .into_iter()
+                .flatten()
+                .fold(since, Instant::max),
+        )
+    }
+
+    pub fn due(&self, now: Instant) -> Due {
+        Due {
+            reconcile: self.reconcile_at.is_some_and(|t| t <= now) || self.resync_at <= now,
+            checkpoint: self.checkpoint_at().is_some_and(|t| t <= now),
+            relist: self.relist_at.is_some_and(|t| t <= now),
+        }
+    }
+
+    /// The next moment something is due, or the heartbeat, whichever comes first.
+    pub fn next_wake(&self, now: Instant) -> Instant {
+        [
+            self.reconcile_at,
+            Some(self.resync_at),
+            self.checkpoint_at(),
+            self.relist_at,
+        ]
+        .into_iter()
+        .flatten()
+        .fold(now + HEARTBEAT, Instant::min)
+    }
+
+    /// A reconcile ran. `changed_record` says whether the record it left differs from the one
+    /// before (then a checkpoint write is due); `confirmable` is when a hold of the brake may be
+    /// confirmed by a fresh list, if one is held that a list can confirm.
+    pub fn reconciled(
+        &mut self,
+        now: Instant,
+        outcome: Reconciled,
+        changed_record: bool,
+        confirmable: Option<Instant>,
+    ) {
+        self.reconcile_at = None;
+        if self.resync_at <= now {
+            self.resync_at = now + self.resync;
+        }
+        match outcome {
+            Reconciled::Done => self.reconcile_backoff.reset(),
+            Reconciled::Failed => {
+                let at = now + self.reconcile_backoff.next_delay();
+                self.reconcile_soon(at);
+            }
+        }
+        if changed_record && self.dirty_since.is_none() {
+            self.dirty_since = Some(now);
+        }
+        self.relist_at = confirmable;
+    }
+
+    /// The source was asked for a fresh list; its arrival triggers the next reconcile.
+    pub fn relist_asked(&mut self) {
+        self.relist_at = None;
+    }
+
+    /// A checkpoint write was tried; returns when the next try is due after a failure.
+    pub fn checkpoint_written(&mut self, now: Instant, ok: bool) -> Option<Instant> {
+        if ok {
+            self.dirty_since = None;
+            self.last_write = Some(now);
+            self.checkpoint_retry_at = None;
+            self.checkpoint_backoff.reset();
+            None
+        } else {
+            let at = now + self.checkpoint_backoff.next_delay();
+            self.checkpoint_retry_at = Some(at);
+            Some(at)
+        }
+    }
+
+    /// Whether a checkpoint write is pending.
+    pub fn dirty(&self) -> bool {
+        self.dirty_since.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    fn schedule(t0: Instant) -> Schedule {
+        Schedule::new(t0, Duration::from_millis(100), 300 * S, S)
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_cap_and_resets() {
+        let mut b = Backoff::new(S, 30 * S);
+        let delays: Vec<u64> = (0..7).map(|_| b.next_delay().as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 8, 16, 30, 30]);
+        b.reset();
+        assert_eq!(b.next_delay(), S);
+    }
+
+    #[test]
+    fn the_first_reconcile_is_due_at_once_then_only_on_change_or_resync() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        assert!(s.due(t0).reconcile);
+        s.reconciled(t0, Reconciled::Done, false, None);
+        assert!(!s.due(t0 + 10 * S).reconcile);
+        assert_eq!(s.next_wake(t0), t0 + HEARTBEAT, "idle: only the heartbeat");
+        // A change is reconciled after the debounce, bursts coalesced.
+        s.source_changed(t0 + 20 * S);
+        s.source_changed(t0 + 20 * S + Duration::from_millis(50));
+        assert!(!s.due(t0 + 20 * S).reconcile);
+        assert_eq!(
+            s.next_wake(t0 + 20 * S),
+            t0 + 20 * S + Duration::from_millis(100)
+        );
+        s.reconciled(t0 + 21 * S, Reconciled::Done, false, None);
+        // The resync comes round on its own.
+        assert!(!s.due(t0 + 299 * S).reconcile);
+        assert!(s.due(t0 + 300 * S).reconcile);
+        s.reconciled(t0 + 300 * S, Reconciled::Done, false, None);
+        assert!(!s.due(t0 + 301 * S).reconcile);
+        assert!(s.due(t0 + 600 * S).reconcile);
+    }
+
+    #[test]
+    fn a_failing_reconcile_backs_off_and_a_success_resets_it() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        let mut t = t0;
+        let mut gaps = Vec::new();
+        let mut wakes = 0;
+        for _ in 0..8 {
+            s.reconciled(t, Reconciled::Failed, false, None);
+            // Sleep from wake-up to wake-up, as the runner does, until the retry is due.
+            let failed_at = t;
+            loop {
+                t = s.next_wake(t);
+                wakes += 1;
+                assert!(t - failed_at <= 60 * S, "no retry within a minute");
+                if s.due(t).reconcile {
+                    break;
+                }
+            }
+            gaps.push((t - failed_at).as_secs());
+        }
+        assert_eq!(gaps, [1, 2, 4, 8, 16, 32, 60, 60]);
+        let heartbeats = (t - t0).as_secs() / HEARTBEAT.as_secs();
+        assert!(
+            wakes <= heartbeats + 2 * 8,
+            "{wakes} wake-ups in {}s: no busy loop",
+            (t - t0).as_secs()
+        );
+        // A success resets the backoff to one second.
+        s.reconciled(t, Reconciled::Done, false, None);
+        s.reconciled(t + S, Reconciled::Failed, false, None);
+        assert!(!s.due(t + S + S / 2).reconcile);
+        assert!(s.due(t + 2 * S).reconcile);
+    }
+
+    #[test]
+    fn checkpoint_writes_coalesce_and_failures_back_off_to_30s() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        s.reconciled(t0, Reconciled::Done, true, None);
+        assert!(s.due(t0).checkpoint, "the first write goes at once");
+        assert_eq!(s.checkpoint_written(t0, true), None);
+        assert!(!s.due(t0).checkpoint);
+        // Two changes within the interval make one write at its end.
+        s.reconciled(t0 + S / 4, Reconciled::Done, true, None);
+        s.reconciled(t0 + S / 2, Reconciled::Done, true, None);
+        assert!(!s.due(t0 + S / 2).checkpoint);
+        assert!(s.due(t0 + S).checkpoint);
+        // The disk is full: retries back off, 1 s doubling to 30 s, never a busy loop.
+        let mut t = t0 + S;
+        let mut gaps = Vec::new();
+        for _ in 0..8 {
+            let next = s.checkpoint_written(t, false).expect("a retry");
+            assert!(!s.due(next - Duration::from_millis(1)).checkpoint);
+            assert!(s.due(next).checkpoint);
+            gaps.push((next - t).as_secs());
+            t = next;
+        }
+        assert_eq!(gaps, [1, 2, 4, 8, 16, 30, 30, 30]);
+        // Space is back: the next attempt succeeds and the backoff starts over.
+        s.checkpoint_written(t, true);
+        assert!(!s.dirty());
+        s.reconciled(t + 5 * S, Reconciled::Done, true, None);
+        assert!(s.due(t + 5 * S).checkpoint);
+        s.checkpoint_written(t + 5 * S, false);
+        assert!(s.due(t + 6 * S).checkpoint);
+    }
+
+    #[test]
+    fn a_held_brake_asks_for_one_relist_when_ripe_and_never_polls() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        s.reconciled(t0, Reconciled::Done, false, Some(t0 + 60 * S));
+        assert!(!s.due(t0 + 59 * S).relist);
+        assert_eq!(s.next_wake(t0 + 58 * S), t0 + 60 * S);
+        assert!(s.due(t0 + 60 * S).relist);
+        assert!(
+            !s.due(t0 + 60 * S).reconcile,
+            "no plan until the list comes"
+        );
+        s.relist_asked();
+        assert!(!s.due(t0 + 61 * S).relist && !s.due(t0 + 61 * S).reconcile);
+        assert_eq!(
+            s.next_wake(t0 + 61 * S),
+            t0 + 61 * S + HEARTBEAT,
+            "waiting for the list costs only the heartbeat"
+        );
+    }
+
+    #[test]
+    fn an_operator_confirmation_reconciles_at_once() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        s.reconciled(t0, Reconciled::Done, false, None);
+        s.reconcile_now(t0 + 7 * S);
+        assert!(s.due(t0 + 7 * S).reconcile);
+    }
+}

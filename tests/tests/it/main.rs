@@ -1,0 +1,25 @@
+//! Every integration test of the workspace, in one binary: one link instead of one per file,
+//! and one process for the VM tier to run (it selects the kernel-tier modules by name).
+//!
+//! | module | tier | what |
+//! | --- | --- | --- |
+//! | `datapath` | kernel | the eBPF programs with real packets, the loader, pins, link takeover |
+//! | `backends` | kernel | map, routes, xfrm policies against the real kernel |
+//! | `xfrm` | kernel (VM for states) | xfrm states and policies |
+//! | `agent` | end to end | the real binary against NodeList files: restarts, the brake, crashes |
+//! | `endpoints` | end to end | `/metrics`, `/healthz`, `/readyz` |
+//! | `kube` | end to end | the agent against the API-server stand-in |
+//! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
+//! | `deploy`, `docs` | none | manifests, Dockerfile, every command the docs show |
+//! | `bench` | kernel | benchmarks, run by `cargo xtask bench` |
+
+mod agent;
+mod apiserver;
+mod backends;
+mod bench;
+mod datapath;
+mod deploy;
+mod docs;
+mod endpoints;
+mod kube;
+mod xfrm;
