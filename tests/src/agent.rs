@@ -10,11 +10,16 @@ use std::time::{Duration, Instant};
 use crate::{agent_bin, ip};
 
 /// A remote or local node as a test describes it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TestNode {
     pub name: String,
+    /// InternalIPs.
     pub ips: Vec<String>,
     pub cidrs: Vec<String>,
+    /// ExternalIPs (not mapped unless the agent runs with `--include-external-ips`).
+    pub external: Vec<String>,
+    /// `metadata.uid`; `uid-<name>` when `None`.
+    pub uid: Option<String>,
 }
 
 impl TestNode {
@@ -24,6 +29,7 @@ impl TestNode {
             name: name.into(),
             ips: vec![format!("10.88.{}.{}", i / 250 + 1, i % 250 + 1)],
             cidrs: vec![format!("10.{}.{}.0/24", 100 + i / 250, i % 250)],
+            ..Self::default()
         }
     }
 
@@ -34,27 +40,41 @@ impl TestNode {
         n.cidrs.push(format!("fd00:244:{:x}::/64", i + 1));
         n
     }
+
+    pub fn uid(&self) -> String {
+        self.uid
+            .clone()
+            .unwrap_or_else(|| format!("uid-{}", self.name))
+    }
 }
 
 /// A NodeList in the YAML `kubectl get nodes -o yaml` writes.
 pub fn node_list(nodes: &[TestNode]) -> String {
+    let quoted = |v: &[String]| {
+        v.iter()
+            .map(|c| format!("\"{c}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let mut s = String::from("apiVersion: v1\nkind: List\nitems:\n");
     for n in nodes {
+        let addresses: Vec<String> = n
+            .ips
+            .iter()
+            .map(|i| format!("{{type: InternalIP, address: \"{i}\"}}"))
+            .chain(
+                n.external
+                    .iter()
+                    .map(|i| format!("{{type: ExternalIP, address: \"{i}\"}}")),
+            )
+            .collect();
         let _ = writeln!(
             s,
-            "- apiVersion: v1\n  kind: Node\n  metadata: {{name: {}, uid: uid-{}}}\n  spec: {{podCIDRs: [{}]}}\n  status:\n    addresses: [{}]\n    nodeInfo: {{bootID: boot-{}, machineID: m, systemUUID: s, kernelVersion: k, osImage: o, containerRuntimeVersion: c, kubeletVersion: v, kubeProxyVersion: v, operatingSystem: linux, architecture: amd64}}",
+            "- apiVersion: v1\n  kind: Node\n  metadata: {{name: {}, uid: \"{}\"}}\n  spec: {{podCIDRs: [{}]}}\n  status:\n    addresses: [{}]\n    nodeInfo: {{bootID: boot-{}, machineID: m, systemUUID: s, kernelVersion: k, osImage: o, containerRuntimeVersion: c, kubeletVersion: v, kubeProxyVersion: v, operatingSystem: linux, architecture: amd64}}",
             n.name,
-            n.name,
-            n.cidrs
-                .iter()
-                .map(|c| format!("\"{c}\""))
-                .collect::<Vec<_>>()
-                .join(", "),
-            n.ips
-                .iter()
-                .map(|i| format!("{{type: InternalIP, address: \"{i}\"}}"))
-                .collect::<Vec<_>>()
-                .join(", "),
+            n.uid(),
+            quoted(&n.cidrs),
+            addresses.join(", "),
             n.name
         );
     }
@@ -67,6 +87,7 @@ pub fn local_node() -> TestNode {
         name: "local".into(),
         ips: vec!["10.88.0.1".into(), "fd00:88::1".into()],
         cidrs: vec!["10.99.0.0/24".into()],
+        ..TestNode::default()
     }
 }
 
@@ -100,9 +121,49 @@ impl AgentEnv {
     pub fn write_nodes(&self, remote: &[TestNode]) {
         let mut all = vec![local_node()];
         all.extend_from_slice(remote);
+        self.write_list(&all);
+    }
+
+    /// Writes the nodes file with exactly `all` (a list without the local node, say).
+    pub fn write_list(&self, all: &[TestNode]) {
         let tmp = self.nodes_file.with_extension("tmp");
-        std::fs::write(&tmp, node_list(&all)).unwrap();
+        std::fs::write(&tmp, node_list(all)).unwrap();
         std::fs::rename(&tmp, &self.nodes_file).unwrap();
+    }
+
+    /// `node-agent <args>` with this environment's state directory and bpffs: exit code,
+    /// stdout, stderr.
+    pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(agent_bin())
+            .args(args)
+            .env("NODE_AGENT_STATE_DIR", &self.state_dir)
+            .env("NODE_AGENT_BPFFS", &self.bpffs)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Every route of the main table, ours or not: `dst -> (gateway, protocol)`.
+    pub fn all_routes(&self) -> BTreeMap<String, (String, String)> {
+        let mut out = BTreeMap::new();
+        for family in ["-4", "-6"] {
+            let o = ip(&[family, "-j", "route", "show", "table", "main"]);
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            for r in v.as_array().unwrap() {
+                out.insert(
+                    r["dst"].as_str().unwrap().to_owned(),
+                    (
+                        r["gateway"].as_str().unwrap_or("-").to_owned(),
+                        r["protocol"].as_str().unwrap_or("boot").to_owned(),
+                    ),
+                );
+            }
+        }
+        out
     }
 
     /// `node-agent run` with this environment's flags and `extra`.

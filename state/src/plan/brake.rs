@@ -3,10 +3,13 @@
 //! A partial list, another cluster's list, or a list read through a broken proxy all look like
 //! "most nodes are gone". The brake counts what a plan would remove, against what the agent
 //! knows (never against the new list), together with what it removed within the window, and
-//! holds every removal when that is too much. A hold is released item by item: an item is
-//! released once it has been held for the confirm delay and a full list that arrived after its
-//! hold began still asks for it; whatever a list asks for beyond the held items starts its own
-//! hold. A near-total wipe is released only by an operator.
+//! holds every removal when that is too much. A hold is released item by item, and only by a
+//! confirmation: an item is released once it has been held for the confirm delay and a full
+//! list that arrived after its hold began still asks for it (or by `--force-prune`, or an
+//! operator's confirmation of the held set). A ratio that drops later (newcomers in the record,
+//! or items that came back) never releases what is held. Whatever a list asks for beyond the
+//! held items starts its own hold when the whole is too much. A near-total wipe is released
+//! only by an operator.
 //!
 //! [`decide`] is the rule, pure and small; [`Brake`] applies it to a plan.
 
@@ -38,6 +41,8 @@ pub struct HeldSince {
     pub at: Duration,
     /// The source's count of full lists (with the local node) at that time.
     pub relists: u64,
+    /// It was held as part of a near-total wipe: only an operator releases it.
+    pub wipe: bool,
 }
 
 /// What the brake remembers from one plan to the next.
@@ -258,26 +263,45 @@ pub(super) fn decide(
     let wipe = over
         && ((asked_nodes > 0 && ratios.nodes >= cfg.wipe_ratio)
             || (asked_orphans > 0 && ratios.orphans >= cfg.wipe_ratio));
-    let operator = confirmed_hold.is_some_and(|id| id == hold_id(asked));
+    // What was held before and is still asked for: only a confirmation releases it, never a
+    // ratio that has since dropped (newcomers in the record, or time, would dilute it).
+    let held_before: BTreeSet<&Removal> = asked
+        .iter()
+        .filter(|r| memory.held.contains_key(*r))
+        .collect();
+    let operator = !held_before.is_empty()
+        && confirmed_hold.is_some_and(|id| id == hold_id(held_before.iter().copied()));
     let mut released = BTreeSet::new();
     let mut held = BTreeMap::new();
-    if !over || cfg.force_prune || operator {
-        released.clone_from(asked);
-    } else {
-        for item in asked {
-            let since = memory
-                .held
-                .get(item)
-                .copied()
-                .unwrap_or(HeldSince { at: now, relists });
-            let ripe = cfg.confirm_by_relist
-                && !wipe
-                && now.saturating_sub(since.at) >= cfg.confirm_delay
-                && relists > since.relists;
-            if ripe {
+    for item in asked {
+        match memory.held.get(item) {
+            Some(since) => {
+                let ripe = cfg.confirm_by_relist
+                    && !since.wipe
+                    && now.saturating_sub(since.at) >= cfg.confirm_delay
+                    && relists > since.relists;
+                if cfg.force_prune || operator || ripe {
+                    released.insert(item.clone());
+                } else {
+                    let since = HeldSince {
+                        wipe: since.wipe || wipe,
+                        ..*since
+                    };
+                    held.insert(item.clone(), since);
+                }
+            }
+            None if !over || cfg.force_prune => {
                 released.insert(item.clone());
-            } else {
-                held.insert(item.clone(), since);
+            }
+            None => {
+                held.insert(
+                    item.clone(),
+                    HeldSince {
+                        at: now,
+                        relists,
+                        wipe,
+                    },
+                );
             }
         }
     }
@@ -293,7 +317,7 @@ pub(super) fn decide(
         });
     }
     let hold = (!held.is_empty()).then(|| {
-        let kind = if wipe {
+        let kind = if held.values().any(|s: &HeldSince| s.wipe) {
             HoldKind::Wipe
         } else {
             HoldKind::Ratio
@@ -650,9 +674,11 @@ mod tests {
         let mut more = all.clone();
         more.insert(node("j"));
         let grown = decide(&more, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
-        assert!(
-            grown.released.is_empty(),
-            "the list asks for more than was confirmed"
+        assert_eq!(grown.released, all, "exactly what was confirmed");
+        assert_eq!(
+            grown.memory.held.keys().cloned().collect::<BTreeSet<_>>(),
+            ask(&["j"]),
+            "the difference is held anew"
         );
         let ok = decide(&all, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
         assert_eq!(ok.released, all);
@@ -695,6 +721,42 @@ mod tests {
         );
         assert_eq!(forced.released.len(), 30);
         assert_eq!(forced.memory.window[0].objects, 30);
+    }
+
+    #[test]
+    fn a_held_item_is_never_released_by_a_ratio_that_drops_later() {
+        let c = cfg(false);
+        let four = Ask {
+            known_nodes: 4,
+            our_objects: 16,
+        };
+        let all = ask(&["a", "b", "c", "d"]);
+        let held = decide(&all, four, &BrakeMemory::default(), 1, None, MIN, &c);
+        assert!(held.released.is_empty());
+        // Twenty newcomers joined the record meanwhile: 4 of 24 would pass, the hold stays.
+        let diluted = Ask {
+            known_nodes: 24,
+            our_objects: 96,
+        };
+        let later = decide(&all, diluted, &held.memory, 1, None, MIN * 2, &c);
+        assert!(later.released.is_empty());
+        assert_eq!(
+            later.hold.map(|h| h.0),
+            Some(HoldKind::Wipe),
+            "once a wipe, a wipe"
+        );
+        // Two came back: the other two stay held.
+        let fewer = decide(
+            &ask(&["a", "b"]),
+            diluted,
+            &later.memory,
+            1,
+            None,
+            MIN * 3,
+            &c,
+        );
+        assert!(fewer.released.is_empty());
+        assert_eq!(fewer.memory.held.len(), 2);
     }
 
     #[test]

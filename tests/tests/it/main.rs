@@ -7,6 +7,7 @@
 //! | `backends` | kernel | map, routes, xfrm policies against the real kernel |
 //! | `xfrm` | kernel (VM for states) | xfrm states and policies |
 //! | `agent` | end to end | the real binary against NodeList files: restarts, the brake, crashes |
+//! | `rules` | end to end | one test per rule of `docs/design.md`, through the CLI only |
 //! | `endpoints` | end to end | `/metrics`, `/healthz`, `/readyz` |
 //! | `kube` | end to end | the agent against the API-server stand-in |
 //! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
@@ -22,4 +23,5 @@ mod deploy;
 mod docs;
 mod endpoints;
 mod kube;
+mod rules;
 mod xfrm;

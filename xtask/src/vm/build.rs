@@ -72,6 +72,7 @@ pub const KERNEL_TIER: &[&str] = &[
     "backends::",
     "xfrm::",
     "agent::",
+    "rules::",
     "endpoints::",
     "kube::",
 ];

@@ -1,0 +1,391 @@
+//! End to end, one test per rule of `docs/design.md` that the planner's unit tests prove against
+//! a model: here the real binary, the real kernel, through the CLI only.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use node_agent_tests::agent::{AgentEnv, TestNode, assert_exact, cluster};
+use node_agent_tests::require_sandbox;
+use node_agent_tests::{ip, sandbox};
+
+/// Generous: the same tests run under QEMU's TCG emulation in the VM tier.
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Node ID of each node's first address.
+fn ids(env: &AgentEnv, nodes: &[TestNode]) -> BTreeMap<String, u16> {
+    let map = env.map();
+    nodes
+        .iter()
+        .filter_map(|n| map.get(&n.ips[0]).map(|id| (n.name.clone(), *id)))
+        .collect()
+}
+
+fn errors_of(report: &serde_json::Value) -> Vec<(String, String)> {
+    report["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["node"].as_str().unwrap().to_owned(),
+                e["error"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_foreign_route_at_a_remote_pod_cidr_is_reported_and_never_replaced() {
+    require_sandbox!("a_foreign_route_at_a_remote_pod_cidr_is_reported_and_never_replaced");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(4);
+        // Someone else routes node-0002's IPv4 pod CIDR already, and the local node's pod CIDR
+        // has its own route; a remote node also claims the local pod CIDR.
+        ip(&[
+            "route",
+            "add",
+            "10.100.2.0/24",
+            "via",
+            "10.88.1.200",
+            "proto",
+            "static",
+        ]);
+        ip(&["route", "add", "10.99.0.0/24", "dev", "gw0"]);
+        let before = env.all_routes();
+        let mut thief = TestNode::v4("thief", 40);
+        thief.cidrs = vec!["10.99.0.0/24".into()];
+        let mut all = nodes.clone();
+        all.push(thief);
+        env.write_nodes(&all);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        let errors = errors_of(&report);
+        assert!(
+            errors.iter().any(|(n, e)| n == "node-0002"
+                && e.contains("10.100.2.0/24")
+                && e.contains("proto static")),
+            "{errors:?}"
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|(n, e)| n == "thief" && e.contains("local node")),
+            "{errors:?}"
+        );
+        let after = env.all_routes();
+        assert_eq!(
+            after["10.100.2.0/24"],
+            ("10.88.1.200".into(), "static".into())
+        );
+        assert_eq!(after["10.99.0.0/24"], before["10.99.0.0/24"]);
+        assert!(env.map().contains_key("10.88.1.3"), "node-0002 is mapped");
+        assert!(
+            env.routes().contains_key("fd00:244:3::/64"),
+            "and its IPv6 route is ours"
+        );
+        // `node-agent plan` shows the conflicts too.
+        let (_, table, _) = env.cli(&[
+            "plan",
+            "--node-name",
+            "local",
+            "--nodes-file",
+            env.nodes_file.to_str().unwrap(),
+        ]);
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("conflict") && l.contains("node-0002")),
+            "{table}"
+        );
+        // node-0002 goes away: its objects go, the foreign route stays.
+        all.retain(|n| n.name != "node-0002");
+        env.write_nodes(&all);
+        assert_eq!(env.once(&[]).0, 0);
+        assert_eq!(
+            env.all_routes()["10.100.2.0/24"],
+            ("10.88.1.200".into(), "static".into())
+        );
+        assert!(!env.map().contains_key("10.88.1.3"));
+    });
+}
+
+#[test]
+fn a_malformed_node_keeps_its_objects_across_a_restart() {
+    require_sandbox!("a_malformed_node_keeps_its_objects_across_a_restart");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(4);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        let ids_before = ids(&env, &nodes);
+        let mut broken = nodes.clone();
+        broken[1].ips = vec!["not-an-ip".into()];
+        env.write_nodes(&broken);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes);
+        assert!(
+            errors_of(&report).iter().any(|(n, _)| n == "node-0002"),
+            "{report}"
+        );
+        env.write_nodes(&nodes);
+        let (code, report, _) = env.once(&[]);
+        assert_eq!((code, &report["kernel_writes"]), (0, &serde_json::json!(0)));
+        assert_eq!(ids(&env, &nodes), ids_before);
+    });
+}
+
+#[test]
+fn a_list_without_the_local_node_changes_nothing() {
+    require_sandbox!("a_list_without_the_local_node_changes_nothing");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(4);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        // Another cluster's list (or a filtered one): new nodes, none of ours, no local node.
+        let other: Vec<TestNode> = (50..60)
+            .map(|i| TestNode::v4(&format!("other-{i}"), i))
+            .collect();
+        env.write_list(&other);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 3, "{err}");
+        assert_eq!(report["brake"]["kind"], "no_local_node", "{report}");
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+        assert_exact(&env, &nodes);
+        // Even --force-prune changes nothing on such a list.
+        let (code, _, _) = env.once(&["--force-prune"]);
+        assert_eq!(code, 3);
+        assert_exact(&env, &nodes);
+    });
+}
+
+#[test]
+fn the_incumbent_keeps_its_address_and_id_against_a_newcomer() {
+    require_sandbox!("the_incumbent_keeps_its_address_and_id_against_a_newcomer");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(5);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        let before = ids(&env, &nodes);
+        // A newcomer whose name sorts first claims node-0005's IPv4 address.
+        let mut newcomer = TestNode::v4("aaa-newcomer", 90);
+        newcomer.ips = vec![nodes[4].ips[0].clone()];
+        let mut all = vec![newcomer];
+        all.extend(nodes.iter().cloned());
+        env.write_nodes(&all);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(ids(&env, &nodes), before, "nobody's ID changed");
+        assert_exact(&env, &nodes);
+        let errors = errors_of(&report);
+        assert!(
+            errors.iter().any(|(n, e)| n == "aaa-newcomer"
+                && e.contains("node-0005")
+                && e.contains("record")),
+            "{errors:?}"
+        );
+    });
+}
+
+#[test]
+fn drift_in_the_map_is_rewritten_not_adopted() {
+    require_sandbox!("drift_in_the_map_is_rewritten_not_adopted");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        let _daemon = env.spawn(&["--resync-interval", "300ms"]);
+        env.wait("all routes", TIMEOUT, || env.routes().len() == 6);
+        let id = env.map()["10.88.1.3"];
+        // Someone rewrites node-0002's entry with another ID.
+        let pin = node_agent::datapath::node_ids_pin(&env.bpffs);
+        let mut map = node_agent::node_map::NodeMap::open(&pin).unwrap();
+        map.upsert(
+            "10.88.1.3".parse().unwrap(),
+            node_agent_common::NodeValue {
+                id: 999,
+                spi: 0,
+                flags: 0,
+            },
+        )
+        .unwrap();
+        env.wait("the recorded ID back", TIMEOUT, || {
+            env.map()["10.88.1.3"] == id
+        });
+    });
+}
+
+#[test]
+fn the_cooldown_of_a_freed_id_survives_a_lost_checkpoint() {
+    require_sandbox!("the_cooldown_of_a_freed_id_survives_a_lost_checkpoint");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        let freed = env.map()[&nodes[2].ips[0]];
+        env.write_nodes(&nodes[..2]);
+        assert_eq!(env.once(&[]).0, 0);
+        std::fs::remove_file(env.checkpoint()).unwrap();
+        // Only IDs 1..=3 exist in this test's ID space: the only free one is cooling down.
+        let newcomer = TestNode::dual("node-0100", 100);
+        env.write_nodes(&[nodes[0].clone(), nodes[1].clone(), newcomer.clone()]);
+        let (code, report, err) = env.once(&["--max-node-id", "3"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            !env.map().contains_key(&newcomer.ips[0]),
+            "ID {freed} was freed moments ago: {report}"
+        );
+        assert!(
+            errors_of(&report)
+                .iter()
+                .any(|(n, e)| n == "node-0100" && e.contains("cooling")),
+            "{report}"
+        );
+        // With the ID space open, the newcomer gets a fresh ID, not the cooling one.
+        let (code, _, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_ne!(env.map()[&newcomer.ips[0]], freed);
+    });
+}
+
+#[test]
+fn a_near_total_wipe_waits_for_the_operator() {
+    require_sandbox!("a_near_total_wipe_waits_for_the_operator");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(10);
+        env.write_nodes(&nodes);
+        let _daemon = env.spawn(&["--prune-confirm-delay", "1s", "--relist-interval", "300ms"]);
+        env.wait("all routes", TIMEOUT, || env.routes().len() == 20);
+        env.write_nodes(&[]);
+        let hold = env.state_dir.join("hold.json");
+        env.wait("the published hold", TIMEOUT, || hold.exists());
+        // Relists well past the confirm delay do not release a wipe.
+        std::thread::sleep(Duration::from_secs(3));
+        assert_eq!(env.routes().len(), 20);
+        let (code, status, err) = env.cli(&["prune", "status", "--output", "json"]);
+        assert_eq!(code, 0, "{err}");
+        let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+        assert_eq!(status["kind"], "wipe", "{status}");
+        let id = status["id"].as_str().unwrap().to_owned();
+        let (code, _, err) = env.cli(&["prune", "confirm", "0123456789ab"]);
+        assert_ne!(code, 0);
+        assert!(err.contains(&id), "names the hold it does hold: {err}");
+        let (code, out, err) = env.cli(&["prune", "confirm", &id]);
+        assert_eq!(code, 0, "{out}{err}");
+        env.wait("the confirmed wipe", TIMEOUT, || env.routes().is_empty());
+        env.wait("the hold withdrawn", TIMEOUT, || !hold.exists());
+        assert!(env.map().is_empty());
+    });
+}
+
+#[test]
+fn a_full_map_never_displaces_a_programmed_node() {
+    require_sandbox!("a_full_map_never_displaces_a_programmed_node");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(2);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&["--node-map-max", "4"]).0, 0);
+        let before = ids(&env, &nodes);
+        let mut all = vec![TestNode::dual("aaa-new", 50)];
+        all.extend(nodes.iter().cloned());
+        env.write_nodes(&all);
+        let (code, report, err) = env.once(&["--node-map-max", "4"]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes);
+        assert_eq!(ids(&env, &nodes), before);
+        assert!(
+            errors_of(&report)
+                .iter()
+                .any(|(n, e)| n == "aaa-new" && e.contains("map full")),
+            "{report}"
+        );
+    });
+}
+
+#[test]
+fn removals_split_over_runs_are_counted_together() {
+    require_sandbox!("removals_split_over_runs_are_counted_together");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(10);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        env.write_nodes(&nodes[4..]);
+        assert_eq!(env.once(&[]).0, 0, "four of ten is fine");
+        env.write_nodes(&nodes[6..]);
+        let (code, report, _) = env.once(&[]);
+        assert_eq!(code, 3, "six of ten within the window: {report}");
+        assert_exact(&env, &nodes[4..]);
+        assert_eq!(env.once(&["--force-prune"]).0, 0);
+        assert_exact(&env, &nodes[6..]);
+    });
+}
+
+#[test]
+fn another_cluster_with_more_nodes_or_the_same_names_is_held() {
+    require_sandbox!("another_cluster_with_more_nodes_or_the_same_names_is_held");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(4);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        // Many more nodes, none of them ours.
+        let other: Vec<TestNode> = (50..70)
+            .map(|i| TestNode::dual(&format!("other-{i}"), i))
+            .collect();
+        env.write_nodes(&other);
+        let (code, report, _) = env.once(&[]);
+        assert_eq!(code, 3, "{report}");
+        let map = env.map();
+        assert!(
+            nodes
+                .iter()
+                .all(|n| n.ips.iter().all(|ip| map.contains_key(ip)))
+        );
+        // The same names, with other UIDs, addresses and pod CIDRs.
+        let impostors: Vec<TestNode> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| TestNode {
+                name: n.name.clone(),
+                uid: Some(format!("other-uid-{i}")),
+                ..TestNode::dual("x", 80 + i as u32)
+            })
+            .collect();
+        env.write_nodes(&impostors);
+        let (code, report, _) = env.once(&[]);
+        assert_eq!(code, 3, "{report}");
+        let map = env.map();
+        assert!(
+            nodes
+                .iter()
+                .all(|n| n.ips.iter().all(|ip| map.contains_key(ip)))
+        );
+    });
+}
+
+#[test]
+fn orphans_without_a_checkpoint_are_held_when_most_would_go() {
+    require_sandbox!("orphans_without_a_checkpoint_are_held_when_most_would_go");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(6);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        std::fs::remove_file(env.checkpoint()).unwrap();
+        env.write_nodes(&nodes[..1]);
+        let (code, report, _) = env.once(&[]);
+        assert_eq!(code, 3, "{report}");
+        assert!(report["brake"]["orphans"].as_u64().unwrap() > 0, "{report}");
+        assert_exact(&env, &nodes);
+        // The operator says go.
+        assert_eq!(env.once(&["--force-prune"]).0, 0);
+        assert_exact(&env, &nodes[..1]);
+    });
+}
