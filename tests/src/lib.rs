@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod apiserver;
+pub mod checker;
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};

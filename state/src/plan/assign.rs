@@ -233,8 +233,12 @@ pub(super) fn admit(
     for i in order {
         let name = live[i].node.name.clone();
         let checked = claims.check(i, &wants[i], |j, r| match live[j].class {
-            LiveClass::Held(_) => true,
-            LiveClass::Candidate | LiveClass::Programmed(_) => wants[j].contains(r),
+            // What a registering or malformed node claims now is unknown: its record stands.
+            LiveClass::Held(HeldWhy::Registering | HeldWhy::Malformed) => true,
+            // Any other node claims what it lists now. One held over a conflict, a full map or
+            // no free ID keeps its objects, but a resource it has moved away from is free to
+            // take: nobody live wants it.
+            _ => wants[j].contains(r),
         });
         if let Err((resource, blocker)) = checked {
             let problem = conflict(resource, blocker, live, records);

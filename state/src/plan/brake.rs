@@ -166,10 +166,29 @@ impl fmt::Display for BrakeHold {
 /// The brake's rule, given what is asked for now.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Ask {
-    /// Known remote nodes (the record's), before this plan.
+    /// Known remote nodes (the record's) before this plan; without a record, the node IDs the
+    /// map carries.
     pub known_nodes: usize,
     /// Our objects in the kernel.
     pub our_objects: usize,
+    /// Without a record: nodes (by ID) every map entry of which is an orphan. They are node
+    /// removals too, so the node ratio counts them.
+    pub orphan_nodes: usize,
+    /// Without a record: IDs freed within the window, which the kernel remembers. The record's
+    /// window went with the record; these stand in for it.
+    pub freed_recently: usize,
+}
+
+impl Ask {
+    #[cfg(test)]
+    pub const fn known(known_nodes: usize, our_objects: usize) -> Self {
+        Self {
+            known_nodes,
+            our_objects,
+            orphan_nodes: 0,
+            freed_recently: 0,
+        }
+    }
 }
 
 /// What [`decide`] decided.
@@ -247,11 +266,13 @@ pub(super) fn decide(
         .filter(|r| matches!(r, Removal::Node { .. }))
         .count();
     let asked_orphans = asked.len() - asked_nodes;
+    let window_nodes = window_nodes + counts.freed_recently;
+    let removed_nodes = asked_nodes + counts.orphan_nodes;
     let ratios = Ratios {
-        removed_nodes: asked_nodes + window_nodes,
+        removed_nodes: removed_nodes + window_nodes,
         known_nodes: counts.known_nodes + window_nodes,
         nodes: ratio(
-            asked_nodes + window_nodes,
+            removed_nodes + window_nodes,
             counts.known_nodes + window_nodes,
         ),
         orphans: ratio(
@@ -261,7 +282,7 @@ pub(super) fn decide(
     };
     let over = ratios.nodes > cfg.max_prune_ratio || ratios.orphans > cfg.max_prune_ratio;
     let wipe = over
-        && ((asked_nodes > 0 && ratios.nodes >= cfg.wipe_ratio)
+        && ((removed_nodes > 0 && ratios.nodes >= cfg.wipe_ratio)
             || (asked_orphans > 0 && ratios.orphans >= cfg.wipe_ratio));
     // What was held before and is still asked for: only a confirmation releases it, never a
     // ratio that has since dropped (newcomers in the record, or time, would dilute it).
@@ -335,8 +356,8 @@ pub(super) fn decide(
 pub(super) struct Brake {
     synced: bool,
     decision: Decision,
-    /// Names of the records whose removal goes ahead.
-    released_names: HashSet<String>,
+    /// The records (name and UID) whose removal goes ahead.
+    released_nodes: HashSet<(String, String)>,
     max_ratio: f64,
     confirm_delay: Duration,
     confirm_by_relist: bool,
@@ -356,7 +377,7 @@ impl Brake {
                 memory: input.brake.clone(),
                 ..Decision::default()
             },
-            released_names: HashSet::new(),
+            released_nodes: HashSet::new(),
             max_ratio: cfg.max_prune_ratio,
             confirm_delay: cfg.confirm_delay,
             confirm_by_relist: cfg.confirm_by_relist,
@@ -371,7 +392,9 @@ impl Brake {
             if r.released_before() {
                 // A released removal whose cleanup failed: retried, not counted again.
                 if r.live.is_none() {
-                    brake.released_names.insert(r.node.name.clone());
+                    brake
+                        .released_nodes
+                        .insert((r.node.name.clone(), r.node.uid.clone()));
                 }
                 continue;
             }
@@ -388,10 +411,15 @@ impl Brake {
                 asked.insert(Removal::Orphan(o.id()));
             }
         }
-        let counts = Ask {
+        let mut counts = Ask {
             known_nodes: known,
             our_objects: input.inventory.len(),
+            orphan_nodes: 0,
+            freed_recently: 0,
         };
+        if records.is_empty() {
+            counts = without_record(counts, input, claimed, local);
+        }
         brake.decision = decide(
             &asked,
             counts,
@@ -402,8 +430,8 @@ impl Brake {
             cfg,
         );
         for r in &brake.decision.released {
-            if let Removal::Node { name, .. } = r {
-                brake.released_names.insert(name.clone());
+            if let Removal::Node { name, uid } = r {
+                brake.released_nodes.insert((name.clone(), uid.clone()));
             }
         }
         brake
@@ -411,7 +439,10 @@ impl Brake {
 
     /// Whether the removal of record `r` (a record with no live node) goes ahead.
     pub fn releases(&self, r: &Record<'_>) -> bool {
-        self.synced && self.released_names.contains(&r.node.name)
+        self.synced
+            && self
+                .released_nodes
+                .contains(&(r.node.name.clone(), r.node.uid.clone()))
     }
 
     /// Whether an orphan may be deleted: after sync, unless the brake holds it.
@@ -460,6 +491,42 @@ impl Brake {
     }
 }
 
+/// The node counts of a plan without a record: nodes are told apart by the IDs the map carries,
+/// and the window by the IDs the kernel remembers freeing.
+fn without_record(
+    counts: Ask,
+    input: &PlanInput<'_>,
+    claimed: &ClaimedAnywhere,
+    local: &Local,
+) -> Ask {
+    let mut kept = HashSet::new();
+    let mut orphaned = HashSet::new();
+    for o in input.inventory.objects() {
+        if let KernelObject::MapEntry(e) = o
+            && !is_local_entry(o, local)
+        {
+            if claimed.owns(o) {
+                kept.insert(e.node_id);
+            } else {
+                orphaned.insert(e.node_id);
+            }
+        }
+    }
+    let in_map: HashSet<_> = kept.union(&orphaned).copied().collect();
+    let window = input.config.confirm_delay;
+    Ask {
+        known_nodes: in_map.len(),
+        orphan_nodes: orphaned.difference(&kept).count(),
+        freed_recently: input
+            .allocator
+            .freed
+            .iter()
+            .filter(|f| !in_map.contains(&f.id) && input.now.saturating_sub(f.freed_at) < window)
+            .count(),
+        ..counts
+    }
+}
+
 /// A map entry for one of the local node's addresses: never ours to have (ID 0 is implicit), so
 /// it is always deleted and never counted by the brake.
 pub(super) fn is_local_entry(o: &KernelObject, local: &Local) -> bool {
@@ -491,10 +558,7 @@ mod tests {
         items.iter().map(|n| node(n)).collect()
     }
 
-    const TEN: Ask = Ask {
-        known_nodes: 10,
-        our_objects: 40,
-    };
+    const TEN: Ask = Ask::known(10, 40);
 
     #[test]
     fn at_most_the_ratio_goes_ahead_and_enters_the_window() {
@@ -527,10 +591,7 @@ mod tests {
         );
         assert_eq!(first.released.len(), 3);
         // Seven nodes left; three more a little later: 6 of 10 within the window.
-        let known = Ask {
-            known_nodes: 7,
-            our_objects: 28,
-        };
+        let known = Ask::known(7, 28);
         let later = MIN + Duration::from_secs(5);
         let second = decide(
             &ask(&["d", "e", "f"]),
@@ -693,10 +754,7 @@ mod tests {
                 })
             })
             .collect();
-        let none_known = Ask {
-            known_nodes: 0,
-            our_objects: 40,
-        };
+        let none_known = Ask::known(0, 40);
         let held = decide(
             &orphans,
             none_known,
@@ -726,18 +784,12 @@ mod tests {
     #[test]
     fn a_held_item_is_never_released_by_a_ratio_that_drops_later() {
         let c = cfg(false);
-        let four = Ask {
-            known_nodes: 4,
-            our_objects: 16,
-        };
+        let four = Ask::known(4, 16);
         let all = ask(&["a", "b", "c", "d"]);
         let held = decide(&all, four, &BrakeMemory::default(), 1, None, MIN, &c);
         assert!(held.released.is_empty());
         // Twenty newcomers joined the record meanwhile: 4 of 24 would pass, the hold stays.
-        let diluted = Ask {
-            known_nodes: 24,
-            our_objects: 96,
-        };
+        let diluted = Ask::known(24, 96);
         let later = decide(&all, diluted, &held.memory, 1, None, MIN * 2, &c);
         assert!(later.released.is_empty());
         assert_eq!(

@@ -89,7 +89,11 @@ pub(super) fn classify<'a>(
         while r < records.len() && records[r].node.name.as_str() < name {
             r += 1;
         }
-        let record = (r < records.len() && records[r].node.name == name).then_some(r);
+        // The records of this name (several when a node was replaced under its name).
+        let named = r..records[r..]
+            .iter()
+            .position(|x| x.node.name != name)
+            .map_or(records.len(), |k| r + k);
         match next {
             Ok(n) => {
                 v += 1;
@@ -101,7 +105,7 @@ pub(super) fn classify<'a>(
                 while malformed.get(m).is_some_and(|bad| *bad == n.name) {
                     m += 1;
                 }
-                let record = record.filter(|&r| same_node(records[r].node, n));
+                let record = named.clone().find(|&r| same_node(records[r].node, n));
                 let class = if n.addresses.is_empty() {
                     LiveClass::Held(HeldWhy::Registering)
                 } else {
@@ -111,8 +115,10 @@ pub(super) fn classify<'a>(
             }
             Err(_) => {
                 m += 1;
-                // Without a record there is nothing to keep; the source reports the error.
-                if let Some(r) = record {
+                // Without a record there is nothing to keep; the source reports the error. A
+                // malformed node has no UID to match: its newest record stands in (a live
+                // record sorts before a pending delete of the same name).
+                if let Some(r) = named.clone().next() {
                     let node = records[r].node;
                     push(
                         &mut live,

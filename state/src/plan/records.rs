@@ -36,8 +36,9 @@ impl Record<'_> {
     }
 }
 
-/// The records in name order, one per name (a live record before a pending delete of the same
-/// name), the local node excluded.
+/// The records in name order, one per node (by name and UID: a live record before a pending
+/// delete of the same node; a node replaced under its name has two records, the new node's and
+/// the old one's pending delete), the local node excluded.
 pub(super) fn collect<'a>(cp: Option<&'a Checkpoint>, local: &str) -> Vec<Record<'a>> {
     let Some(cp) = cp else {
         return Vec::new();
@@ -56,9 +57,18 @@ pub(super) fn collect<'a>(cp: Option<&'a Checkpoint>, local: &str) -> Vec<Record
             live: None,
         },
     ));
-    // Stable, so the first record of a name stays first. Checkpoints are written in name order,
+    // Stable, so the first record of a node stays first. Checkpoints are written in name order,
     // which makes this one linear pass in the common case.
     records.sort_by(|a, b| a.node.name.cmp(&b.node.name));
-    records.dedup_by(|later, first| later.node.name == first.node.name);
-    records
+    let mut out: Vec<Record<'a>> = Vec::with_capacity(records.len());
+    for r in records {
+        let run = out
+            .iter()
+            .rev()
+            .take_while(|o| o.node.name == r.node.name);
+        if !run.clone().any(|o| o.node.uid == r.node.uid) {
+            out.push(r);
+        }
+    }
+    out
 }

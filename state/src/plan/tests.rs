@@ -762,6 +762,31 @@ fn without_a_record_name_order_decides_the_same_way_every_time() {
 }
 
 #[test]
+fn a_node_held_over_a_conflict_does_not_block_what_it_moved_away_from() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    // b moves onto a's pod CIDR (a keeps it: the incumbent) and leaves its own, which a
+    // newcomer takes.
+    let b_moved = node("b", &["10.0.0.2"], &["10.1.1.0/24"]);
+    let taker = node("c", &["10.0.0.3"], &["10.1.2.0/24"]);
+    let (p, _) = r.reconcile(Some(&cp), &[a(), b_moved, taker], &mut k);
+    assert!(matches!(
+        problems(&p)[..],
+        [(
+            "b",
+            InputProblem::Conflict {
+                why: ConflictWhy::Incumbent,
+                ..
+            }
+        )]
+    ));
+    assert!(k.has(&route("10.1.2.0/24", "10.0.0.3")), "c took b's old CIDR");
+    assert!(k.has(&map("10.0.0.2", 2)), "b keeps its entry");
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
+}
+
+#[test]
 fn the_local_node_keeps_its_addresses_and_pod_cidr() {
     let r = Run::new();
     let mut k = Kernel::default();
@@ -944,6 +969,28 @@ fn the_same_names_with_other_uids_are_removals_the_brake_counts() {
 }
 
 #[test]
+fn a_held_removal_of_a_node_replaced_under_its_name_stays_held_across_passes() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a()], &mut k);
+    // The only known node, replaced under its name: the old one's removal is a wipe.
+    let mut impostor = node("a", &["10.0.0.9"], &["10.1.9.0/24"]);
+    impostor.uid = "another-uid".into();
+    let (p, cp2) = r.reconcile(Some(&cp), std::slice::from_ref(&impostor), &mut k);
+    assert_eq!(p.brake.as_ref().map(|b| b.kind), Some(HoldKind::Wipe));
+    assert!(p.deletes.is_empty());
+    // The record now holds both: the new node, and the old one's pending delete.
+    assert_eq!(cp2.nodes.len(), 1);
+    assert_eq!(cp2.pending_deletes.len(), 1);
+    let mut again = Run::new();
+    again.brake = p.brake_memory.clone();
+    let p2 = again.plan(Some(&cp2), std::slice::from_ref(&impostor), &k);
+    assert!(p2.deletes.is_empty(), "{:?}", p2.deletes);
+    assert!(p2.brake.is_some());
+    assert!(k.has(&map("10.0.0.1", 1)), "the old node's entry is kept");
+}
+
+#[test]
 fn orphans_without_a_checkpoint_are_counted_in_objects() {
     let r = Run::new();
     let mut k = Kernel::default();
@@ -1009,6 +1056,41 @@ fn removals_just_released_count_against_the_next_plan() {
     r.now = NOW + Duration::from_secs(120);
     let p4 = r.plan(Some(&cp1), &nodes[6..], &k);
     assert!(p4.brake.is_none());
+}
+
+#[test]
+fn a_lost_checkpoint_does_not_forget_the_removals_just_made() {
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let nodes: Vec<Node> = (1..=10)
+        .map(|i| {
+            node(
+                &format!("n{i:02}"),
+                &[&format!("10.0.1.{i}")],
+                &[&format!("10.2.{i}.0/24")],
+            )
+        })
+        .collect();
+    let (_, cp) = r.reconcile(None, &nodes, &mut k);
+    let (_, cp1) = r.reconcile(Some(&cp), &nodes[4..], &mut k);
+    // The checkpoint is lost with its window; the kernel still remembers the freed IDs (the
+    // reconciler merges them into the allocator state the planner gets).
+    r.now = NOW + Duration::from_secs(1);
+    let view = r.view(&nodes[6..]);
+    let inventory = k.inventory();
+    let p = plan(&PlanInput {
+        record: None,
+        live: &view,
+        inventory: &inventory,
+        allocator: &cp1.ids,
+        brake: &BrakeMemory::default(),
+        confirmed_hold: None,
+        now: r.now,
+        config: &r.cfg,
+    });
+    let hold = p.brake.as_ref().expect("six of ten within the window");
+    assert_eq!((hold.removed_nodes, hold.known_nodes), (6, 10));
+    assert!(p.deletes.is_empty(), "{:?}", p.deletes);
 }
 
 #[test]

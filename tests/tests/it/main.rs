@@ -8,6 +8,7 @@
 //! | `xfrm` | kernel (VM for states) | xfrm states and policies |
 //! | `agent` | end to end | the real binary against NodeList files: restarts, the brake, crashes |
 //! | `rules` | end to end | one test per rule of `docs/design.md`, through the CLI only |
+//! | `invariants` | end to end | random histories, every invariant checked after every step |
 //! | `endpoints` | end to end | `/metrics`, `/healthz`, `/readyz` |
 //! | `kube` | end to end | the agent against the API-server stand-in |
 //! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
@@ -22,6 +23,7 @@ mod datapath;
 mod deploy;
 mod docs;
 mod endpoints;
+mod invariants;
 mod kube;
 mod rules;
 mod xfrm;

@@ -1,0 +1,314 @@
+//! The end-to-end invariant checker: random, seeded histories of the real binary in a sandbox,
+//! with the invariants of `docs/design.md` checked after every step rather than an expected
+//! state.
+//!
+//! A history changes the cluster ([`model::Change`]), shows the agent a list (sometimes a
+//! partial one, another cluster's, or one without the local node: [`model::View`]) and runs the
+//! agent ([`model::Action`]: a restart, a forced run, a daemon killed with SIGKILL at a random
+//! moment, a lost or corrupt checkpoint). [`oracle`] judges each step. At the end the cluster is
+//! mended, and two forced runs must leave the kernel exactly as the mended cluster needs, the
+//! second with nothing to do.
+//!
+//! A failing history is replayed without each of its steps in turn, keeping the removals that
+//! still fail, and printed shrunk.
+
+pub mod model;
+pub mod oracle;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use self::model::{Action, Change, Profile, Rng, Step, Truth, View, slot_cidr4};
+use self::oracle::{Recorded, Snapshot, StepFacts};
+use crate::agent::{AgentEnv, TestNode};
+use crate::{ip, report, sandbox};
+
+/// How much to run.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    pub seed: u64,
+    pub histories: usize,
+    pub steps: usize,
+    pub profile: Profile,
+}
+
+impl Budget {
+    /// From the environment (`NODE_AGENT_CHECK_SEED`, `NODE_AGENT_CHECK_STEPS`: the total over
+    /// all histories), with `steps` total by default and a seed from the clock.
+    pub fn from_env(default_steps: usize, per_history: usize, profile: Profile) -> Self {
+        let seed = std::env::var("NODE_AGENT_CHECK_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            });
+        let total: usize = std::env::var("NODE_AGENT_CHECK_STEPS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default_steps);
+        Self {
+            seed,
+            histories: total.div_ceil(per_history).max(1),
+            steps: per_history,
+            profile,
+        }
+    }
+}
+
+/// The brake's allowed share, as the agent runs here (its default).
+const MAX_RATIO: f64 = 0.5;
+/// The agent's default confirm delay: removals within it are counted together.
+const WINDOW: Duration = Duration::from_secs(60);
+
+/// What a history run found.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub steps: usize,
+    /// The first step that broke an invariant, with what it broke.
+    pub failure: Option<(usize, Vec<String>)>,
+}
+
+/// Runs the histories of `budget`; panics with the (shrunk) history of the first failure.
+pub fn check(name: &str, budget: Budget) {
+    let started = Instant::now();
+    report(&format!(
+        "{name}: seed {} ({} histories of {} steps; NODE_AGENT_CHECK_SEED and NODE_AGENT_CHECK_STEPS set them)",
+        budget.seed, budget.histories, budget.steps
+    ));
+    let mut total = 0;
+    for h in 0..budget.histories {
+        let mut rng = Rng::new(budget.seed.wrapping_add(h as u64));
+        let steps: Vec<Step> = (0..budget.steps)
+            .map(|_| model::step(&mut rng, budget.profile))
+            .collect();
+        let list_seed = rng.next();
+        let outcome = run_history(&steps, list_seed);
+        total += outcome.steps;
+        if let Some((at, broke)) = outcome.failure {
+            let shrunk = shrink(&steps, list_seed);
+            panic!(
+                "{name}: seed {} history {h} broke invariants at step {at}:\n  {}\nhistory:\n{}\nshrunk to:\n{}",
+                budget.seed,
+                broke.join("\n  "),
+                listing(&steps),
+                listing(&shrunk)
+            );
+        }
+    }
+    report(&format!(
+        "{name}: {} histories, {total} steps, 0 violations, {:.1} s",
+        budget.histories,
+        started.elapsed().as_secs_f64()
+    ));
+}
+
+fn listing(steps: &[Step]) -> String {
+    steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| format!("  {i:3}: {s}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Replays `steps` without one step at a time, keeping each removal that still fails; at most
+/// a few dozen replays.
+fn shrink(steps: &[Step], list_seed: u64) -> Vec<Step> {
+    let mut current = steps.to_vec();
+    let mut replays = 0;
+    let mut i = current.len();
+    while i > 0 && replays < 40 {
+        i -= 1;
+        let mut candidate = current.clone();
+        candidate.remove(i);
+        replays += 1;
+        if run_history(&candidate, list_seed).failure.is_some() {
+            current = candidate;
+            i = i.min(current.len());
+        }
+    }
+    current
+}
+
+/// Plants or clears the foreign routes the truth says exist.
+fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
+    for s in planted.iter().filter(|s| !want.contains(s)) {
+        let _ = Command::new("ip")
+            .args(["route", "del", &slot_cidr4(*s), "proto", "static"])
+            .output();
+    }
+    for s in want.iter().filter(|s| !planted.contains(s)) {
+        // `replace`: if a route of ours is there, someone else's takes its place.
+        ip(&[
+            "route",
+            "replace",
+            &slot_cidr4(*s),
+            "via",
+            "10.88.3.250",
+            "proto",
+            "static",
+        ]);
+    }
+    *planted = want.to_vec();
+}
+
+/// Runs the agent as `action` says; the exit status, or `None` for a killed daemon.
+fn act(env: &AgentEnv, action: &Action) -> Option<i32> {
+    match action {
+        Action::Once => Some(env.once(&[]).0),
+        Action::OnceForced => Some(env.once(&["--force-prune"]).0),
+        Action::LoseCheckpoint => {
+            let _ = std::fs::remove_file(env.checkpoint());
+            Some(env.once(&[]).0)
+        }
+        Action::CorruptCheckpoint { at } => {
+            if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
+                let i = at % bytes.len().max(1);
+                if let Some(b) = bytes.get_mut(i) {
+                    *b ^= 0x5A;
+                }
+                let _ = std::fs::write(env.checkpoint(), bytes);
+            }
+            Some(env.once(&[]).0)
+        }
+        Action::KilledDaemon { ms } => {
+            let mut d = env.spawn(&[]);
+            std::thread::sleep(Duration::from_millis(*ms));
+            let _ = d.kill();
+            let _ = d.wait();
+            None
+        }
+    }
+}
+
+/// Runs one history in a fresh sandbox; stops at the first step that breaks an invariant.
+pub fn run_history(steps: &[Step], list_seed: u64) -> Outcome {
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let mut rng = Rng::new(list_seed);
+        let mut truth = Truth::default();
+        let mut planted = Vec::new();
+        let mut previous_clean: Vec<TestNode> = Vec::new();
+        let mut window: Vec<(Instant, usize, usize)> = Vec::new();
+        let mut before = Snapshot::take(&env);
+        let mut outcome = Outcome::default();
+        for (i, step) in steps.iter().enumerate() {
+            truth.apply(&step.change);
+            sync_foreign(&mut planted, &truth.foreign);
+            // Planting a foreign route over ours is someone else's change, not the agent's.
+            before = Snapshot {
+                routes: env.all_routes(),
+                ..before
+            };
+            let list = truth.list(&step.view, &mut rng);
+            env.write_list(&list);
+            let record_before = oracle::record(&env);
+            let exit = act(&env, &step.action);
+            let after = Snapshot::take(&env);
+            let now = Instant::now();
+            window.retain(|(t, ..)| now.duration_since(*t) < WINDOW);
+            let facts = StepFacts {
+                list: &list,
+                previous_clean: &previous_clean,
+                record_before: record_before.as_deref(),
+                before: &before,
+                after: &after,
+                exit,
+                forced: step.action == Action::OnceForced,
+                no_local: step.view == View::NoLocal,
+                foreign_slots: &truth.foreign,
+                window: window
+                    .iter()
+                    .fold((0, 0), |(n, o), (_, dn, dobj)| (n + dn, o + dobj)),
+                max_ratio: MAX_RATIO,
+            };
+            let broke = oracle::violations(&facts);
+            let (nodes, objects) = oracle::removals(&facts);
+            window.push((now, nodes, objects));
+            outcome.steps += 1;
+            if !broke.is_empty() {
+                outcome.failure = Some((i, broke));
+                return outcome;
+            }
+            previous_clean = oracle::clean(&list, record_before.as_deref())
+                .into_iter()
+                .cloned()
+                .collect();
+            before = after;
+        }
+        if let Some(broke) = converge(&env, &mut truth, &mut planted, &mut rng) {
+            outcome.failure = Some((steps.len(), broke));
+        }
+        outcome
+    })
+}
+
+/// The end of a history: the cluster mended, two forced runs; the kernel must hold exactly what
+/// the mended cluster needs, and the second run must write nothing.
+fn converge(
+    env: &AgentEnv,
+    truth: &mut Truth,
+    planted: &mut Vec<usize>,
+    rng: &mut Rng,
+) -> Option<Vec<String>> {
+    truth.apply(&Change::Mend);
+    sync_foreign(planted, &truth.foreign);
+    let list = truth.list(&View::Full, rng);
+    env.write_list(&list);
+    let mut broke = Vec::new();
+    let (code, _, err) = env.once(&["--force-prune"]);
+    if code != 0 {
+        broke.push(format!("the converging run exited {code}: {err}"));
+    }
+    let (code, report, _) = env.once(&["--force-prune"]);
+    if code != 0 || report["kernel_writes"] != 0 {
+        broke.push(format!("a second converging run was not idle: exit {code}, {report}"));
+    }
+    let after = Snapshot::take(env);
+    let remote: Vec<&TestNode> = list.iter().filter(|n| n.name != "local").collect();
+    let want_ips: std::collections::BTreeSet<&str> = remote
+        .iter()
+        .flat_map(|n| n.ips.iter().map(String::as_str))
+        .collect();
+    let have_ips: std::collections::BTreeSet<&str> = after.map.keys().map(String::as_str).collect();
+    if want_ips != have_ips {
+        broke.push(format!(
+            "map entries after converging: want {want_ips:?}, have {have_ips:?}"
+        ));
+    }
+    let mut want_routes = std::collections::BTreeMap::new();
+    for n in &remote {
+        for c in &n.cidrs {
+            if truth.foreign.iter().any(|s| slot_cidr4(*s) == *c) {
+                continue;
+            }
+            let v6 = c.contains(':');
+            if let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) {
+                want_routes.insert(c.as_str(), gw.as_str());
+            }
+        }
+    }
+    if after.our_routes() != want_routes {
+        broke.push(format!(
+            "routes after converging: want {want_routes:?}, have {:?}",
+            after.our_routes()
+        ));
+    }
+    let ids: std::collections::BTreeSet<u16> = remote
+        .iter()
+        .filter_map(|n| after.map.get(&n.ips[0]).copied())
+        .collect();
+    if ids.len() != remote.len() {
+        broke.push(format!("{} nodes share {} IDs", remote.len(), ids.len()));
+    }
+    match oracle::record(env) {
+        Some(rec) if rec.iter().any(|r: &Recorded| r.attempts > 0 || r.id.is_none()) => {
+            broke.push("pending deletes or ID-less records after converging".into());
+        }
+        None => broke.push("no checkpoint after converging".into()),
+        _ => {}
+    }
+    (!broke.is_empty()).then_some(broke)
+}

@@ -1,0 +1,445 @@
+//! The invariant checker's world: a seeded random source, the cluster as it really is, the list
+//! the agent is shown, and the steps of a history.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::agent::TestNode;
+
+/// xorshift64*: small, seeded, the same sequence everywhere.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// 0..n (n > 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    /// True with probability `pct` percent.
+    pub fn chance(&mut self, pct: u64) -> bool {
+        self.next() % 100 < pct
+    }
+}
+
+/// Address and pod CIDR slots: a node draws one slot for its addresses and one for its CIDRs, so
+/// freed slots come back (recycled IPs and CIDRs) as the history goes on.
+pub const SLOTS: usize = 14;
+pub const NAMES: usize = 10;
+
+pub fn slot_ipv4(slot: usize) -> String {
+    format!("10.88.7.{}", slot + 10)
+}
+pub fn slot_ipv6(slot: usize) -> String {
+    format!("fd00:88::7:{:x}", slot + 10)
+}
+pub fn slot_cidr4(slot: usize) -> String {
+    format!("10.130.{}.0/24", slot + 1)
+}
+pub fn slot_cidr6(slot: usize) -> String {
+    format!("fd00:130:{:x}::/64", slot + 1)
+}
+
+/// What changes in the cluster before a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    Nothing,
+    Add { name: usize, slot: usize, cidr: usize, dual: bool },
+    Delete { pick: usize },
+    Readdress { pick: usize, slot: usize, cidr: usize },
+    /// Delete a node and give its addresses to a new one.
+    RecycleIps { pick: usize, name: usize, cidr: usize },
+    Rename { pick: usize, name: usize },
+    /// A node claims another node's IPv4 address too.
+    ClaimAddress { pick: usize, from: usize },
+    /// A node claims another node's pod CIDR instead of its own.
+    ClaimCidr { pick: usize, from: usize },
+    /// A node's record stops validating.
+    Malform { pick: usize },
+    /// A node has no addresses (it is registering again).
+    Unaddress { pick: usize },
+    /// Every broken node is mended.
+    Mend,
+    /// A foreign (`proto static`) route appears at a pod CIDR slot.
+    PlantForeign { cidr: usize },
+    /// The foreign routes go away.
+    ClearForeign,
+}
+
+/// What the agent is shown this step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum View {
+    /// The cluster as it is.
+    Full,
+    /// Only some of it (a broken proxy, a partial page): keeps `pct` percent of the nodes.
+    Partial { pct: u64 },
+    /// Another cluster's nodes (new names, or the same names with other UIDs), local node
+    /// included.
+    WrongCluster { same_names: bool },
+    /// The list lacks the local node.
+    NoLocal,
+}
+
+/// What the agent does this step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// `run --once`, a restart.
+    Once,
+    /// `run --once --force-prune`.
+    OnceForced,
+    /// The daemon, killed with SIGKILL after `ms` milliseconds.
+    KilledDaemon { ms: u64 },
+    /// The checkpoint is deleted, then `run --once`.
+    LoseCheckpoint,
+    /// The checkpoint has a byte flipped, then `run --once`.
+    CorruptCheckpoint { at: usize },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub change: Change,
+    pub view: View,
+    pub action: Action,
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} / {:?} / {:?}", self.change, self.view, self.action)
+    }
+}
+
+/// How often each kind of step comes up.
+#[derive(Clone, Copy, Debug)]
+pub struct Profile {
+    /// Percent of steps that break something (claims, malformed, unaddressed, foreign routes).
+    pub trouble: u64,
+    /// Percent of steps that show the agent a distorted list.
+    pub distortion: u64,
+    /// Percent of steps run by a daemon that is killed.
+    pub kills: u64,
+    /// Percent of steps that lose or corrupt the checkpoint.
+    pub lost: u64,
+}
+
+impl Profile {
+    pub const INVARIANTS: Self = Self {
+        trouble: 25,
+        distortion: 20,
+        kills: 15,
+        lost: 8,
+    };
+}
+
+pub fn step(rng: &mut Rng, p: Profile) -> Step {
+    let change = if rng.chance(p.trouble) {
+        match rng.below(8) {
+            0 => Change::ClaimAddress {
+                pick: rng.below(99),
+                from: rng.below(99),
+            },
+            1 => Change::ClaimCidr {
+                pick: rng.below(99),
+                from: rng.below(99),
+            },
+            2 => Change::Malform { pick: rng.below(99) },
+            3 => Change::Unaddress { pick: rng.below(99) },
+            4 | 5 => Change::PlantForeign {
+                cidr: rng.below(SLOTS),
+            },
+            6 => Change::ClearForeign,
+            _ => Change::Mend,
+        }
+    } else {
+        match rng.below(10) {
+            0..=3 => Change::Add {
+                name: rng.below(NAMES),
+                slot: rng.below(SLOTS),
+                cidr: rng.below(SLOTS),
+                dual: rng.chance(50),
+            },
+            4 | 5 => Change::Delete { pick: rng.below(99) },
+            6 => Change::Readdress {
+                pick: rng.below(99),
+                slot: rng.below(SLOTS),
+                cidr: rng.below(SLOTS),
+            },
+            7 => Change::RecycleIps {
+                pick: rng.below(99),
+                name: rng.below(NAMES),
+                cidr: rng.below(SLOTS),
+            },
+            8 => Change::Rename {
+                pick: rng.below(99),
+                name: rng.below(NAMES),
+            },
+            _ => Change::Nothing,
+        }
+    };
+    let view = if rng.chance(p.distortion) {
+        match rng.below(4) {
+            0 => View::Partial {
+                pct: 10 + rng.below(30) as u64,
+            },
+            1 => View::WrongCluster { same_names: false },
+            2 => View::WrongCluster { same_names: true },
+            _ => View::NoLocal,
+        }
+    } else {
+        View::Full
+    };
+    let action = if rng.chance(p.kills) {
+        Action::KilledDaemon {
+            ms: 30 + rng.below(400) as u64,
+        }
+    } else if rng.chance(p.lost) {
+        if rng.chance(50) {
+            Action::LoseCheckpoint
+        } else {
+            Action::CorruptCheckpoint { at: rng.below(4096) }
+        }
+    } else if rng.chance(10) {
+        Action::OnceForced
+    } else {
+        Action::Once
+    };
+    Step {
+        change,
+        view,
+        action,
+    }
+}
+
+/// The cluster as it really is, and the foreign routes around it.
+#[derive(Clone, Debug, Default)]
+pub struct Truth {
+    pub nodes: BTreeMap<String, TestNode>,
+    /// Pod CIDR slots with a foreign route.
+    pub foreign: Vec<usize>,
+    /// Bumped for every node created, so UIDs are never reused.
+    pub generation: u32,
+}
+
+fn name(i: usize) -> String {
+    format!("n{i:02}")
+}
+
+fn make(name: &str, slot: usize, cidr: usize, dual: bool, generation: u32) -> TestNode {
+    let mut n = TestNode {
+        name: name.into(),
+        ips: vec![slot_ipv4(slot)],
+        cidrs: vec![slot_cidr4(cidr)],
+        uid: Some(format!("{name}-{generation}")),
+        ..TestNode::default()
+    };
+    if dual {
+        n.ips.push(slot_ipv6(slot));
+        n.cidrs.push(slot_cidr6(cidr));
+    }
+    n
+}
+
+impl Truth {
+    fn pick(&self, i: usize) -> Option<String> {
+        (!self.nodes.is_empty()).then(|| self.nodes.keys().nth(i % self.nodes.len()).unwrap().clone())
+    }
+
+    fn used(&self, f: impl Fn(&TestNode) -> Vec<String>) -> Vec<String> {
+        self.nodes.values().flat_map(f).collect()
+    }
+
+    /// A free slot from `start` on: its address is nobody's.
+    fn free_slot(&self, start: usize) -> Option<usize> {
+        let used = self.used(|n| n.ips.clone());
+        (0..SLOTS)
+            .map(|k| (start + k) % SLOTS)
+            .find(|s| !used.contains(&slot_ipv4(*s)))
+    }
+
+    fn free_cidr(&self, start: usize) -> Option<usize> {
+        let used = self.used(|n| n.cidrs.clone());
+        (0..SLOTS)
+            .map(|k| (start + k) % SLOTS)
+            .find(|s| !used.contains(&slot_cidr4(*s)))
+    }
+
+    fn free_name(&self, start: usize) -> Option<String> {
+        (0..NAMES)
+            .map(|k| name((start + k) % NAMES))
+            .find(|n| !self.nodes.contains_key(n))
+    }
+
+    pub fn apply(&mut self, c: &Change) {
+        match *c {
+            Change::Nothing => {}
+            Change::Add {
+                name,
+                slot,
+                cidr,
+                dual,
+            } => {
+                let (Some(name), Some(slot), Some(cidr)) =
+                    (self.free_name(name), self.free_slot(slot), self.free_cidr(cidr))
+                else {
+                    return;
+                };
+                self.generation += 1;
+                let n = make(&name, slot, cidr, dual, self.generation);
+                self.nodes.insert(name, n);
+            }
+            Change::Delete { pick } => {
+                if let Some(n) = self.pick(pick) {
+                    self.nodes.remove(&n);
+                }
+            }
+            Change::Readdress { pick, slot, cidr } => {
+                let (Some(n), Some(slot), Some(cidr)) =
+                    (self.pick(pick), self.free_slot(slot), self.free_cidr(cidr))
+                else {
+                    return;
+                };
+                let old = &self.nodes[&n];
+                let dual = old.ips.len() > 1;
+                let uid = old.uid.clone();
+                let mut new = make(&n, slot, cidr, dual, 0);
+                new.uid = uid;
+                self.nodes.insert(n, new);
+            }
+            Change::RecycleIps { pick, name, cidr } => {
+                let Some(old) = self.pick(pick) else { return };
+                let gone = self.nodes.remove(&old).unwrap();
+                let (Some(name), Some(cidr)) = (self.free_name(name), self.free_cidr(cidr)) else {
+                    return;
+                };
+                self.generation += 1;
+                let mut n = make(&name, 0, cidr, gone.cidrs.len() > 1, self.generation);
+                n.ips = gone.ips;
+                self.nodes.insert(name, n);
+            }
+            Change::Rename { pick, name } => {
+                let (Some(old), Some(new)) = (self.pick(pick), self.free_name(name)) else {
+                    return;
+                };
+                let mut n = self.nodes.remove(&old).unwrap();
+                n.name = new.clone();
+                self.generation += 1;
+                n.uid = Some(format!("{new}-{}", self.generation));
+                self.nodes.insert(new, n);
+            }
+            Change::ClaimAddress { pick, from } => {
+                let (Some(a), Some(b)) = (self.pick(pick), self.pick(from)) else {
+                    return;
+                };
+                let Some(ip) = self.nodes[&b].ips.first().cloned() else {
+                    return;
+                };
+                if a != b && !ip.contains(':') && !self.nodes[&a].ips.contains(&ip) {
+                    self.nodes.get_mut(&a).unwrap().ips.push(ip);
+                }
+            }
+            Change::ClaimCidr { pick, from } => {
+                let (Some(a), Some(b)) = (self.pick(pick), self.pick(from)) else {
+                    return;
+                };
+                let Some(cidr) = self.nodes[&b].cidrs.first().cloned() else {
+                    return;
+                };
+                if a != b {
+                    self.nodes.get_mut(&a).unwrap().cidrs[0] = cidr;
+                }
+            }
+            Change::Malform { pick } => {
+                if let Some(n) = self.pick(pick) {
+                    self.nodes.get_mut(&n).unwrap().ips = vec!["not-an-ip".into()];
+                }
+            }
+            Change::Unaddress { pick } => {
+                if let Some(n) = self.pick(pick) {
+                    self.nodes.get_mut(&n).unwrap().ips.clear();
+                }
+            }
+            Change::Mend => self.mend(),
+            Change::PlantForeign { cidr } => {
+                if !self.foreign.contains(&cidr) {
+                    self.foreign.push(cidr);
+                }
+            }
+            Change::ClearForeign => self.foreign.clear(),
+        }
+    }
+
+    /// Drops every broken node: malformed, without addresses, or claiming what another node
+    /// claims (the later name goes). What is left is a cluster without conflicts.
+    pub fn mend(&mut self) {
+        let mut seen: Vec<String> = Vec::new();
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        for n in names {
+            let node = &self.nodes[&n];
+            let broken = node.ips.is_empty()
+                || node.ips.iter().any(|ip| ip.parse::<std::net::IpAddr>().is_err())
+                || node
+                    .ips
+                    .iter()
+                    .chain(&node.cidrs)
+                    .any(|r| seen.contains(r));
+            if broken {
+                self.nodes.remove(&n);
+            } else {
+                seen.extend(node.ips.iter().chain(&node.cidrs).cloned());
+            }
+        }
+    }
+
+    /// The list the agent is shown under `view`, the local node included unless the view
+    /// leaves it out.
+    pub fn list(&self, view: &View, rng: &mut Rng) -> Vec<TestNode> {
+        let mut out = Vec::new();
+        if *view != View::NoLocal {
+            out.push(crate::agent::local_node());
+        }
+        match view {
+            View::Full | View::NoLocal => out.extend(self.nodes.values().cloned()),
+            View::Partial { pct } => out.extend(
+                self.nodes
+                    .values()
+                    .filter(|_| rng.chance(*pct))
+                    .cloned(),
+            ),
+            View::WrongCluster { same_names } => {
+                for (i, n) in self.nodes.values().enumerate() {
+                    out.push(TestNode {
+                        name: if *same_names {
+                            n.name.clone()
+                        } else {
+                            format!("other-{i}")
+                        },
+                        ips: vec![format!("10.88.9.{}", i + 10)],
+                        cidrs: vec![format!("10.131.{}.0/24", i + 1)],
+                        uid: Some(format!("other-cluster-{i}")),
+                        ..TestNode::default()
+                    });
+                }
+                for i in self.nodes.len()..self.nodes.len() + 3 {
+                    out.push(TestNode {
+                        name: format!("other-{i}"),
+                        ips: vec![format!("10.88.9.{}", i + 10)],
+                        cidrs: vec![format!("10.131.{}.0/24", i + 1)],
+                        uid: Some(format!("other-cluster-{i}")),
+                        ..TestNode::default()
+                    });
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,354 @@
+//! What the invariant checker knows after each step, and the invariants it holds the agent to.
+//!
+//! The rules, and which wins when they meet, are the precedence table of `docs/design.md`; the
+//! oracle judges from the outside, with what a user can see: the kernel, the checkpoint through
+//! `node-agent state show`, the list the agent was shown, and the exit status.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::agent::{AgentEnv, TestNode, local_node};
+
+use super::model::slot_cidr4;
+
+/// What the kernel holds: our map entries, and every route of the main table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Address -> node ID.
+    pub map: BTreeMap<String, u16>,
+    /// Destination -> (gateway, protocol).
+    pub routes: BTreeMap<String, (String, String)>,
+}
+
+fn ours(protocol: &str) -> bool {
+    protocol == "201" || protocol == "node-agent"
+}
+
+impl Snapshot {
+    pub fn take(env: &AgentEnv) -> Self {
+        let pin = node_agent::datapath::node_ids_pin(&env.bpffs);
+        let map = if pin.exists() {
+            env.map()
+        } else {
+            BTreeMap::new()
+        };
+        Self {
+            map,
+            routes: env.all_routes(),
+        }
+    }
+
+    pub fn our_routes(&self) -> BTreeMap<&str, &str> {
+        self.routes
+            .iter()
+            .filter(|(_, (_, p))| ours(p))
+            .map(|(d, (g, _))| (d.as_str(), g.as_str()))
+            .collect()
+    }
+
+    pub fn foreign_routes(&self) -> BTreeMap<&String, &(String, String)> {
+        self.routes.iter().filter(|(_, (_, p))| !ours(p)).collect()
+    }
+
+    /// How many objects of ours there are.
+    pub fn objects(&self) -> usize {
+        self.map.len() + self.our_routes().len()
+    }
+}
+
+/// One node of the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Recorded {
+    pub name: String,
+    pub uid: String,
+    pub ips: Vec<String>,
+    pub cidrs: Vec<String>,
+    pub id: Option<u16>,
+    /// Cleanups tried and failed (a pending delete); 0 otherwise.
+    pub attempts: u64,
+}
+
+impl Recorded {
+    fn resources(&self) -> impl Iterator<Item = &String> {
+        self.ips.iter().chain(&self.cidrs)
+    }
+}
+
+/// The checkpoint as `node-agent state show --output json` prints it; `None` when there is none
+/// (or it does not decode).
+pub fn record(env: &AgentEnv) -> Option<Vec<Recorded>> {
+    let (code, out, _) = env.cli(&["state", "show", "--output", "json"]);
+    if code != 0 {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+    let node = |n: &serde_json::Value, attempts: u64| Recorded {
+        name: n["name"].as_str().unwrap_or_default().to_owned(),
+        uid: n["uid"].as_str().unwrap_or_default().to_owned(),
+        ips: n["addresses"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x["ip"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        cidrs: n["pod_cidrs"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        id: n["node_id"].as_u64().map(|i| i as u16),
+        attempts,
+    };
+    let mut out: Vec<Recorded> = v["nodes"]
+        .as_array()?
+        .iter()
+        .map(|n| node(n, 0))
+        .collect();
+    out.extend(v["pending_deletes"].as_array()?.iter().map(|p| {
+        node(&p["node"], p["attempts"].as_u64().unwrap_or(0))
+    }));
+    Some(out)
+}
+
+fn is_valid(n: &TestNode) -> bool {
+    !n.ips.is_empty()
+        && n
+            .ips
+            .iter()
+            .all(|ip| ip.parse::<std::net::IpAddr>().is_ok())
+}
+
+fn same_node(r: &Recorded, n: &TestNode) -> bool {
+    r.name == n.name && r.uid == n.uid()
+}
+
+/// The nodes of `list` that nothing may hold back: valid, with addresses, claiming nothing that
+/// another listed node (the local node included, held nodes by their record), or a recorded
+/// node that is no longer listed, claims. Whatever the brake, the incumbency rules or a restart
+/// do, these must be programmed.
+pub fn clean<'a>(list: &'a [TestNode], record: Option<&'a [Recorded]>) -> Vec<&'a TestNode> {
+    let record = record.unwrap_or_default();
+    let mut claims: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    let mut claim = |r: &'a str, who: &'a str| {
+        claims.entry(r).or_default().insert(who);
+    };
+    for n in list {
+        for r in n.ips.iter().chain(&n.cidrs) {
+            claim(r, &n.name);
+        }
+        if !is_valid(n)
+            && let Some(rec) = record.iter().find(|r| r.name == n.name)
+        {
+            for r in rec.resources() {
+                claim(r, &n.name);
+            }
+        }
+    }
+    for rec in record {
+        if !list.iter().any(|n| same_node(rec, n)) {
+            for r in rec.resources() {
+                claim(r, "(a recorded node no longer listed)");
+            }
+        }
+    }
+    let local = local_node();
+    list.iter()
+        .filter(|n| n.name != local.name && is_valid(n))
+        .filter(|n| {
+            n.ips
+                .iter()
+                .chain(&n.cidrs)
+                .all(|r| claims.get(r.as_str()).is_none_or(|who| who.len() == 1))
+        })
+        .collect()
+}
+
+/// What one step saw and did, for judging it.
+pub struct StepFacts<'a> {
+    pub list: &'a [TestNode],
+    /// The list before this step, and its clean nodes.
+    pub previous_clean: &'a [TestNode],
+    pub record_before: Option<&'a [Recorded]>,
+    pub before: &'a Snapshot,
+    pub after: &'a Snapshot,
+    /// The run's exit status; `None` for a daemon that was killed.
+    pub exit: Option<i32>,
+    pub forced: bool,
+    /// The list lacks the local node.
+    pub no_local: bool,
+    /// Pod CIDR slots with a foreign route.
+    pub foreign_slots: &'a [usize],
+    /// Removals done by earlier steps within the brake's window: nodes, objects.
+    pub window: (usize, usize),
+    pub max_ratio: f64,
+}
+
+/// What a step removed: nodes (known, no longer listed, whose entries went) and orphan objects
+/// (objects gone whose address or CIDR nobody listed claims), as the brake counts them.
+pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
+    let mut nodes = 0;
+    for r in f.record_before.unwrap_or_default() {
+        if r.attempts > 0 || f.list.iter().any(|n| same_node(r, n)) {
+            continue;
+        }
+        let Some(id) = r.id else { continue };
+        let had = r.ips.iter().any(|ip| f.before.map.get(ip) == Some(&id));
+        let has = r.ips.iter().any(|ip| f.after.map.get(ip) == Some(&id));
+        if had && !has {
+            nodes += 1;
+        }
+    }
+    let mut objects = 0;
+    if f.record_before.is_none() {
+        let claimed: BTreeSet<&str> = f
+            .list
+            .iter()
+            .flat_map(|n| n.ips.iter().chain(&n.cidrs))
+            .map(String::as_str)
+            .collect();
+        let after_routes = f.after.our_routes();
+        objects += f
+            .before
+            .map
+            .keys()
+            .filter(|ip| !f.after.map.contains_key(*ip) && !claimed.contains(ip.as_str()))
+            .count();
+        objects += f
+            .before
+            .our_routes()
+            .keys()
+            .filter(|d| !after_routes.contains_key(*d) && !claimed.contains(*d))
+            .count();
+    }
+    (nodes, objects)
+}
+
+fn ratio(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+/// The invariants one step broke, in words; empty when it broke none.
+pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
+    let mut v = Vec::new();
+    // Nothing foreign changes.
+    if f.before.foreign_routes() != f.after.foreign_routes() {
+        v.push(format!(
+            "foreign routes changed:\n  before {:?}\n  after  {:?}",
+            f.before.foreign_routes(),
+            f.after.foreign_routes()
+        ));
+    }
+    // A list without the local node changes nothing.
+    if f.no_local && (f.before.map != f.after.map || f.before.our_routes() != f.after.our_routes())
+    {
+        v.push("a list without the local node changed the kernel".into());
+    }
+    if f.no_local && f.exit.is_some_and(|c| c != 3) {
+        v.push(format!("a list without the local node exited {:?}, not 3", f.exit));
+    }
+    if let Some(code) = f.exit
+        && !matches!(code, 0 | 3)
+    {
+        v.push(format!("the run exited {code}"));
+    }
+    let clean_now = clean(f.list, f.record_before);
+    // No object of a live, clean, unchanged node is ever deleted, not even by a killed agent.
+    for n in &clean_now {
+        if !f.previous_clean.contains(n) {
+            continue;
+        }
+        for ip in &n.ips {
+            if let Some(id) = f.before.map.get(ip)
+                && f.after.map.get(ip) != Some(id)
+            {
+                v.push(format!(
+                    "{}'s map entry {ip} -> {id} became {:?}",
+                    n.name,
+                    f.after.map.get(ip)
+                ));
+            }
+        }
+        for c in &n.cidrs {
+            if f.before.our_routes().contains_key(c.as_str())
+                && !f.after.our_routes().contains_key(c.as_str())
+            {
+                v.push(format!("{}'s route {c} was deleted", n.name));
+            }
+        }
+    }
+    // After a run that finished, every clean node has all its objects, under one ID of its own.
+    if f.exit.is_some() && !f.no_local {
+        let mut owner: BTreeMap<u16, &str> = BTreeMap::new();
+        for n in &clean_now {
+            let ids: BTreeSet<Option<&u16>> = n.ips.iter().map(|ip| f.after.map.get(ip)).collect();
+            if ids.contains(&None) {
+                v.push(format!("{} lacks a map entry: {ids:?}", n.name));
+                continue;
+            }
+            if ids.len() > 1 {
+                v.push(format!("{} has several IDs: {ids:?}", n.name));
+            }
+            for id in ids.into_iter().flatten() {
+                if let Some(other) = owner.insert(*id, &n.name)
+                    && other != n.name
+                {
+                    v.push(format!("{} and {other} share node ID {id}", n.name));
+                }
+            }
+            let routes = f.after.our_routes();
+            for c in &n.cidrs {
+                let foreign = f.foreign_slots.iter().any(|s| slot_cidr4(*s) == *c);
+                let v6 = c.contains(':');
+                let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) else {
+                    continue;
+                };
+                if foreign {
+                    if routes.contains_key(c.as_str()) {
+                        v.push(format!("our route {c} sits where a foreign one should"));
+                    }
+                } else if routes.get(c.as_str()) != Some(&gw.as_str()) {
+                    v.push(format!(
+                        "{}'s route {c} via {gw} is missing (found {:?})",
+                        n.name,
+                        routes.get(c.as_str())
+                    ));
+                }
+            }
+        }
+    }
+    // No deletion beyond the brake without --force-prune.
+    if !f.forced {
+        let (nodes, objects) = removals(f);
+        let known = f
+            .record_before
+            .unwrap_or_default()
+            .iter()
+            .filter(|r| r.attempts == 0)
+            .count();
+        let (wn, wo) = f.window;
+        let node_ratio = ratio(nodes + wn, known + wn);
+        if nodes > 0 && node_ratio > f.max_ratio {
+            v.push(format!(
+                "removed {nodes} known nodes ({wn} more within the window) of {known}: {:.0}% is past the brake",
+                node_ratio * 100.0
+            ));
+        }
+        let object_ratio = ratio(objects + wo, f.before.objects() + wo);
+        if objects > 0 && object_ratio > f.max_ratio {
+            v.push(format!(
+                "swept {objects} orphan objects ({wo} more within the window) of {}: {:.0}% is past the brake",
+                f.before.objects(),
+                object_ratio * 100.0
+            ));
+        }
+    }
+    v
+}
