@@ -45,6 +45,10 @@ const CLUSTER_ONLY: &[(&str, &str)] = &[
         "deploy.rs: every manifest parses and is listed",
     ),
     (
+        "kubectl apply -k deploy/monitoring/",
+        "deploy.rs: the PrometheusRule is generated from the rules promtool checks and tests",
+    ),
+    (
         "kubectl delete -k deploy/",
         "deploy.rs: every manifest parses and is listed",
     ),
