@@ -4,7 +4,10 @@
 //! and the properties the operator's guide promises are asserted one by one. The DaemonSet's
 //! args and every `NODE_AGENT_*` variable are checked against the agent's real command line
 //! (`node_agent::cli::Cli`), and the whole configuration is handed to the agent's own parser in
-//! a child process. The Dockerfile's build steps are compared with the steps xtask really runs.
+//! a child process. The Dockerfile is compared with what xtask builds and installs (the image
+//! itself is built and run by `tests/image.rs`). The alerts in `deploy/monitoring/` go through
+//! `promtool check rules` and `promtool test rules`, and the PrometheusRule and the docs' alert
+//! table are checked to be generated from them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
