@@ -76,8 +76,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     cmd::run(
         Command::new("podman")
             .current_dir(root())
-            // chroot isolation needs no OCI runtime for RUN steps: it works where containers
-            // cannot be started (these machines refuse the runtime's setrlimit), and as root.
+            // chroot isolation runs the RUN steps without an OCI runtime, so it works where
+            // containers cannot be started (these machines refuse the runtime's setrlimit).
             .args(["build", "--isolation", "chroot", "--build-arg"])
             .arg(format!("BASE={base}"))
             .args(["--tag", &args.tag, "--file", "Dockerfile", "."]),
