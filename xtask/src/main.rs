@@ -5,6 +5,7 @@ mod bench;
 mod build_ebpf;
 mod cmd;
 mod demo;
+mod image;
 mod setup;
 mod test;
 mod vm;
@@ -31,6 +32,10 @@ enum Command {
     /// Set up, build the eBPF object, and run every test tier: unit, kernel, end to end, and the
     /// VM tier on Debian 6.1 and 6.12 (as root).
     Test(test::Args),
+    /// Build the container image: the release agent (built as `build-ebpf --release` and `cargo
+    /// build --release -p node-agent` build it) on debian:bookworm-slim, with bpftool and ip. Uses
+    /// a debootstrap stand-in for the base when no registry is reachable; prints the size.
+    Image(image::Args),
     /// Run every benchmark in release builds (as root); each prints `bench: <name> <value> <unit>`.
     Bench,
     /// Boot Debian kernels (6.1, 6.12) under QEMU and run the kernel-tier tests inside, where
@@ -47,6 +52,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Test(args) => test::run(&args),
         Command::Demo => demo::run(),
+        Command::Image(args) => image::run(&args),
         Command::Bench => bench::run(),
         Command::VmTest(args) => match vm::run(&args)? {
             0 => Ok(()),

@@ -7,7 +7,12 @@ use std::process::Command;
 use anyhow::bail;
 
 use crate::cmd::{self, root, step};
-use crate::{build_ebpf, setup, vm};
+use crate::{apt, build_ebpf, image, setup, vm};
+
+/// What the image and alert tests need beyond `setup`: podman to build the image and debootstrap
+/// for its stand-in base (tests/tests/image.rs), promtool from `prometheus` to check and unit-test
+/// the alert rules (tests/tests/deploy.rs). Not part of `setup`: the demo needs none of them.
+const TEST_PACKAGES: &[&str] = &["podman", "debootstrap", "prometheus"];
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -33,6 +38,24 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .current_dir(root())
             .args(["build", "-p", "node-agent"]),
     )?;
+    apt::ensure("test", TEST_PACKAGES, "")?;
+    // The image test runs `cargo xtask image`, which packages the release agent on a base image.
+    // Both are made here, so that their minutes show as steps of their own rather than inside
+    // one test, and side by side: the base (where no registry is reachable, a debootstrap that
+    // waits on the network, then cached) while the release build keeps the CPUs busy.
+    step("test: the image's base, beside cargo build --release -p node-agent");
+    let base = std::thread::spawn(image::prepare_base);
+    let build = cmd::run(Command::new("cargo").current_dir(root()).args([
+        "build",
+        "--release",
+        "-p",
+        "node-agent",
+    ]));
+    let base = base
+        .join()
+        .map_err(|_| anyhow::anyhow!("preparing the image's base panicked"))?;
+    build?;
+    step(&format!("test: the image's base is {}", base?));
     step("test: cargo test --workspace");
     cmd::run(
         Command::new("cargo")

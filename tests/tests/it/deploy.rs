@@ -4,7 +4,10 @@
 //! and the properties the operator's guide promises are asserted one by one. The DaemonSet's
 //! args and every `NODE_AGENT_*` variable are checked against the agent's real command line
 //! (`node_agent::cli::Cli`), and the whole configuration is handed to the agent's own parser in
-//! a child process. The Dockerfile's build steps are compared with the steps xtask really runs.
+//! a child process. The Dockerfile is compared with what xtask builds and installs (the image
+//! itself is built and run by `tests/image.rs`). The alerts in `deploy/monitoring/` go through
+//! `promtool check rules` and `promtool test rules`, and the PrometheusRule and the docs' alert
+//! table are checked to be generated from them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -66,10 +69,7 @@ struct Image {
 }
 
 fn kustomization() -> Kustomization {
-    let k: Kustomization = load("deploy/kustomization.yaml");
-    assert_eq!(k.api_version, "kustomize.config.k8s.io/v1beta1");
-    assert_eq!(k.kind, "Kustomization");
-    k
+    kustomization_in("")
 }
 
 /// The manifest of the one resource of kind `kind` listed in the kustomization.
@@ -427,32 +427,92 @@ fn every_manifest_parses_into_its_kubernetes_type() {
     assert_eq!(ns.metadata.name.as_deref(), Some(k.namespace.as_str()));
 }
 
-#[test]
-fn kustomization_lists_every_file_in_deploy() {
-    let k = kustomization();
+/// Sub-folders of `deploy/` with a kustomization of their own, kept out of the default one
+/// because applying them needs what not every cluster has.
+const OPTIONAL: &[(&str, &str)] = &[(
+    "monitoring",
+    "the PrometheusRule needs the Prometheus operator's CRD",
+)];
+
+/// Files in `deploy/` that no kustomization lists, and what they are.
+const NOT_RESOURCES: &[(&str, &str)] = &[
+    (
+        "monitoring/rules.yaml",
+        "the alerts as a plain Prometheus rule file, the source of prometheusrule.yaml",
+    ),
+    (
+        "monitoring/rules_test.yaml",
+        "promtool's unit tests of rules.yaml",
+    ),
+];
+
+/// The kustomization of `deploy/<dir>` (`dir` empty or ending in `/`).
+fn kustomization_in(dir: &str) -> Kustomization {
+    let k: Kustomization = load(&format!("deploy/{dir}kustomization.yaml"));
+    assert_eq!(k.api_version, "kustomize.config.k8s.io/v1beta1");
+    assert_eq!(k.kind, "Kustomization");
+    k
+}
+
+/// What is wrong with the files of `deploy/<dir>` against its kustomization: files it does not
+/// list, entries that do not exist, sub-folders that are not optional kustomizations.
+fn unaccounted(dir: &str) -> Vec<String> {
+    let k = kustomization_in(dir);
     let mut listed: BTreeSet<String> = k.resources.iter().cloned().collect();
     listed.extend(k.config_map_generator.iter().flat_map(|g| g.envs.clone()));
     listed.insert("kustomization.yaml".into());
+    listed.extend(
+        NOT_RESOURCES
+            .iter()
+            .filter_map(|(f, _)| f.strip_prefix(dir))
+            .filter(|f| !f.contains('/'))
+            .map(str::to_owned),
+    );
+    let mut problems = Vec::new();
     let mut present = BTreeSet::new();
-    for entry in std::fs::read_dir(root().join("deploy")).unwrap() {
+    for entry in std::fs::read_dir(root().join("deploy").join(dir)).unwrap() {
         let entry = entry.unwrap();
-        assert!(
-            entry.file_type().unwrap().is_file(),
-            "deploy/{} is not a file: list it or move it",
-            entry.file_name().to_string_lossy()
-        );
-        present.insert(entry.file_name().to_string_lossy().into_owned());
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.file_type().unwrap().is_dir() {
+            let sub = format!("{dir}{name}");
+            if OPTIONAL.iter().any(|(d, _)| *d == sub) {
+                problems.extend(unaccounted(&format!("{sub}/")));
+            } else {
+                problems.push(format!(
+                    "deploy/{sub}/ is a folder, but not an optional kustomization (OPTIONAL)"
+                ));
+            }
+            continue;
+        }
+        present.insert(name);
     }
-    let missing: Vec<_> = listed.difference(&present).collect();
-    let unlisted: Vec<_> = present.difference(&listed).collect();
-    assert!(
-        missing.is_empty(),
-        "listed in kustomization.yaml but absent: {missing:?}"
-    );
-    assert!(
-        unlisted.is_empty(),
-        "in deploy/ but not in kustomization.yaml: {unlisted:?}"
-    );
+    for f in listed.difference(&present) {
+        problems.push(format!(
+            "deploy/{dir}{f} is listed (kustomization.yaml or NOT_RESOURCES) but absent"
+        ));
+    }
+    for f in present.difference(&listed) {
+        problems.push(format!(
+            "deploy/{dir}{f} is in no kustomization.yaml and not in NOT_RESOURCES"
+        ));
+    }
+    problems
+}
+
+#[test]
+fn kustomization_lists_every_file_in_deploy() {
+    let problems = unaccounted("");
+    assert!(problems.is_empty(), "{problems:#?}");
+    // `kubectl apply -k deploy/` works on a cluster without the optional parts' CRDs.
+    let k = kustomization();
+    for (dir, why) in OPTIONAL {
+        assert!(
+            !k.resources
+                .iter()
+                .any(|r| r.trim_end_matches('/') == *dir || r.starts_with(&format!("{dir}/"))),
+            "deploy/kustomization.yaml must not include {dir}/: {why}"
+        );
+    }
     // The image tag follows the workspace version.
     assert_eq!(k.images.len(), 1);
     assert_eq!(k.images[0].name, "node-agent");
@@ -729,26 +789,14 @@ fn workspace_field(name: &str) -> String {
         .to_owned()
 }
 
-/// Rust source with `\<newline><indent>` inside string literals joined, as the compiler does.
-fn unwrap_string_continuations(src: &str) -> String {
-    let mut out = String::new();
-    let mut lines = src.lines();
-    while let Some(line) = lines.next() {
-        let mut line = line.to_owned();
-        while let Some(head) = line.strip_suffix('\\') {
-            let next = lines.next().unwrap_or("");
-            line = format!("{head}{}", next.trim_start());
-        }
-        out.push_str(&line);
-        out.push('\n');
-    }
-    out
-}
-
 /// The string literal of `const NAME: &str = "...";` in `src`.
 fn const_str(src: &str, name: &str) -> String {
     src.lines()
-        .find_map(|l| l.trim().strip_prefix(&format!("const {name}: &str = \"")))
+        .find_map(|l| {
+            let l = l.trim();
+            let l = l.strip_prefix("pub ").unwrap_or(l);
+            l.strip_prefix(&format!("const {name}: &str = \""))
+        })
         .and_then(|rest| rest.split('"').next())
         .unwrap_or_else(|| panic!("no const {name}"))
         .to_owned()
@@ -772,136 +820,92 @@ fn packages(setup: &str) -> Vec<String> {
         .collect()
 }
 
-/// A step xtask runs on the way from `.ci/run` to the agent binary, as the Dockerfile must run it.
-#[derive(Debug)]
-enum Expect {
-    /// The RUN is exactly this command.
-    Exactly(String),
-    /// The RUN is `apt-get update && apt-get install ... <packages> && rm ...`, installing
-    /// exactly these packages (`subset`: some of them).
-    Packages { list: Vec<String>, subset: bool },
-}
-
-/// The steps, derived from xtask's source and the workspace, keyed by the Dockerfile's ids.
-/// The files the steps are derived from.
+/// The files the Dockerfile's expectations are derived from.
 struct Sources {
-    ci: String,
-    test: String,
     setup: String,
-    toolchain: String,
+    image: String,
     readme: String,
 }
 
 impl Sources {
     fn read() -> Self {
         Self {
-            ci: read(".ci/run"),
-            test: read("xtask/src/test.rs"),
             setup: read("xtask/src/setup.rs"),
-            toolchain: read("node-agent-ebpf/rust-toolchain.toml"),
+            image: read("xtask/src/image.rs"),
             readme: read("README.md"),
         }
     }
 }
 
-fn xtask_steps() -> BTreeMap<&'static str, Expect> {
-    steps_from(&Sources::read())
+/// What the Dockerfile must say, derived from xtask's source and the workspace.
+#[derive(Debug)]
+struct Expected {
+    /// The default of `ARG BASE`: the registry base `cargo xtask image` pulls.
+    base: String,
+    /// What `cargo xtask setup` installs on the build machine: the runtime packages are among
+    /// them, so the image's tools are the ones the tests ran the docs' commands with.
+    setup_packages: Vec<String>,
+    /// The agent `cargo xtask image` builds, relative to the workspace: what the Dockerfile
+    /// copies and the only file .dockerignore lets into the context.
+    binary: String,
+    /// The route protocol the agent writes, named in the image's rt_protos.d.
+    route_protocol: String,
 }
 
-fn steps_from(src: &Sources) -> BTreeMap<&'static str, Expect> {
-    let ci = &src.ci;
-    assert!(
-        ci.lines().any(|l| l.trim() == "cargo xtask test"),
-        ".ci/run no longer runs `cargo xtask test`; the chain this test follows is broken"
-    );
-    let test = &src.test;
-    assert!(
-        test.contains("setup::run()?"),
-        "xtask test no longer runs setup"
-    );
-    let setup = &unwrap_string_continuations(&src.setup);
-    let nightly = const_str(setup, "NIGHTLY");
-    let prefix = const_str(setup, "LLVM_PREFIX");
-    let linker = const_str(setup, "BPF_LINKER_VERSION");
-    // `.args(["--no-default-features", "--features", "llvm-22"])` in setup::bpf_linker.
-    let features = setup
-        .split("\"--features\", \"")
-        .nth(1)
-        .and_then(|s| s.split('"').next())
-        .expect("bpf-linker's --features in xtask/src/setup.rs");
-    assert!(setup.contains(r#".args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])"#));
-    assert!(setup.contains(r#".args(["--no-default-features", "--features""#));
-    assert!(setup.contains(r#".env("LLVM_PREFIX", LLVM_PREFIX)"#));
-    // The nightly's fix command in setup::nightly is the install the Dockerfile runs.
-    let fix = "rustup toolchain install {NIGHTLY} --profile minimal --component rust-src";
-    assert!(
-        setup.contains(fix),
-        "setup.rs changed how the nightly is installed"
-    );
-    let toolchain = &src.toolchain;
-    assert!(
-        toolchain.contains(&format!("channel = \"{nightly}\"")),
-        "{toolchain}"
-    );
-    let release = if test.contains("build_ebpf::run(&build_ebpf::Args { release: true })") {
-        " --release"
+fn expected() -> Expected {
+    expected_from(&Sources::read()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The expectations, or why xtask's source no longer fits the chain they are derived from.
+fn expected_from(src: &Sources) -> Result<Expected, String> {
+    let image = &src.image;
+    if !image.contains("build_ebpf::run(&build_ebpf::Args { release: true })") {
+        return Err("xtask image no longer builds the eBPF object with --release".into());
+    }
+    // `cargo build ...` in xtask image: the string literals of the `.args([...])` that starts
+    // with "build".
+    let args: Vec<String> = image
+        .split_once("\"build\",")
+        .map(|(_, rest)| format!("\"build\",{}", rest.split(']').next().unwrap_or("")))
+        .ok_or("no `cargo build` of the agent in xtask image")?
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect();
+    let build = format!("cargo {}", args.join(" "));
+    if !(src.readme.contains(&build) && src.readme.contains("cargo xtask build-ebpf --release")) {
+        return Err(format!(
+            "the README builds the agent otherwise than xtask image (`{build}`)"
+        ));
+    }
+    let profile = if args.iter().any(|a| a == "--release") {
+        "release"
     } else {
-        ""
+        "debug"
     };
-    // xtask test builds the agent with `cargo build -p node-agent`; the image builds the same
-    // package with the release profile, the README's build command.
-    let agent_args = test
-        .split(".args([\"build\", ")
+    let package = args
+        .iter()
+        .skip_while(|a| *a != "-p")
         .nth(1)
-        .and_then(|s| s.split("])").next())
-        .expect("xtask test's `cargo build` of the agent")
-        .replace(['"', ','], "");
-    let agent_build = format!("cargo build --release {agent_args}");
-    assert!(
-        src.readme.contains(&agent_build),
-        "the README builds the agent otherwise"
-    );
-    let all = packages(setup);
-    let protocol = node_agent::backends::routes::DEFAULT_ROUTE_PROTOCOL;
-    BTreeMap::from([
-        (
-            "setup:packages",
-            Expect::Packages {
-                list: all.clone(),
-                subset: false,
-            },
+        .ok_or("xtask image's cargo build names no package")?;
+    let built = format!("target/{profile}/{package}");
+    let binary = const_str(image, "BINARY");
+    if binary != built {
+        return Err(format!(
+            "xtask image's BINARY {binary} is not what its `{build}` builds ({built})"
+        ));
+    }
+    Ok(Expected {
+        base: const_str(image, "REGISTRY_BASE"),
+        setup_packages: packages(&src.setup),
+        binary,
+        route_protocol: format!(
+            "mkdir -p /etc/iproute2/rt_protos.d && echo \"{} node-agent\" > \
+             /etc/iproute2/rt_protos.d/node-agent.conf",
+            node_agent::backends::routes::DEFAULT_ROUTE_PROTOCOL
         ),
-        (
-            "setup:nightly",
-            Expect::Exactly(fix.replace("{NIGHTLY}", &nightly)),
-        ),
-        (
-            "setup:bpf-linker",
-            Expect::Exactly(format!(
-                "LLVM_PREFIX={prefix} cargo install bpf-linker --version {linker} \
-                 --no-default-features --features {features}"
-            )),
-        ),
-        (
-            "test:build-ebpf",
-            Expect::Exactly(format!("cargo xtask build-ebpf{release}")),
-        ),
-        ("test:build-agent", Expect::Exactly(agent_build)),
-        (
-            "runtime:packages",
-            Expect::Packages {
-                list: all,
-                subset: true,
-            },
-        ),
-        (
-            "runtime:route-protocol",
-            Expect::Exactly(format!(
-                "mkdir -p /etc/iproute2/rt_protos.d && echo \"{protocol} node-agent\" > \
-                 /etc/iproute2/rt_protos.d/node-agent.conf"
-            )),
-        ),
-    ])
+    })
 }
 
 /// One instruction of a Dockerfile: its keyword, its text (continuations joined), and the
@@ -957,28 +961,53 @@ fn apt_packages(run: &str) -> Option<Vec<String>> {
     Some(install.split(' ').map(str::to_owned).collect())
 }
 
-/// What is wrong with `dockerfile` against `steps`: a RUN that mirrors nothing or something
-/// unknown, a command that differs from its xtask step, an xtask step no RUN mirrors, a base
-/// image that is not the workspace's toolchain on bookworm.
-fn dockerfile_problems(dockerfile: &str, steps: &BTreeMap<&str, Expect>) -> Vec<String> {
-    let mut problems = Vec::new();
-    let mut seen = BTreeSet::new();
-    let all = instructions(dockerfile);
-    let froms: Vec<&str> = all
+/// What the runtime must have: bpftool and ip for the docs' inspection commands, the CA store
+/// the Kubernetes client loads.
+const RUNTIME_TOOLS: &[&str] = &["bpftool", "iproute2", "ca-certificates"];
+
+/// A package that has no business in the runtime image: a compiler, a toolchain, headers.
+fn is_build_tool(pkg: &str) -> bool {
+    pkg.ends_with("-dev")
+        || [
+            "llvm",
+            "clang",
+            "gcc",
+            "g++",
+            "rustc",
+            "cargo",
+            "build-essential",
+        ]
         .iter()
-        .filter(|i| i.keyword == "FROM")
-        .map(|i| i.text.as_str())
-        .collect();
-    let toolchain = format!(
-        "docker.io/library/rust:{}-bookworm AS build",
-        workspace_field("rust-version")
-    );
-    if froms != [toolchain.as_str(), "docker.io/library/debian:bookworm-slim"] {
+        .any(|t| pkg.starts_with(t))
+}
+
+/// What is wrong with `dockerfile` and `dockerignore` against `want`: a build stage, another
+/// base, a RUN that mirrors nothing or something unknown, runtime packages that are not the
+/// tested tools or are build tools, a COPY of another file than the agent xtask builds, a build
+/// context that lets more in.
+fn dockerfile_problems(dockerfile: &str, dockerignore: &str, want: &Expected) -> Vec<String> {
+    let mut problems = Vec::new();
+    let all = instructions(dockerfile);
+    let of = |kw: &str| -> Vec<&Instruction> { all.iter().filter(|i| i.keyword == kw).collect() };
+    let froms: Vec<&str> = of("FROM").iter().map(|i| i.text.as_str()).collect();
+    if froms != ["${BASE}"] {
         problems.push(format!(
-            "stages {froms:?}: expected [{toolchain}, debian:bookworm-slim]"
+            "stages {froms:?}: one stage, FROM ${{BASE}} (the Dockerfile packages the agent \
+             xtask built; it does not build)"
         ));
     }
-    for i in all.iter().filter(|i| i.keyword == "RUN") {
+    let args: Vec<&str> = of("ARG").iter().map(|i| i.text.as_str()).collect();
+    let base = format!("BASE={}", want.base);
+    if args != [base.as_str()] {
+        problems.push(format!(
+            "ARG {args:?}: expected [{base}], the base xtask image pulls"
+        ));
+    }
+    if all.first().map(|i| i.keyword.as_str()) != Some("ARG") {
+        problems.push("ARG BASE must come before FROM".into());
+    }
+    let mut seen = BTreeSet::new();
+    for i in of("RUN") {
         let ids: Vec<&str> = i
             .comments
             .iter()
@@ -992,44 +1021,72 @@ fn dockerfile_problems(dockerfile: &str, steps: &BTreeMap<&str, Expect>) -> Vec<
             ));
             continue;
         };
-        seen.insert(id.to_owned());
-        match steps.get(id) {
-            None => problems.push(format!("`# mirrors: {id}` names no xtask step")),
-            Some(Expect::Exactly(cmd)) if &i.text != cmd => problems.push(format!(
-                "{id}: the Dockerfile runs `{}`, xtask `{cmd}`",
-                i.text
-            )),
-            Some(Expect::Exactly(_)) => {}
-            Some(Expect::Packages { list, subset }) => match apt_packages(&i.text) {
+        if !seen.insert(id.to_owned()) {
+            problems.push(format!("two RUNs mirror {id}"));
+        }
+        match id {
+            "runtime:packages" => match apt_packages(&i.text) {
                 None => problems.push(format!("{id}: not a plain apt-get install: {}", i.text)),
                 Some(got) => {
-                    let want: BTreeSet<&String> = list.iter().collect();
-                    let have: BTreeSet<&String> = got.iter().collect();
-                    let ok = if *subset {
-                        have.is_subset(&want)
-                    } else {
-                        have == want
-                    };
-                    if !ok {
-                        problems.push(format!(
-                            "{id}: the Dockerfile installs {got:?}, xtask setup {list:?}"
-                        ));
+                    for p in &got {
+                        if !want.setup_packages.contains(p) {
+                            problems.push(format!(
+                                "{id}: {p} is not among the packages xtask setup installs \
+                                 (and the tests run with): {:?}",
+                                want.setup_packages
+                            ));
+                        }
+                        if is_build_tool(p) {
+                            problems.push(format!("{id}: {p} is a build tool"));
+                        }
+                    }
+                    for t in RUNTIME_TOOLS {
+                        if !got.iter().any(|p| p == t) {
+                            problems.push(format!("{id}: the runtime lacks {t}"));
+                        }
                     }
                 }
             },
+            "runtime:route-protocol" => {
+                if i.text != want.route_protocol {
+                    problems.push(format!(
+                        "{id}: the Dockerfile runs `{}`, expected `{}`",
+                        i.text, want.route_protocol
+                    ));
+                }
+            }
+            other => problems.push(format!("`# mirrors: {other}` names no known step")),
         }
     }
-    for id in steps.keys() {
-        if !seen.contains(*id) {
-            problems.push(format!("no RUN mirrors the xtask step {id}"));
+    for id in ["runtime:packages", "runtime:route-protocol"] {
+        if !seen.contains(id) {
+            problems.push(format!("no RUN mirrors {id}"));
         }
+    }
+    let copies: Vec<&str> = of("COPY").iter().map(|i| i.text.as_str()).collect();
+    let copy = format!("{} /usr/local/bin/node-agent", want.binary);
+    if copies != [copy.as_str()] {
+        problems.push(format!(
+            "COPY {copies:?}: expected [{copy}], the agent xtask image builds"
+        ));
+    }
+    let ignore: Vec<&str> = dockerignore
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let only = format!("!{}", want.binary);
+    if ignore != ["*", only.as_str()] {
+        problems.push(format!(
+            ".dockerignore {ignore:?}: expected [\"*\", \"{only}\"], the agent and nothing else"
+        ));
     }
     problems
 }
 
 #[test]
-fn dockerfile_build_steps_mirror_what_xtask_runs() {
-    let problems = dockerfile_problems(&read("Dockerfile"), &xtask_steps());
+fn dockerfile_packages_what_xtask_builds_with_the_tested_tools() {
+    let problems = dockerfile_problems(&read("Dockerfile"), &read(".dockerignore"), &expected());
     assert!(problems.is_empty(), "{problems:#?}");
 }
 
@@ -1045,12 +1102,7 @@ fn dockerfile_ships_the_agent_and_the_inspection_tools() {
         last("ENTRYPOINT").as_deref(),
         Some(r#"["/usr/local/bin/node-agent"]"#)
     );
-    assert_eq!(
-        last("COPY").as_deref(),
-        Some("--from=build /src/target/release/node-agent /usr/local/bin/node-agent")
-    );
-    let runtime = all.iter().rposition(|i| i.keyword == "FROM").unwrap();
-    let tools: Vec<String> = all[runtime..]
+    let tools: Vec<String> = all
         .iter()
         .filter_map(|i| apt_packages(&i.text))
         .flatten()
@@ -1059,84 +1111,554 @@ fn dockerfile_ships_the_agent_and_the_inspection_tools() {
         tools.contains(&"bpftool".into()) && tools.contains(&"iproute2".into()),
         "{tools:?}"
     );
-    let ignore = read(".dockerignore");
-    assert!(
-        ignore.lines().any(|l| l == "target"),
-        "the build context must not carry target/"
-    );
 }
 
 #[test]
 fn the_dockerfile_check_fails_when_the_two_drift() {
-    let steps = xtask_steps();
+    let want = expected();
     let good = read("Dockerfile");
-    assert!(dockerfile_problems(&good, &steps).is_empty());
+    let ignore = read(".dockerignore");
+    assert!(dockerfile_problems(&good, &ignore, &want).is_empty());
     let drifted = [
-        // Another bpf-linker version.
-        good.replace("--version 0.13.0", "--version 0.12.0"),
-        // Another LLVM feature.
-        good.replace("--features llvm-22", "--features llvm-21"),
-        // A package list that differs from xtask's PACKAGES.
+        // Another base, or one hard-wired past the stand-in.
+        good.replace("debian:bookworm-slim\n", "debian:trixie-slim\n"),
         good.replace(
-            "libpolly-22-dev bpftool iproute2 ca-certificates \\",
-            "libpolly-22-dev bpftool ca-certificates \\",
+            "FROM ${BASE}",
+            "FROM docker.io/library/debian:bookworm-slim",
         ),
-        good.replace("llvm-22-dev libpolly-22-dev", "llvm-21-dev libpolly-22-dev"),
-        // A debug eBPF build, another agent build, another route protocol number.
-        good.replace("build-ebpf --release", "build-ebpf"),
+        // A build stage back in.
         good.replace(
-            "cargo build --release -p node-agent",
-            "cargo build -p node-agent",
+            "ARG BASE=",
+            "FROM docker.io/library/rust:1.95-bookworm AS build\nRUN cargo build\nARG BASE=",
         ),
+        // Runtime packages: a compiler, one the tests never ran, one missing.
+        good.replace("bpftool iproute2", "bpftool llvm-22-dev iproute2"),
+        good.replace("bpftool iproute2", "bpftool curl iproute2"),
+        good.replace("bpftool iproute2 ", "bpftool "),
+        // Another route protocol number.
         good.replace("\"201 node-agent\"", "\"200 node-agent\""),
-        // A step that mirrors nothing, and one that names an unknown step.
-        good.replace("# mirrors: setup:nightly\n", ""),
-        good.replace("# mirrors: setup:nightly", "# mirrors: setup:nightly-2"),
-        // Another toolchain in the base image.
-        good.replace("rust:1.95-bookworm", "rust:1.94-bookworm"),
+        // Another binary than the one xtask builds (and the tests ran).
+        good.replace(
+            "COPY target/release/node-agent",
+            "COPY target/debug/node-agent",
+        ),
+        // A step that mirrors nothing, one that names an unknown step, one more RUN.
+        good.replace("# mirrors: runtime:route-protocol\n", ""),
+        good.replace(
+            "# mirrors: runtime:route-protocol",
+            "# mirrors: runtime:route-protocols",
+        ),
+        good.replace("ENTRYPOINT", "RUN rm -rf /usr/share\nENTRYPOINT"),
     ];
     for (i, d) in drifted.iter().enumerate() {
         assert_ne!(d, &good, "drift case {i} did not change the Dockerfile");
         assert!(
-            !dockerfile_problems(d, &steps).is_empty(),
+            !dockerfile_problems(d, &ignore, &want).is_empty(),
             "drift case {i} was not caught"
         );
     }
-    // And changes on xtask's side: another PACKAGES list, linker version, or eBPF profile.
+    // A build context that lets the whole workspace in, or another binary.
+    for bad in [
+        ignore.replace("*\n", ""),
+        ignore.replace("release", "debug"),
+    ] {
+        assert_ne!(bad, ignore);
+        assert!(!dockerfile_problems(&good, &bad, &want).is_empty(), "{bad}");
+    }
+    // And changes on xtask's side: another registry base, a debug build, setup without bpftool.
     let src = Sources::read();
     let moved = [
-        src.setup.replace(
-            "\"ca-certificates\",\n];",
-            "\"ca-certificates\",\n    \"clang\",\n];",
-        ),
-        src.setup.replace(
-            "BPF_LINKER_VERSION: &str = \"0.13.0\"",
-            "BPF_LINKER_VERSION: &str = \"0.14.0\"",
-        ),
-        src.setup
-            .replace("\"--features\", \"llvm-22\"", "\"--features\", \"llvm-23\""),
-    ];
-    for (i, setup) in moved.into_iter().enumerate() {
-        assert_ne!(
-            setup, src.setup,
-            "xtask drift case {i} did not change setup.rs"
-        );
-        let steps = steps_from(&Sources {
-            setup,
+        Sources {
+            image: src
+                .image
+                .replace("debian:bookworm-slim\"", "debian:trixie-slim\""),
             ..Sources::read()
-        });
+        },
+        Sources {
+            image: src.image.replacen("\"--release\",\n", "", 1),
+            ..Sources::read()
+        },
+        Sources {
+            setup: src.setup.replace("\"bpftool\",\n", ""),
+            ..Sources::read()
+        },
+    ];
+    for (i, s) in moved.into_iter().enumerate() {
         assert!(
-            !dockerfile_problems(&good, &steps).is_empty(),
-            "xtask drift case {i} was not caught"
+            s.image != src.image || s.setup != src.setup,
+            "xtask drift case {i} changed nothing"
+        );
+        // Either the derivation refuses it (a debug build is not what BINARY names) or the
+        // Dockerfile no longer fits.
+        let caught = match expected_from(&s) {
+            Err(_) => true,
+            Ok(want) => !dockerfile_problems(&good, &ignore, &want).is_empty(),
+        };
+        assert!(caught, "xtask drift case {i} was not caught");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The alerts: deploy/monitoring/
+
+const RULES: &str = "deploy/monitoring/rules.yaml";
+const RULES_TEST: &str = "deploy/monitoring/rules_test.yaml";
+const PROMETHEUS_RULE: &str = "deploy/monitoring/prometheusrule.yaml";
+const METRICS_DOC: &str = "docs/metrics.md";
+/// How the generated files are regenerated (the expect-test convention).
+const REGENERATE: &str = "UPDATE_EXPECT=1 cargo test -p node-agent-tests --test deploy";
+
+/// A Prometheus rule file (`rule_files:`), alerting rules only.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleGroup {
+    name: String,
+    rules: Vec<AlertRule>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AlertRule {
+    alert: String,
+    expr: String,
+    #[serde(rename = "for")]
+    for_: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+/// `monitoring.coreos.com/v1` `PrometheusRule`: its spec is a rule file.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PrometheusRule {
+    api_version: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: RuleFile,
+}
+
+fn alerts() -> Vec<AlertRule> {
+    let file: RuleFile = load(RULES);
+    file.groups.into_iter().flat_map(|g| g.rules).collect()
+}
+
+/// prometheusrule.yaml as generated from the text of rules.yaml: a fixed head, then the rule
+/// file (its comments included) as the spec.
+fn prometheus_rule_from(rules: &str) -> String {
+    let body = rules
+        .lines()
+        .skip_while(|l| l.starts_with('#') || l.trim().is_empty());
+    let mut out = format!(
+        "# Generated from rules.yaml by tests/tests/deploy.rs: edit rules.yaml, then run\n\
+         # `{REGENERATE}`.\n\
+         # The alerts for the Prometheus operator. Its Prometheus picks rules by label\n\
+         # (`ruleSelector`); add the label yours selects (docs/metrics.md).\n\
+         apiVersion: monitoring.coreos.com/v1\n\
+         kind: PrometheusRule\n\
+         metadata:\n  name: node-agent\n  namespace: node-agent\n  labels:\n    \
+         app.kubernetes.io/name: node-agent\n\
+         spec:\n"
+    );
+    for line in body {
+        if !line.is_empty() {
+            out.push_str("  ");
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+const TABLE_START: &str = "<!-- The table is generated from deploy/monitoring/rules.yaml by \
+                           tests/tests/deploy.rs; edit the rules, not the table. -->";
+const TABLE_END: &str = "<!-- End of the generated table. -->";
+
+/// The alert table of docs/metrics.md, from the rules.
+fn alert_table(alerts: &[AlertRule]) -> String {
+    let cell = |s: &str| s.replace('|', "\\|").replace('\n', " ");
+    let mut out = format!(
+        "{TABLE_START}\n\n| alert | expression (PromQL) | for | severity | why |\n\
+         | --- | --- | --- | --- | --- |\n"
+    );
+    for a in alerts {
+        out.push_str(&format!(
+            "| `{}` | `{}` | {} | {} | {} |\n",
+            a.alert,
+            cell(&a.expr),
+            a.for_,
+            a.labels["severity"],
+            cell(&a.annotations["description"])
+        ));
+    }
+    out.push('\n');
+    out.push_str(TABLE_END);
+    out
+}
+
+/// `doc` with its generated table replaced by `table`.
+fn with_table(doc: &str, table: &str) -> String {
+    let start = doc
+        .find(TABLE_START)
+        .unwrap_or_else(|| panic!("{METRICS_DOC} has no `{TABLE_START}`"));
+    let end = doc[start..]
+        .find(TABLE_END)
+        .map(|e| start + e + TABLE_END.len())
+        .unwrap_or_else(|| panic!("{METRICS_DOC} has no `{TABLE_END}`"));
+    format!("{}{table}{}", &doc[..start], &doc[end..])
+}
+
+/// Compares a generated file with what is on disk; with UPDATE_EXPECT set, writes it instead.
+fn check_generated(rel: &str, want: &str) {
+    let have = read(rel);
+    if have == want {
+        return;
+    }
+    if std::env::var_os("UPDATE_EXPECT").is_some() {
+        std::fs::write(root().join(rel), want).unwrap();
+        return;
+    }
+    panic!("{rel} is not what {RULES} generates; run `{REGENERATE}`. Expected:\n{want}");
+}
+
+#[test]
+fn prometheus_rule_and_docs_table_are_generated_from_the_rules() {
+    let rules = read(RULES);
+    check_generated(PROMETHEUS_RULE, &prometheus_rule_from(&rules));
+    check_generated(
+        METRICS_DOC,
+        &with_table(&read(METRICS_DOC), &alert_table(&alerts())),
+    );
+    // The generated manifest is a PrometheusRule carrying exactly the rule file.
+    let pr: PrometheusRule = load(PROMETHEUS_RULE);
+    assert_eq!(pr.api_version, "monitoring.coreos.com/v1");
+    assert_eq!(pr.kind, "PrometheusRule");
+    let k = kustomization_in("monitoring/");
+    assert_eq!(k.resources, ["prometheusrule.yaml"]);
+    assert_eq!(k.namespace, kustomization().namespace);
+    let spec: serde_yaml::Value = load::<serde_yaml::Value>(PROMETHEUS_RULE)["spec"].clone();
+    assert_eq!(spec, load::<serde_yaml::Value>(RULES));
+    assert_eq!(pr.metadata.name.as_deref(), Some("node-agent"));
+    let groups: Vec<&str> = pr.spec.groups.iter().map(|g| g.name.as_str()).collect();
+    assert_eq!(groups, ["node-agent"]);
+}
+
+#[test]
+fn the_generators_follow_the_rules() {
+    // Another `for` in the rules shows in the table, another expression in the manifest.
+    let rules = read(RULES);
+    let changed = rules.replacen("for: 10m", "for: 20m", 1);
+    assert_ne!(changed, rules);
+    assert_ne!(prometheus_rule_from(&changed), prometheus_rule_from(&rules));
+    let mut a = alerts();
+    let before = alert_table(&a);
+    a[0].for_ = "20m".into();
+    assert_ne!(alert_table(&a), before);
+    assert!(alert_table(&a).contains("| 20m |"));
+    let doc = read(METRICS_DOC);
+    assert_ne!(with_table(&doc, "x"), doc);
+}
+
+#[test]
+fn every_alert_has_a_severity_a_summary_and_a_why() {
+    let alerts = alerts();
+    assert!(!alerts.is_empty());
+    let mut names = BTreeSet::new();
+    for a in &alerts {
+        assert!(names.insert(&a.alert), "{} twice", a.alert);
+        assert!(a.alert.starts_with("NodeAgent"), "{}", a.alert);
+        let severity = a.labels.get("severity").map(String::as_str);
+        assert!(
+            matches!(severity, Some("warning" | "critical")),
+            "{}: severity {severity:?}",
+            a.alert
+        );
+        let keys: Vec<&str> = a.annotations.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["description", "summary"], "{}", a.alert);
+        assert!(
+            a.annotations["summary"].contains("{{ $labels.instance }}"),
+            "{}: the summary names the node",
+            a.alert
         );
     }
-    let test = src
-        .test
-        .replace("Args { release: true }", "Args { release: false }");
-    assert_ne!(test, src.test);
-    let steps = steps_from(&Sources {
-        test,
-        ..Sources::read()
-    });
-    assert!(!dockerfile_problems(&good, &steps).is_empty());
+}
+
+/// The agent's metric names as exposed (`_total` on counters, `_bucket`, `_sum` and `_count` of
+/// histograms), each family with one series so that labelled ones show too.
+fn exposed_metrics() -> BTreeSet<String> {
+    use node_agent::telemetry::metrics::{KindLabel, OpLabels, ResultLabel, StateLabel};
+    let m = node_agent::telemetry::Metrics::default();
+    drop(m.nodes.get_or_create(&StateLabel {
+        state: "live".into(),
+    }));
+    drop(m.kernel_objects.get_or_create(&KindLabel {
+        kind: "route".into(),
+    }));
+    drop(m.operations.get_or_create(&OpLabels {
+        kind: "route".into(),
+        op: "upsert".into(),
+        result: "ok".into(),
+    }));
+    drop(m.checkpoint_writes.get_or_create(&ResultLabel {
+        result: "ok".into(),
+    }));
+    families(&m.encode())
+}
+
+/// The sample names of the families in an exposition (`# TYPE` lines).
+fn families(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+        match kind {
+            "counter" => drop(out.insert(format!("{name}_total"))),
+            "histogram" => {
+                for s in ["bucket", "sum", "count"] {
+                    out.insert(format!("{name}_{s}"));
+                }
+            }
+            _ => drop(out.insert(name.to_owned())),
+        }
+    }
+    out
+}
+
+/// The `node_agent_*` metric names in a PromQL expression.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|t| t.starts_with("node_agent_"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn alerts_read_metrics_the_agent_exposes() {
+    let exposed = exposed_metrics();
+    assert!(
+        exposed.contains("node_agent_plan_operations_total"),
+        "{exposed:?}"
+    );
+    assert!(exposed.contains("node_agent_reconcile_duration_seconds_bucket"));
+    for a in alerts() {
+        let names = metric_names(&a.expr);
+        assert!(!names.is_empty(), "{} reads no node_agent_ metric", a.alert);
+        for n in names {
+            assert!(
+                exposed.contains(&n),
+                "{} reads {n}, which the agent does not expose (a labelled family must get a \
+                 series in exposed_metrics()): {exposed:?}",
+                a.alert
+            );
+        }
+    }
+    assert_eq!(
+        metric_names("histogram_quantile(0.99, rate(node_agent_x_bucket{le=\"1\"}[5m])) > 5"),
+        BTreeSet::from(["node_agent_x_bucket".to_string()])
+    );
+}
+
+/// The test cases of rules_test.yaml, by group: the input series' metric names, and for each
+/// alert name whether a check expects it to fire and whether one expects it quiet.
+struct Cases {
+    healthy_inputs: BTreeSet<String>,
+    healthy_checks_alerts: bool,
+    fires: BTreeSet<String>,
+    quiet: BTreeSet<String>,
+}
+
+fn cases(text: &str) -> Cases {
+    let v: serde_yaml::Value = serde_yaml::from_str(text).unwrap();
+    let rule_files: Vec<&str> = v["rule_files"]
+        .as_sequence()
+        .expect("rule_files")
+        .iter()
+        .filter_map(|f| f.as_str())
+        .collect();
+    assert_eq!(rule_files, ["rules.yaml"]);
+    let mut c = Cases {
+        healthy_inputs: BTreeSet::new(),
+        healthy_checks_alerts: false,
+        fires: BTreeSet::new(),
+        quiet: BTreeSet::new(),
+    };
+    for group in v["tests"].as_sequence().expect("tests") {
+        if group["name"].as_str() == Some("healthy agent") {
+            for s in group["input_series"].as_sequence().unwrap() {
+                let series = s["series"].as_str().unwrap();
+                c.healthy_inputs
+                    .insert(series.split('{').next().unwrap().to_owned());
+            }
+            // ALERTS empty at every check: nothing pending or firing.
+            let checks = group["promql_expr_test"].as_sequence().unwrap();
+            c.healthy_checks_alerts = checks.len() >= 2
+                && checks.iter().all(|t| {
+                    t["expr"].as_str() == Some("ALERTS")
+                        && t["exp_samples"].as_sequence().is_some_and(|s| s.is_empty())
+                });
+            continue;
+        }
+        for t in group["alert_rule_test"].as_sequence().into_iter().flatten() {
+            let name = t["alertname"].as_str().unwrap().to_owned();
+            match t["exp_alerts"].as_sequence() {
+                Some(e) if !e.is_empty() => c.fires.insert(name),
+                _ => c.quiet.insert(name),
+            };
+        }
+    }
+    c
+}
+
+#[test]
+fn every_alert_has_a_test_case_and_the_healthy_agent_covers_it() {
+    let c = cases(&read(RULES_TEST));
+    assert!(
+        c.healthy_checks_alerts,
+        "the `healthy agent` group must check that ALERTS stays empty"
+    );
+    for a in alerts() {
+        assert!(
+            c.fires.contains(&a.alert),
+            "{RULES_TEST}: no case where {} fires",
+            a.alert
+        );
+        assert!(
+            c.quiet.contains(&a.alert),
+            "{RULES_TEST}: no case where {} stays quiet (before its `for`)",
+            a.alert
+        );
+        for n in metric_names(&a.expr) {
+            assert!(
+                c.healthy_inputs.contains(&n),
+                "{RULES_TEST}: the healthy agent has no {n}, so it cannot show that {} stays \
+                 quiet",
+                a.alert
+            );
+        }
+    }
+}
+
+/// `promtool ARGS` in `dir`: its success and output, or `None` (after a visible skip) when it
+/// is not installed.
+fn promtool(test: &str, dir: &Path, args: &[&str]) -> Option<(bool, String)> {
+    if node_agent_tests::which("promtool").is_none() {
+        node_agent_tests::skip(
+            test,
+            "needs promtool (Debian's `prometheus`; `cargo xtask test` installs it)",
+        );
+        return None;
+    }
+    let out = Command::new("promtool")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    Some((
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    ))
+}
+
+#[test]
+fn alert_rules_pass_promtool_check_and_their_unit_tests() {
+    const NAME: &str = "alert_rules_pass_promtool_check_and_their_unit_tests";
+    let dir = root().join("deploy/monitoring");
+    let Some((ok, out)) = promtool(NAME, &dir, &["check", "rules", "rules.yaml"]) else {
+        return;
+    };
+    assert!(ok, "promtool check rules:\n{out}");
+    let n = alerts().len();
+    assert!(out.contains(&format!("SUCCESS: {n} rules found")), "{out}");
+    let (ok, out) = promtool(NAME, &dir, &["test", "rules", "rules_test.yaml"]).unwrap();
+    assert!(ok, "promtool test rules:\n{out}");
+}
+
+/// The unit tests have teeth: rules broken on purpose, in a copy, fail them.
+#[test]
+fn the_alert_unit_tests_fail_when_the_rules_break() {
+    const NAME: &str = "the_alert_unit_tests_fail_when_the_rules_break";
+    let rules = read(RULES);
+    let broken = [
+        // Fires too early.
+        rules.replacen("for: 10m", "for: 1m", 1),
+        // Fires on a healthy agent.
+        rules.replace(
+            "node_agent_node_map_fill_ratio > 0.8",
+            "node_agent_node_map_fill_ratio > 0",
+        ),
+        // Never fires: a metric the agent does not have.
+        rules.replace("node_agent_brake_held == 1", "node_agent_brake_hold == 1"),
+        // Another summary.
+        rules.replace("holds deletions\"", "holds deletions!\""),
+    ];
+    let dir = std::env::temp_dir().join(format!("node-agent-rules-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("rules_test.yaml"), read(RULES_TEST)).unwrap();
+    for (i, b) in broken.iter().enumerate() {
+        assert_ne!(b, &rules, "case {i} changed nothing");
+        std::fs::write(dir.join("rules.yaml"), b).unwrap();
+        let Some((ok, out)) = promtool(NAME, &dir, &["test", "rules", "rules_test.yaml"]) else {
+            break;
+        };
+        assert!(!ok, "broken rules case {i} passed the unit tests:\n{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// docs/metrics.md: the recorded `/metrics` output holds every family the agent exposes, and
+/// the table of metrics lists each of them.
+#[test]
+fn the_metrics_doc_shows_every_metric_the_agent_exposes() {
+    let doc = read(METRICS_DOC);
+    let exposed = exposed_metrics();
+    let recorded = doc
+        .split("```text\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("the recorded /metrics output");
+    assert_eq!(
+        families(recorded),
+        exposed,
+        "{METRICS_DOC}: the recorded output is not the agent's metrics; record it again"
+    );
+    let table: BTreeSet<String> = doc
+        .split("## Every metric")
+        .nth(1)
+        .expect("## Every metric")
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect();
+    let histograms: BTreeSet<String> = exposed
+        .iter()
+        .filter_map(|n| n.strip_suffix("_bucket"))
+        .map(str::to_owned)
+        .collect();
+    let want: BTreeSet<String> = exposed
+        .iter()
+        .filter(|n| {
+            !histograms
+                .iter()
+                .any(|h| n.starts_with(h.as_str()) && n.len() > h.len())
+        })
+        .cloned()
+        .chain(histograms.iter().cloned())
+        .collect();
+    let table: BTreeSet<String> = table
+        .into_iter()
+        .filter(|n| n.starts_with("node_agent_"))
+        .collect();
+    assert_eq!(table, want, "{METRICS_DOC}: the table of metrics");
 }

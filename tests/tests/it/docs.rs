@@ -37,11 +37,16 @@ const EXECUTED: &[&str] = &[
     "ls /run/node-agent",
 ];
 
-/// Commands no test can run (no cluster, no Docker engine), and what checks them instead.
+/// Commands no test can run (no cluster, no Docker engine, no registry), and what checks them
+/// instead.
 const CLUSTER_ONLY: &[(&str, &str)] = &[
     (
         "kubectl apply -k deploy/",
         "deploy.rs: every manifest parses and is listed",
+    ),
+    (
+        "kubectl apply -k deploy/monitoring/",
+        "deploy.rs: the PrometheusRule is generated from the rules promtool checks and tests",
     ),
     (
         "kubectl delete -k deploy/",
@@ -61,10 +66,11 @@ const CLUSTER_ONLY: &[(&str, &str)] = &[
     ),
     (
         "docker build -t registry.example.com/node-agent:0.1.0 .",
-        "deploy.rs: dockerfile_build_steps_mirror_what_xtask_runs",
+        "image.rs builds this Dockerfile with podman; deploy.rs: \
+         dockerfile_packages_what_xtask_builds_with_the_tested_tools",
     ),
     (
-        "docker push registry.example.com/node-agent:0.1.0",
+        "podman push registry.example.com/node-agent:0.1.0",
         "(the registry is yours)",
     ),
 ];

@@ -12,7 +12,8 @@
 //! | `endpoints` | end to end | `/metrics`, `/healthz`, `/readyz` |
 //! | `kube` | end to end | the agent against the API-server stand-in |
 //! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
-//! | `deploy`, `docs` | none | manifests, Dockerfile, every command the docs show |
+//! | `deploy`, `docs` | none | manifests, Dockerfile, alert rules (promtool), every command the docs show |
+//! | `image` | end to end | the container image, built with podman, its binaries run from its filesystem |
 //! | `bench` | kernel | benchmarks, run by `cargo xtask bench` |
 
 mod agent;
@@ -23,6 +24,7 @@ mod datapath;
 mod deploy;
 mod docs;
 mod endpoints;
+mod image;
 mod invariants;
 mod kube;
 mod rules;
