@@ -83,7 +83,7 @@ pub fn check(name: &str, budget: Budget) {
         let steps: Vec<Step> = (0..budget.steps)
             .map(|_| model::step(&mut rng, budget.profile))
             .collect();
-        let list_seed = rng.next();
+        let list_seed = rng.next_u64();
         let outcome = run_history(&steps, list_seed);
         total += outcome.steps;
         if let Some((at, broke)) = outcome.failure {

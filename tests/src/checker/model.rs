@@ -15,7 +15,7 @@ impl Rng {
         Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -24,12 +24,12 @@ impl Rng {
 
     /// 0..n (n > 0).
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
+        (self.next_u64() % n.max(1) as u64) as usize
     }
 
     /// True with probability `pct` percent.
     pub fn chance(&mut self, pct: u64) -> bool {
-        self.next() % 100 < pct
+        self.next_u64() % 100 < pct
     }
 }
 
