@@ -62,10 +62,7 @@ pub(super) fn collect<'a>(cp: Option<&'a Checkpoint>, local: &str) -> Vec<Record
     records.sort_by(|a, b| a.node.name.cmp(&b.node.name));
     let mut out: Vec<Record<'a>> = Vec::with_capacity(records.len());
     for r in records {
-        let run = out
-            .iter()
-            .rev()
-            .take_while(|o| o.node.name == r.node.name);
+        let run = out.iter().rev().take_while(|o| o.node.name == r.node.name);
         if !run.clone().any(|o| o.node.uid == r.node.uid) {
             out.push(r);
         }

@@ -781,7 +781,10 @@ fn a_node_held_over_a_conflict_does_not_block_what_it_moved_away_from() {
             }
         )]
     ));
-    assert!(k.has(&route("10.1.2.0/24", "10.0.0.3")), "c took b's old CIDR");
+    assert!(
+        k.has(&route("10.1.2.0/24", "10.0.0.3")),
+        "c took b's old CIDR"
+    );
     assert!(k.has(&map("10.0.0.2", 2)), "b keeps its entry");
     assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
 }

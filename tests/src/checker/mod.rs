@@ -264,7 +264,9 @@ fn converge(
     }
     let (code, report, _) = env.once(&["--force-prune"]);
     if code != 0 || report["kernel_writes"] != 0 {
-        broke.push(format!("a second converging run was not idle: exit {code}, {report}"));
+        broke.push(format!(
+            "a second converging run was not idle: exit {code}, {report}"
+        ));
     }
     let after = Snapshot::take(env);
     let remote: Vec<&TestNode> = list.iter().filter(|n| n.name != "local").collect();
@@ -304,7 +306,11 @@ fn converge(
         broke.push(format!("{} nodes share {} IDs", remote.len(), ids.len()));
     }
     match oracle::record(env) {
-        Some(rec) if rec.iter().any(|r: &Recorded| r.attempts > 0 || r.id.is_none()) => {
+        Some(rec)
+            if rec
+                .iter()
+                .any(|r: &Recorded| r.attempts > 0 || r.id.is_none()) =>
+        {
             broke.push("pending deletes or ID-less records after converging".into());
         }
         None => broke.push("no checkpoint after converging".into()),

@@ -55,24 +55,54 @@ pub fn slot_cidr6(slot: usize) -> String {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Change {
     Nothing,
-    Add { name: usize, slot: usize, cidr: usize, dual: bool },
-    Delete { pick: usize },
-    Readdress { pick: usize, slot: usize, cidr: usize },
+    Add {
+        name: usize,
+        slot: usize,
+        cidr: usize,
+        dual: bool,
+    },
+    Delete {
+        pick: usize,
+    },
+    Readdress {
+        pick: usize,
+        slot: usize,
+        cidr: usize,
+    },
     /// Delete a node and give its addresses to a new one.
-    RecycleIps { pick: usize, name: usize, cidr: usize },
-    Rename { pick: usize, name: usize },
+    RecycleIps {
+        pick: usize,
+        name: usize,
+        cidr: usize,
+    },
+    Rename {
+        pick: usize,
+        name: usize,
+    },
     /// A node claims another node's IPv4 address too.
-    ClaimAddress { pick: usize, from: usize },
+    ClaimAddress {
+        pick: usize,
+        from: usize,
+    },
     /// A node claims another node's pod CIDR instead of its own.
-    ClaimCidr { pick: usize, from: usize },
+    ClaimCidr {
+        pick: usize,
+        from: usize,
+    },
     /// A node's record stops validating.
-    Malform { pick: usize },
+    Malform {
+        pick: usize,
+    },
     /// A node has no addresses (it is registering again).
-    Unaddress { pick: usize },
+    Unaddress {
+        pick: usize,
+    },
     /// Every broken node is mended.
     Mend,
     /// A foreign (`proto static`) route appears at a pod CIDR slot.
-    PlantForeign { cidr: usize },
+    PlantForeign {
+        cidr: usize,
+    },
     /// The foreign routes go away.
     ClearForeign,
 }
@@ -152,8 +182,12 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
                 pick: rng.below(99),
                 from: rng.below(99),
             },
-            2 => Change::Malform { pick: rng.below(99) },
-            3 => Change::Unaddress { pick: rng.below(99) },
+            2 => Change::Malform {
+                pick: rng.below(99),
+            },
+            3 => Change::Unaddress {
+                pick: rng.below(99),
+            },
             4 | 5 => Change::PlantForeign {
                 cidr: rng.below(SLOTS),
             },
@@ -168,7 +202,9 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
                 cidr: rng.below(SLOTS),
                 dual: rng.chance(50),
             },
-            4 | 5 => Change::Delete { pick: rng.below(99) },
+            4 | 5 => Change::Delete {
+                pick: rng.below(99),
+            },
             6 => Change::Readdress {
                 pick: rng.below(99),
                 slot: rng.below(SLOTS),
@@ -206,7 +242,9 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
         if rng.chance(50) {
             Action::LoseCheckpoint
         } else {
-            Action::CorruptCheckpoint { at: rng.below(4096) }
+            Action::CorruptCheckpoint {
+                at: rng.below(4096),
+            }
         }
     } else if rng.chance(10) {
         Action::OnceForced
@@ -251,7 +289,8 @@ fn make(name: &str, slot: usize, cidr: usize, dual: bool, generation: u32) -> Te
 
 impl Truth {
     fn pick(&self, i: usize) -> Option<String> {
-        (!self.nodes.is_empty()).then(|| self.nodes.keys().nth(i % self.nodes.len()).unwrap().clone())
+        (!self.nodes.is_empty())
+            .then(|| self.nodes.keys().nth(i % self.nodes.len()).unwrap().clone())
     }
 
     fn used(&self, f: impl Fn(&TestNode) -> Vec<String>) -> Vec<String> {
@@ -288,9 +327,11 @@ impl Truth {
                 cidr,
                 dual,
             } => {
-                let (Some(name), Some(slot), Some(cidr)) =
-                    (self.free_name(name), self.free_slot(slot), self.free_cidr(cidr))
-                else {
+                let (Some(name), Some(slot), Some(cidr)) = (
+                    self.free_name(name),
+                    self.free_slot(slot),
+                    self.free_cidr(cidr),
+                ) else {
                     return;
                 };
                 self.generation += 1;
@@ -386,12 +427,11 @@ impl Truth {
         for n in names {
             let node = &self.nodes[&n];
             let broken = node.ips.is_empty()
-                || node.ips.iter().any(|ip| ip.parse::<std::net::IpAddr>().is_err())
                 || node
                     .ips
                     .iter()
-                    .chain(&node.cidrs)
-                    .any(|r| seen.contains(r));
+                    .any(|ip| ip.parse::<std::net::IpAddr>().is_err())
+                || node.ips.iter().chain(&node.cidrs).any(|r| seen.contains(r));
             if broken {
                 self.nodes.remove(&n);
             } else {
@@ -409,12 +449,9 @@ impl Truth {
         }
         match view {
             View::Full | View::NoLocal => out.extend(self.nodes.values().cloned()),
-            View::Partial { pct } => out.extend(
-                self.nodes
-                    .values()
-                    .filter(|_| rng.chance(*pct))
-                    .cloned(),
-            ),
+            View::Partial { pct } => {
+                out.extend(self.nodes.values().filter(|_| rng.chance(*pct)).cloned())
+            }
             View::WrongCluster { same_names } => {
                 for (i, n) in self.nodes.values().enumerate() {
                     out.push(TestNode {

@@ -103,21 +103,19 @@ pub fn record(env: &AgentEnv) -> Option<Vec<Recorded>> {
         id: n["node_id"].as_u64().map(|i| i as u16),
         attempts,
     };
-    let mut out: Vec<Recorded> = v["nodes"]
-        .as_array()?
-        .iter()
-        .map(|n| node(n, 0))
-        .collect();
-    out.extend(v["pending_deletes"].as_array()?.iter().map(|p| {
-        node(&p["node"], p["attempts"].as_u64().unwrap_or(0))
-    }));
+    let mut out: Vec<Recorded> = v["nodes"].as_array()?.iter().map(|n| node(n, 0)).collect();
+    out.extend(
+        v["pending_deletes"]
+            .as_array()?
+            .iter()
+            .map(|p| node(&p["node"], p["attempts"].as_u64().unwrap_or(0))),
+    );
     Some(out)
 }
 
 fn is_valid(n: &TestNode) -> bool {
     !n.ips.is_empty()
-        && n
-            .ips
+        && n.ips
             .iter()
             .all(|ip| ip.parse::<std::net::IpAddr>().is_ok())
 }
@@ -252,7 +250,10 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
         v.push("a list without the local node changed the kernel".into());
     }
     if f.no_local && f.exit.is_some_and(|c| c != 3) {
-        v.push(format!("a list without the local node exited {:?}, not 3", f.exit));
+        v.push(format!(
+            "a list without the local node exited {:?}, not 3",
+            f.exit
+        ));
     }
     if let Some(code) = f.exit
         && !matches!(code, 0 | 3)

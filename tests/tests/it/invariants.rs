@@ -9,8 +9,5 @@ use node_agent_tests::require_sandbox;
 #[test]
 fn random_histories_keep_every_invariant() {
     require_sandbox!("random_histories_keep_every_invariant");
-    check(
-        "invariants",
-        Budget::from_env(200, 25, Profile::INVARIANTS),
-    );
+    check("invariants", Budget::from_env(200, 25, Profile::INVARIANTS));
 }
