@@ -9,6 +9,7 @@
 pub mod apply;
 pub mod checkpointer;
 pub mod config;
+pub mod drift;
 pub mod hold_file;
 pub mod kernel;
 pub mod reconciler;

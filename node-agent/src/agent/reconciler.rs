@@ -20,6 +20,7 @@ use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, IpsecConfig, P
 
 use super::apply::{OpResult, apply_plan};
 use super::config::AgentConfig;
+use super::drift::{Drift, Found};
 use super::kernel::Kernel;
 use super::{AgentError, report};
 use crate::source::SourceEvent;
@@ -62,6 +63,9 @@ pub struct Reconciler<K: Kernel> {
     hold: Option<BrakeHold>,
     /// The input errors last logged, so each is logged once, not at every reconcile.
     logged_errors: BTreeSet<String>,
+    /// What the kernel should hold after the last reconcile: the next dump's drift is measured
+    /// against it.
+    expected: Option<Inventory>,
     total_writes: usize,
     pruned: BTreeSet<String>,
     telemetry: Arc<Telemetry>,
@@ -101,7 +105,7 @@ impl<K: Kernel> Reconciler<K> {
         Self {
             live: LiveState::new(config.node_name.clone()),
             restored_nodes: record.as_ref().map_or(0, |cp| cp.records().count()),
-            brake: BrakeMemory::restored(record.as_ref()),
+            brake: BrakeMemory::restored(record.as_ref(), &ids),
             config,
             plan_config,
             record,
@@ -110,6 +114,7 @@ impl<K: Kernel> Reconciler<K> {
             confirmed_hold: None,
             hold: None,
             logged_errors: BTreeSet::new(),
+            expected: None,
             total_writes: 0,
             pruned: BTreeSet::new(),
             telemetry,
@@ -226,6 +231,11 @@ impl<K: Kernel> Reconciler<K> {
     pub async fn reconcile(&mut self) -> Result<Outcome, AgentError> {
         let started = Instant::now();
         let mut inventory = self.kernel.dump().await?;
+        let drift = self
+            .expected
+            .as_ref()
+            .map(|e| Drift::detect(e, &inventory))
+            .unwrap_or_default();
         let now = wall_clock();
         let plan = self.make_plan(&inventory, now);
         self.confirmed_hold = None;
@@ -250,8 +260,15 @@ impl<K: Kernel> Reconciler<K> {
                 Ok(()) => {
                     writes += 1;
                     inventory.apply(&r.op);
-                    if let Op::Delete(o) = &r.op {
-                        tracing::info!(node = r.node.as_deref().unwrap_or("-"), "deleted {o}");
+                    match &r.op {
+                        Op::Delete(o) => {
+                            tracing::info!(node = r.node.as_deref().unwrap_or("-"), "deleted {o}");
+                        }
+                        Op::Create(o) | Op::Replace(o) => {
+                            if let Some(found) = drift.at(&o.id()) {
+                                self.repaired(r.node.as_deref(), o, found);
+                            }
+                        }
                     }
                 }
                 Err(e) => {
@@ -273,6 +290,7 @@ impl<K: Kernel> Reconciler<K> {
         let cp = plan.checkpoint_after(&failed_ops);
         self.remember_freed(&plan, &cp);
         self.record_outcome(&plan, &cp, &inventory, started);
+        self.expected = Some(inventory);
         self.ids = cp.ids.clone();
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
@@ -293,6 +311,29 @@ impl<K: Kernel> Reconciler<K> {
             failed,
             pruned,
         })
+    }
+
+    /// Counts and logs the repair of an object that drifted.
+    fn repaired(&self, node: Option<&str>, o: &state::objects::KernelObject, found: &Found) {
+        self.telemetry
+            .metrics
+            .drift_repaired
+            .get_or_create(&KindLabel {
+                kind: o.kind().name().into(),
+            })
+            .inc();
+        let node = node.unwrap_or("-");
+        match found {
+            Found::Missing => {
+                tracing::warn!(
+                    node,
+                    "repaired drift: {o} had gone from the kernel; written back"
+                );
+            }
+            Found::Changed(was) => {
+                tracing::warn!(node, "repaired drift: found {was}, written back as {o}");
+            }
+        }
     }
 
     /// Logs each input problem and hold once, when it first appears.
@@ -450,5 +491,164 @@ fn op_label(op: &Op) -> &'static str {
     match op {
         Op::Create(_) | Op::Replace(_) => "upsert",
         Op::Delete(_) => "delete",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use state::node::RawNode;
+    use state::objects::{KernelObject, ObjectKind};
+
+    use super::*;
+    use crate::agent::kernel::fake::FakeKernel;
+
+    fn raw(name: &str, ip: &str, cidr: &str) -> RawNode {
+        RawNode {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            addresses: vec![("InternalIP".into(), ip.into())],
+            pod_cidrs: vec![cidr.into()],
+            boot_id: String::new(),
+        }
+    }
+
+    fn reconciler(nodes: &[(&str, u8)]) -> Reconciler<FakeKernel> {
+        let config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+        let mut rec = Reconciler::new(config, None, None, FakeKernel::default(), telemetry);
+        rec.on_event(SourceEvent::Init);
+        rec.on_event(SourceEvent::InitApply(raw(
+            "local",
+            "10.0.0.100",
+            "10.1.100.0/24",
+        )));
+        for (n, i) in nodes {
+            rec.on_event(SourceEvent::InitApply(raw(
+                n,
+                &format!("10.0.0.{i}"),
+                &format!("10.1.{i}.0/24"),
+            )));
+        }
+        rec.on_event(SourceEvent::InitDone);
+        rec
+    }
+
+    fn metric(rec: &Reconciler<FakeKernel>, series: &str) -> Option<f64> {
+        let text = rec.telemetry.metrics.encode();
+        text.lines()
+            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn drift_is_repaired_counted_and_foreign_objects_are_not_repaired() {
+        let mut rec = reconciler(&[("a", 1), ("b", 2)]);
+        rec.reconcile().await.unwrap();
+        let k = rec.kernel();
+        let route_a = k
+            .ours
+            .values()
+            .find(|o| o.kind() == ObjectKind::Route && o.to_string().contains("10.1.1.0/24"))
+            .cloned()
+            .unwrap();
+        let entry_b = k
+            .ours
+            .values()
+            .find(|o| matches!(o, KernelObject::MapEntry(e) if e.ip.to_string() == "10.0.0.2"))
+            .cloned()
+            .unwrap();
+        // Someone deletes a's route and rewrites b's entry; someone else's route takes the place
+        // of... nothing of ours: it stands beside them.
+        k.ours.remove(&route_a.id());
+        if let KernelObject::MapEntry(mut e) = entry_b.clone() {
+            e.node_id = state::objects::NodeId::new(999).unwrap();
+            k.ours.insert(entry_b.id(), KernelObject::MapEntry(e));
+        }
+        let o = rec.reconcile().await.unwrap();
+        assert_eq!(o.writes, 2);
+        assert!(rec.kernel().ours.contains_key(&route_a.id()));
+        assert_eq!(rec.kernel().ours[&entry_b.id()], entry_b);
+        assert_eq!(
+            metric(&rec, "node_agent_drift_repaired_total{kind=\"route\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            metric(&rec, "node_agent_drift_repaired_total{kind=\"map_entry\"}"),
+            Some(1.0)
+        );
+        // A foreign route replaces ours: reported, never "repaired".
+        let k = rec.kernel();
+        k.ours.remove(&route_a.id());
+        k.foreign.insert(
+            route_a.id(),
+            "route 10.1.1.0/24 metric 0 proto static".into(),
+        );
+        let o = rec.reconcile().await.unwrap();
+        assert_eq!(o.writes, 0);
+        assert!(o.plan.errors.iter().any(|e| e.problem.is_conflict()));
+        assert_eq!(
+            metric(&rec, "node_agent_drift_repaired_total{kind=\"route\"}"),
+            Some(1.0)
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_failed_delete_keeps_the_node_pending_with_its_id() {
+        let mut rec = reconciler(&[("a", 1), ("b", 2), ("c", 3)]);
+        rec.reconcile().await.unwrap();
+        rec.on_event(SourceEvent::Delete("c".into()));
+        rec.kernel().faults.kinds = vec![ObjectKind::Route];
+        let o = rec.reconcile().await.unwrap();
+        assert_eq!(o.failed.len(), 1);
+        assert!(o.pruned.is_empty());
+        let cp = rec.record().unwrap();
+        assert_eq!(cp.pending_deletes.len(), 1);
+        assert_eq!(cp.pending_deletes[0].attempts, 1);
+        assert!(cp.ids.freed.is_empty(), "its ID is still in use");
+        // The kernel lets go: the retry deletes it, without the brake counting it again.
+        rec.kernel().faults.kinds.clear();
+        let o = rec.reconcile().await.unwrap();
+        assert!(o.failed.is_empty() && o.plan.brake.is_none());
+        assert_eq!(o.pruned.len(), 1);
+        assert!(rec.record().unwrap().pending_deletes.is_empty());
+        assert_eq!(
+            rec.kernel().freed.len(),
+            1,
+            "the kernel remembers the freed ID"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_cooldown_survives_a_lost_checkpoint_through_the_kernel() {
+        let mut rec = reconciler(&[("a", 1), ("b", 2)]);
+        rec.reconcile().await.unwrap();
+        rec.on_event(SourceEvent::Delete("b".into()));
+        rec.reconcile().await.unwrap();
+        let freed: Vec<u16> = rec.kernel().freed.keys().copied().collect();
+        assert_eq!(freed.len(), 1);
+        // A restart without the checkpoint, on the same kernel: a newcomer must not get it.
+        let kernel = std::mem::take(rec.kernel());
+        let mut config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        config.max_node_id = 2;
+        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+        let mut rec = Reconciler::new(config, None, None, kernel, telemetry);
+        rec.on_event(SourceEvent::Init);
+        rec.on_event(SourceEvent::InitApply(raw(
+            "local",
+            "10.0.0.100",
+            "10.1.100.0/24",
+        )));
+        rec.on_event(SourceEvent::InitApply(raw("a", "10.0.0.1", "10.1.1.0/24")));
+        rec.on_event(SourceEvent::InitApply(raw("z", "10.0.0.9", "10.1.9.0/24")));
+        rec.on_event(SourceEvent::InitDone);
+        let o = rec.reconcile().await.unwrap();
+        assert!(
+            o.plan
+                .errors
+                .iter()
+                .any(|e| e.node == "z" && e.to_string().contains("cooling")),
+            "{:?}",
+            o.plan.errors
+        );
     }
 }

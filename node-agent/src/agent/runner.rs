@@ -430,3 +430,215 @@ fn unstamped(cp: &Checkpoint) -> Checkpoint {
         ..cp.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use state::node::RawNode;
+
+    use super::*;
+    use crate::agent::kernel::fake::FakeKernel;
+
+    fn raw(name: &str, ip: &str, cidr: &str) -> RawNode {
+        RawNode {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            addresses: vec![("InternalIP".into(), ip.into())],
+            pod_cidrs: vec![cidr.into()],
+            boot_id: String::new(),
+        }
+    }
+
+    fn list(rec: &mut Reconciler<FakeKernel>, nodes: &[RawNode]) -> bool {
+        let mut due = rec.on_event(SourceEvent::Init);
+        for n in nodes {
+            due |= rec.on_event(SourceEvent::InitApply(n.clone()));
+        }
+        due | rec.on_event(SourceEvent::InitDone)
+    }
+
+    fn cluster(n: u8) -> Vec<RawNode> {
+        let mut v = vec![raw("local", "10.0.0.100", "10.1.100.0/24")];
+        v.extend((1..=n).map(|i| {
+            raw(
+                &format!("n{i}"),
+                &format!("10.0.0.{i}"),
+                &format!("10.1.{i}.0/24"),
+            )
+        }));
+        v
+    }
+
+    /// A daemon over a fake kernel with its state in `dir`, synced on `nodes`.
+    fn daemon(dir: &Path, nodes: &[RawNode]) -> Daemon<FakeKernel> {
+        let mut config = AgentConfig::new("local", dir, "/nonexistent-bpffs");
+        config.checkpoint_interval = Duration::ZERO;
+        let (checkpointer, record) = Checkpointer::open(dir, false).unwrap();
+        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+        let mut rec = Reconciler::new(
+            config,
+            None,
+            record,
+            FakeKernel::default(),
+            telemetry.clone(),
+        );
+        rec.confirm_by_relist(true);
+        list(&mut rec, nodes);
+        Daemon {
+            schedule: Schedule::new(
+                Instant::now(),
+                Duration::ZERO,
+                Duration::from_secs(300),
+                Duration::ZERO,
+            ),
+            rec,
+            checkpointer,
+            telemetry,
+            stale_since: None,
+            published_hold: None,
+        }
+    }
+
+    fn relist_channel() -> (mpsc::Sender<SourceRequest>, mpsc::Receiver<SourceRequest>) {
+        mpsc::channel(1)
+    }
+
+    fn errors(d: &Daemon<FakeKernel>) -> String {
+        d.telemetry.metrics.encode()
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_checkpoint_that_cannot_be_written_backs_off_and_recovers_without_a_restart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let mut d = daemon(&dir, &cluster(2));
+        let (tx, _rx) = relist_channel();
+        d.turn(&tx).await;
+        assert!(dir.join("nodes.ckpt").exists());
+        assert_eq!(d.rec.kernel().ours.len(), 4);
+        // The state directory goes away (as a full or read-only one would fail the write).
+        let moved = tmp.path().join("moved");
+        std::fs::rename(&dir, &moved).unwrap();
+        d.on_event(SourceEvent::Apply(raw("n3", "10.0.0.3", "10.1.3.0/24")));
+        d.turn(&tx).await;
+        assert_eq!(d.rec.kernel().ours.len(), 6, "kernel work goes on");
+        let metrics = errors(&d);
+        assert!(
+            metrics.contains("node_agent_checkpoint_writes_total{result=\"error\"} 1"),
+            "{metrics}"
+        );
+        let ready = d
+            .telemetry
+            .ready()
+            .expect("the datapath is right: still ready");
+        assert!(ready.contains("checkpoint failing"), "{ready}");
+        // The next turns do not retry at once: the schedule backs off.
+        for _ in 0..50 {
+            d.turn(&tx).await;
+        }
+        assert!(errors(&d).contains("node_agent_checkpoint_writes_total{result=\"error\"} 1"));
+        // Space is back: the retry succeeds, and readiness has no complaint left.
+        std::fs::rename(&moved, &dir).unwrap();
+        d.write_checkpoint();
+        assert!(errors(&d).contains("node_agent_checkpoint_writes_total{result=\"ok\"} 2"));
+        assert_eq!(d.telemetry.ready(), Ok("ready".into()));
+        assert!(!d.schedule.dirty());
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn sigterm_with_an_unwritable_state_dir_tries_once_and_fails() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let mut d = daemon(&dir, &cluster(1));
+        let (tx, _rx) = relist_channel();
+        d.turn(&tx).await;
+        d.on_event(SourceEvent::Apply(raw("n2", "10.0.0.2", "10.1.2.0/24")));
+        d.turn(&tx).await;
+        std::fs::remove_dir_all(&dir).unwrap();
+        d.on_event(SourceEvent::Delete("n2".into()));
+        d.turn(&tx).await;
+        assert!(d.schedule.dirty());
+        let e = d.shutdown().unwrap_err();
+        assert!(e.to_string().contains("state"), "{e}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn sigterm_writes_what_changed_since_the_last_write() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let mut d = daemon(&dir, &cluster(1));
+        let (tx, _rx) = relist_channel();
+        d.turn(&tx).await;
+        d.on_event(SourceEvent::Apply(raw("n2", "10.0.0.2", "10.1.2.0/24")));
+        d.schedule.checkpoint_written(Instant::now(), false);
+        d.turn(&tx).await;
+        assert!(d.schedule.dirty());
+        d.shutdown().unwrap();
+        let cp =
+            state::checkpoint::decode(&std::fs::read(dir.join("nodes.ckpt")).unwrap()).unwrap();
+        assert_eq!(cp.nodes.len(), 2);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_failing_dump_never_turns_into_deletes_and_the_reconcile_backs_off() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let mut d = daemon(&dir, &cluster(2));
+        let (tx, _rx) = relist_channel();
+        d.turn(&tx).await;
+        let applied = d.rec.kernel().applied.len();
+        // n2 goes away, and the next dumps fail halfway (ENOBUFS).
+        d.rec.kernel().faults.dumps = 2;
+        d.on_event(SourceEvent::Delete("n2".into()));
+        d.turn(&tx).await;
+        assert_eq!(d.rec.kernel().applied.len(), applied, "nothing applied");
+        let why = d.telemetry.ready().unwrap_err();
+        assert!(why.contains("kernel inventory"), "{why}");
+        // The retry waits for its backoff, then goes ahead once the dump works.
+        assert!(!d.schedule.due(Instant::now()).reconcile);
+        d.schedule.reconcile_now(Instant::now());
+        d.turn(&tx).await;
+        d.schedule.reconcile_now(Instant::now());
+        d.turn(&tx).await;
+        assert_eq!(
+            d.rec.kernel().ours.len(),
+            2,
+            "n2's objects went once the dump worked"
+        );
+        assert_eq!(d.telemetry.ready(), Ok("ready".into()));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_ripe_hold_asks_the_source_for_one_relist_and_waits_without_reconciling() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let mut d = daemon(&dir, &cluster(4));
+        let (tx, mut rx) = relist_channel();
+        d.turn(&tx).await;
+        // Three of four go at once: held.
+        list(&mut d.rec, &cluster(1));
+        d.schedule.source_changed(Instant::now());
+        d.turn(&tx).await;
+        assert!(d.rec.hold().is_some());
+        // Pretend the confirm delay has passed: the hold is ripe.
+        d.schedule.reconciled(
+            Instant::now(),
+            Reconciled::Done,
+            false,
+            Some(Instant::now()),
+        );
+        let dumps = d.rec.kernel().dumps;
+        d.turn(&tx).await;
+        assert_eq!(rx.try_recv(), Ok(SourceRequest::Relist));
+        for _ in 0..20 {
+            d.turn(&tx).await;
+        }
+        assert!(rx.try_recv().is_err(), "asked once");
+        assert_eq!(
+            d.rec.kernel().dumps,
+            dumps,
+            "no dump or plan while waiting for the list"
+        );
+    }
+}

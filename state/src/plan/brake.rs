@@ -23,6 +23,7 @@ use super::claims::ClaimedAnywhere;
 use super::records::Record;
 use super::{Delete, Local, PlanConfig, PlanInput};
 use crate::checkpoint::{Checkpoint, RecentRemovals};
+use crate::ids::AllocatorState;
 use crate::objects::{KernelObject, ObjectId};
 
 /// Something a plan would remove for good.
@@ -56,11 +57,26 @@ pub struct BrakeMemory {
 
 impl BrakeMemory {
     /// The memory a restarted agent begins with: the window from its checkpoint, no holds (a
-    /// hold starts over, which only ever delays a removal).
-    pub fn restored(cp: Option<&Checkpoint>) -> Self {
+    /// hold starts over, which only ever delays a removal). Without a checkpoint the window went
+    /// with it; the IDs the kernel remembers freeing (`freed`, merged into the allocator state)
+    /// stand in for it, each one a node removed at that time. Entries older than the window
+    /// fall away at the first plan.
+    pub fn restored(cp: Option<&Checkpoint>, freed: &AllocatorState) -> Self {
+        let window = match cp {
+            Some(c) => c.removals.clone(),
+            None => freed
+                .freed
+                .iter()
+                .map(|f| RecentRemovals {
+                    at: f.freed_at,
+                    nodes: 1,
+                    objects: 0,
+                })
+                .collect(),
+        };
         Self {
             held: BTreeMap::new(),
-            window: cp.map(|c| c.removals.clone()).unwrap_or_default(),
+            window,
         }
     }
 }
@@ -174,9 +190,6 @@ pub(super) struct Ask {
     /// Without a record: nodes (by ID) every map entry of which is an orphan. They are node
     /// removals too, so the node ratio counts them.
     pub orphan_nodes: usize,
-    /// Without a record: IDs freed within the window, which the kernel remembers. The record's
-    /// window went with the record; these stand in for it.
-    pub freed_recently: usize,
 }
 
 impl Ask {
@@ -186,7 +199,6 @@ impl Ask {
             known_nodes,
             our_objects,
             orphan_nodes: 0,
-            freed_recently: 0,
         }
     }
 }
@@ -266,7 +278,6 @@ pub(super) fn decide(
         .filter(|r| matches!(r, Removal::Node { .. }))
         .count();
     let asked_orphans = asked.len() - asked_nodes;
-    let window_nodes = window_nodes + counts.freed_recently;
     let removed_nodes = asked_nodes + counts.orphan_nodes;
     let ratios = Ratios {
         removed_nodes: removed_nodes + window_nodes,
@@ -415,7 +426,6 @@ impl Brake {
             known_nodes: known,
             our_objects: input.inventory.len(),
             orphan_nodes: 0,
-            freed_recently: 0,
         };
         if records.is_empty() {
             counts = without_record(counts, input, claimed, local);
@@ -491,8 +501,7 @@ impl Brake {
     }
 }
 
-/// The node counts of a plan without a record: nodes are told apart by the IDs the map carries,
-/// and the window by the IDs the kernel remembers freeing.
+/// The node counts of a plan without a record: nodes are told apart by the IDs the map carries.
 fn without_record(
     counts: Ask,
     input: &PlanInput<'_>,
@@ -512,17 +521,9 @@ fn without_record(
             }
         }
     }
-    let in_map: HashSet<_> = kept.union(&orphaned).copied().collect();
-    let window = input.config.confirm_delay;
     Ask {
-        known_nodes: in_map.len(),
+        known_nodes: kept.union(&orphaned).count(),
         orphan_nodes: orphaned.difference(&kept).count(),
-        freed_recently: input
-            .allocator
-            .freed
-            .iter()
-            .filter(|f| !in_map.contains(&f.id) && input.now.saturating_sub(f.freed_at) < window)
-            .count(),
         ..counts
     }
 }

@@ -340,6 +340,8 @@ impl Plan {
             agent_version: input.config.agent_version.clone(),
             local_node: input.config.local_node.clone(),
             ids: input.allocator.clone(),
+            // The window rebuilt from the kernel stays remembered.
+            removals: input.brake.window.clone(),
             ..Checkpoint::default()
         });
         Plan {

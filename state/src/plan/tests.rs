@@ -1027,6 +1027,15 @@ fn a_list_without_the_local_node_changes_nothing() {
     // Also an empty list, which a plain ratio would miss with nothing known.
     let p = r.plan(None, &[], &k);
     assert!(p.is_empty() && p.brake.is_some());
+    // Without a record, the window rebuilt from the kernel's freed IDs is kept for next time.
+    r.brake = BrakeMemory::restored(None, &cp.ids);
+    r.brake.window.push(crate::checkpoint::RecentRemovals {
+        at: NOW,
+        nodes: 3,
+        objects: 0,
+    });
+    let p = r.plan(None, &[], &k);
+    assert_eq!(p.checkpoint.removals, r.brake.window);
 }
 
 #[test]
@@ -1052,7 +1061,7 @@ fn removals_just_released_count_against_the_next_plan() {
     let p2 = r.plan(Some(&cp1), &nodes[6..], &k);
     assert!(p2.brake.is_some(), "{:?}", p2.deletes);
     // The window survives a restart through the checkpoint.
-    r.brake = BrakeMemory::restored(Some(&cp1));
+    r.brake = BrakeMemory::restored(Some(&cp1), &cp1.ids);
     let p3 = r.plan(Some(&cp1), &nodes[6..], &k);
     assert!(p3.brake.is_some());
     // After the window, two of six are fine.
@@ -1086,7 +1095,7 @@ fn a_lost_checkpoint_does_not_forget_the_removals_just_made() {
         live: &view,
         inventory: &inventory,
         allocator: &cp1.ids,
-        brake: &BrakeMemory::default(),
+        brake: &BrakeMemory::restored(None, &cp1.ids),
         confirmed_hold: None,
         now: r.now,
         config: &r.cfg,

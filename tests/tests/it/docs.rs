@@ -448,3 +448,26 @@ fn doc_commands_run_in_a_sandbox() {
     });
     let _ = std::fs::remove_file(&nodes);
 }
+
+/// Every test `docs/design.md` names as the proof of an invariant (`path/to/file.rs::test_name`)
+/// exists in that file, so the list cannot point at a test that was renamed or removed.
+#[test]
+fn every_test_the_design_names_exists() {
+    let root = root();
+    let design = std::fs::read_to_string(root.join("docs/design.md")).unwrap();
+    let mut named = 0;
+    for part in design.split('`').skip(1).step_by(2) {
+        let Some((file, test)) = part.split_once(".rs::") else {
+            continue;
+        };
+        let path = root.join(format!("{file}.rs"));
+        let source = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("docs/design.md names {}: {e}", path.display()));
+        assert!(
+            source.contains(&format!("fn {test}(")),
+            "docs/design.md names {file}.rs::{test}, which does not exist"
+        );
+        named += 1;
+    }
+    assert!(named >= 17, "only {named} tests named");
+}
