@@ -331,6 +331,48 @@ mod tests {
     }
 
     #[test]
+    fn a_crash_mid_write_leaves_the_previous_checkpoint_and_its_temp_file_goes() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("state");
+        let cp = sample();
+        {
+            let store = CheckpointStore::open(&dir).unwrap();
+            store.write(&cp).unwrap();
+            // The next write died halfway: half the new bytes in the temp file, no rename.
+            let next = crate::checkpoint::encode(&cp).unwrap();
+            fs::write(dir.join(TMP_NAME), &next[..next.len() / 2]).unwrap();
+        }
+        let store = CheckpointStore::open(&dir).unwrap();
+        assert!(!dir.join(TMP_NAME).exists());
+        match store.load().unwrap() {
+            LoadOutcome::Loaded(back) => assert_eq!(back, cp),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_torn_checkpoint_is_moved_aside_at_every_length() {
+        let t = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(t.path()).unwrap();
+        let bytes = crate::checkpoint::encode(&sample()).unwrap();
+        for cut in [1, 8, 19, 20, bytes.len() / 2, bytes.len() - 1] {
+            fs::write(store.path(), &bytes[..cut]).unwrap();
+            match store.load().unwrap() {
+                LoadOutcome::MovedAside { reason, .. } => {
+                    assert!(
+                        matches!(
+                            reason,
+                            DecodeError::Truncated { .. } | DecodeError::BadMagic { .. }
+                        ),
+                        "{cut}: {reason}"
+                    );
+                }
+                other => panic!("{cut}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn corrupt_checkpoint_is_moved_aside_and_only_three_are_kept() {
         let t = tempfile::tempdir().unwrap();
         let store = CheckpointStore::open(t.path()).unwrap();

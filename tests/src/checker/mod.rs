@@ -57,8 +57,6 @@ impl Budget {
     }
 }
 
-/// The brake's allowed share, as the agent runs here (its default).
-const MAX_RATIO: f64 = 0.5;
 /// The agent's default confirm delay: removals within it are counted together.
 const WINDOW: Duration = Duration::from_secs(60);
 
@@ -68,6 +66,15 @@ pub struct Outcome {
     pub steps: usize,
     /// The first step that broke an invariant, with what it broke.
     pub failure: Option<(usize, Vec<String>)>,
+    /// Crash torture's figures: restarts checked for exactness, objects leaked and missing
+    /// after them, and IDs of unchanged nodes that changed.
+    pub rounds: usize,
+    pub leaked: usize,
+    pub missing: usize,
+    pub id_changes: usize,
+    /// Where the kills landed: before the kernel changed, after it changed but before the
+    /// checkpoint did, after the checkpoint was written.
+    pub kills: [usize; 3],
 }
 
 /// Runs the histories of `budget`; panics with the (shrunk) history of the first failure.
@@ -77,17 +84,22 @@ pub fn check(name: &str, budget: Budget) {
         "{name}: seed {} ({} histories of {} steps; NODE_AGENT_CHECK_SEED and NODE_AGENT_CHECK_STEPS set them)",
         budget.seed, budget.histories, budget.steps
     ));
-    let mut total = 0;
+    let mut total = Outcome::default();
     for h in 0..budget.histories {
         let mut rng = Rng::new(budget.seed.wrapping_add(h as u64));
-        let steps: Vec<Step> = (0..budget.steps)
-            .map(|_| model::step(&mut rng, budget.profile))
-            .collect();
+        let steps = model::history(&mut rng, budget.profile, budget.steps);
         let list_seed = rng.next_u64();
-        let outcome = run_history(&steps, list_seed);
-        total += outcome.steps;
+        let outcome = run_history(&steps, list_seed, budget.profile);
+        total.steps += outcome.steps;
+        total.rounds += outcome.rounds;
+        total.leaked += outcome.leaked;
+        total.missing += outcome.missing;
+        total.id_changes += outcome.id_changes;
+        for (t, k) in total.kills.iter_mut().zip(outcome.kills) {
+            *t += k;
+        }
         if let Some((at, broke)) = outcome.failure {
-            let shrunk = shrink(&steps, list_seed);
+            let shrunk = shrink(&steps, list_seed, budget.profile);
             panic!(
                 "{name}: seed {} history {h} broke invariants at step {at}:\n  {}\nhistory:\n{}\nshrunk to:\n{}",
                 budget.seed,
@@ -98,10 +110,21 @@ pub fn check(name: &str, budget: Budget) {
         }
     }
     report(&format!(
-        "{name}: {} histories, {total} steps, 0 violations, {:.1} s",
+        "{name}: {} histories, {} steps, 0 violations, {:.1} s",
         budget.histories,
+        total.steps,
         started.elapsed().as_secs_f64()
     ));
+    if budget.profile.torture {
+        report(&format!(
+            "{name}: {} restarts after SIGKILL checked: {} leaked, {} missing, {} ID changes (seed {})",
+            total.rounds, total.leaked, total.missing, total.id_changes, budget.seed
+        ));
+        report(&format!(
+            "{name}: kills landed {} before the kernel changed, {} between the apply and the checkpoint, {} after the checkpoint",
+            total.kills[0], total.kills[1], total.kills[2]
+        ));
+    }
 }
 
 fn listing(steps: &[Step]) -> String {
@@ -115,7 +138,7 @@ fn listing(steps: &[Step]) -> String {
 
 /// Replays `steps` without one step at a time, keeping each removal that still fails; at most
 /// a few dozen replays.
-fn shrink(steps: &[Step], list_seed: u64) -> Vec<Step> {
+fn shrink(steps: &[Step], list_seed: u64, profile: Profile) -> Vec<Step> {
     let mut current = steps.to_vec();
     let mut replays = 0;
     let mut i = current.len();
@@ -124,7 +147,10 @@ fn shrink(steps: &[Step], list_seed: u64) -> Vec<Step> {
         let mut candidate = current.clone();
         candidate.remove(i);
         replays += 1;
-        if run_history(&candidate, list_seed).failure.is_some() {
+        if run_history(&candidate, list_seed, profile)
+            .failure
+            .is_some()
+        {
             current = candidate;
             i = i.min(current.len());
         }
@@ -154,14 +180,15 @@ fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
     *planted = want.to_vec();
 }
 
-/// Runs the agent as `action` says; the exit status, or `None` for a killed daemon.
-fn act(env: &AgentEnv, action: &Action) -> Option<i32> {
+/// Runs the agent as `action` says, with `args`; the exit status, or `None` for a killed
+/// daemon.
+fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
     match action {
-        Action::Once => Some(env.once(&[]).0),
-        Action::OnceForced => Some(env.once(&["--force-prune"]).0),
+        Action::Once => Some(env.once(args).0),
+        Action::OnceForced => Some(env.once(&[args, &["--force-prune"]].concat()).0),
         Action::LoseCheckpoint => {
             let _ = std::fs::remove_file(env.checkpoint());
-            Some(env.once(&[]).0)
+            Some(env.once(args).0)
         }
         Action::CorruptCheckpoint { at } => {
             if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
@@ -171,11 +198,29 @@ fn act(env: &AgentEnv, action: &Action) -> Option<i32> {
                 }
                 let _ = std::fs::write(env.checkpoint(), bytes);
             }
-            Some(env.once(&[]).0)
+            Some(env.once(args).0)
         }
         Action::KilledDaemon { ms } => {
-            let mut d = env.spawn(&[]);
+            let mut d = env.spawn(args);
             std::thread::sleep(Duration::from_millis(*ms));
+            let _ = d.kill();
+            let _ = d.wait();
+            None
+        }
+        Action::KilledAfterApply { us } => {
+            let reconciled = || {
+                std::fs::read_to_string(env.log())
+                    .unwrap_or_default()
+                    .matches(" reconciled ")
+                    .count()
+            };
+            let before = reconciled();
+            let mut d = env.spawn(args);
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while reconciled() == before && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            std::thread::sleep(Duration::from_micros(*us));
             let _ = d.kill();
             let _ = d.wait();
             None
@@ -184,11 +229,12 @@ fn act(env: &AgentEnv, action: &Action) -> Option<i32> {
 }
 
 /// Runs one history in a fresh sandbox; stops at the first step that breaks an invariant.
-pub fn run_history(steps: &[Step], list_seed: u64) -> Outcome {
+pub fn run_history(steps: &[Step], list_seed: u64, profile: Profile) -> Outcome {
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let mut rng = Rng::new(list_seed);
-        let mut truth = Truth::default();
+        let mut truth = Truth::new(&profile);
+        let mut ids: std::collections::BTreeMap<String, (TestNode, u16)> = Default::default();
         let mut planted = Vec::new();
         let mut previous_clean: Vec<TestNode> = Vec::new();
         let mut window: Vec<(Instant, usize, usize)> = Vec::new();
@@ -205,8 +251,18 @@ pub fn run_history(steps: &[Step], list_seed: u64) -> Outcome {
             let list = truth.list(&step.view, &mut rng);
             env.write_list(&list);
             let record_before = oracle::record(&env);
-            let exit = act(&env, &step.action);
+            let exit = act(&env, &step.action, profile.agent_args);
             let after = Snapshot::take(&env);
+            if exit.is_none() {
+                let kernel_changed = after != before;
+                let record_changed = oracle::record(&env) != record_before;
+                let phase = match (kernel_changed, record_changed) {
+                    (_, true) => 2,
+                    (true, false) => 1,
+                    (false, false) => 0,
+                };
+                outcome.kills[phase] += 1;
+            }
             let now = Instant::now();
             window.retain(|(t, ..)| now.duration_since(*t) < WINDOW);
             let facts = StepFacts {
@@ -222,9 +278,22 @@ pub fn run_history(steps: &[Step], list_seed: u64) -> Outcome {
                 window: window
                     .iter()
                     .fold((0, 0), |(n, o), (_, dn, dobj)| (n + dn, o + dobj)),
-                max_ratio: MAX_RATIO,
+                max_ratio: profile.max_ratio,
             };
-            let broke = oracle::violations(&facts);
+            let mut broke = oracle::violations(&facts);
+            if profile.torture && exit.is_some() {
+                let (leaked, missing) = oracle::exactness(&list, &after);
+                let changed = oracle::id_changes(&list, &after, &mut ids);
+                outcome.rounds += 1;
+                outcome.leaked += leaked;
+                outcome.missing += missing;
+                outcome.id_changes += changed;
+                if leaked + missing + changed > 0 {
+                    broke.push(format!(
+                        "after the restart: {leaked} objects leaked, {missing} missing, {changed} IDs changed"
+                    ));
+                }
+            }
             let (nodes, objects) = oracle::removals(&facts);
             window.push((now, nodes, objects));
             outcome.steps += 1;
@@ -238,7 +307,7 @@ pub fn run_history(steps: &[Step], list_seed: u64) -> Outcome {
                 .collect();
             before = after;
         }
-        if let Some(broke) = converge(&env, &mut truth, &mut planted, &mut rng) {
+        if let Some(broke) = converge(&env, &mut truth, &mut planted, &mut rng, profile) {
             outcome.failure = Some((steps.len(), broke));
         }
         outcome
@@ -252,17 +321,19 @@ fn converge(
     truth: &mut Truth,
     planted: &mut Vec<usize>,
     rng: &mut Rng,
+    profile: Profile,
 ) -> Option<Vec<String>> {
+    let forced = [profile.agent_args, &["--force-prune"]].concat();
     truth.apply(&Change::Mend);
     sync_foreign(planted, &truth.foreign);
     let list = truth.list(&View::Full, rng);
     env.write_list(&list);
     let mut broke = Vec::new();
-    let (code, _, err) = env.once(&["--force-prune"]);
+    let (code, _, err) = env.once(&forced);
     if code != 0 {
         broke.push(format!("the converging run exited {code}: {err}"));
     }
-    let (code, report, _) = env.once(&["--force-prune"]);
+    let (code, report, _) = env.once(&forced);
     if code != 0 || report["kernel_writes"] != 0 {
         broke.push(format!(
             "a second converging run was not idle: exit {code}, {report}"

@@ -34,18 +34,16 @@ impl Rng {
 }
 
 /// Address and pod CIDR slots: a node draws one slot for its addresses and one for its CIDRs, so
-/// freed slots come back (recycled IPs and CIDRs) as the history goes on.
-pub const SLOTS: usize = 14;
-pub const NAMES: usize = 10;
-
+/// freed slots come back (recycled IPs and CIDRs) as the history goes on. Every address is on
+/// the sandbox's link (10.88.0.0/16, fd00:88::/64).
 pub fn slot_ipv4(slot: usize) -> String {
-    format!("10.88.7.{}", slot + 10)
+    format!("10.88.{}.{}", 7 + slot / 200, 10 + slot % 200)
 }
 pub fn slot_ipv6(slot: usize) -> String {
     format!("fd00:88::7:{:x}", slot + 10)
 }
 pub fn slot_cidr4(slot: usize) -> String {
-    format!("10.130.{}.0/24", slot + 1)
+    format!("10.{}.{}.0/24", 130 + slot / 250, slot % 250 + 1)
 }
 pub fn slot_cidr6(slot: usize) -> String {
     format!("fd00:130:{:x}::/64", slot + 1)
@@ -55,6 +53,11 @@ pub fn slot_cidr6(slot: usize) -> String {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Change {
     Nothing,
+    /// `ops` plain changes (adds, deletes, readdressing, recycled IPs) drawn from `seed`.
+    Churn {
+        seed: u64,
+        ops: usize,
+    },
     Add {
         name: usize,
         slot: usize,
@@ -130,6 +133,9 @@ pub enum Action {
     OnceForced,
     /// The daemon, killed with SIGKILL after `ms` milliseconds.
     KilledDaemon { ms: u64 },
+    /// The daemon, killed `us` microseconds after it logs a finished reconcile: between the
+    /// kernel apply and the checkpoint write, or during the write.
+    KilledAfterApply { us: u64 },
     /// The checkpoint is deleted, then `run --once`.
     LoseCheckpoint,
     /// The checkpoint has a byte flipped, then `run --once`.
@@ -149,9 +155,19 @@ impl fmt::Display for Step {
     }
 }
 
-/// How often each kind of step comes up.
+/// What histories look like.
 #[derive(Clone, Copy, Debug)]
 pub struct Profile {
+    /// Node names and address slots to draw from.
+    pub names: usize,
+    pub slots: usize,
+    /// Extra arguments for every run of the agent.
+    pub agent_args: &'static [&'static str],
+    /// The brake's ratio under those arguments.
+    pub max_ratio: f64,
+    /// Crash torture: rounds of churn, a daemon killed at a random moment, a restart that must
+    /// converge exactly; rather than random steps of every kind.
+    pub torture: bool,
     /// Percent of steps that break something (claims, malformed, unaddressed, foreign routes).
     pub trouble: u64,
     /// Percent of steps that show the agent a distorted list.
@@ -164,14 +180,76 @@ pub struct Profile {
 
 impl Profile {
     pub const INVARIANTS: Self = Self {
+        names: 10,
+        slots: 14,
+        agent_args: &[],
+        max_ratio: 0.5,
+        torture: false,
         trouble: 25,
         distortion: 20,
         kills: 15,
         lost: 8,
     };
+
+    /// A cluster large enough that the apply takes a while, churned by a tenth each round; the
+    /// brake (not what this is about) let through.
+    pub const TORTURE: Self = Self {
+        names: 120,
+        slots: 160,
+        agent_args: &["--max-prune-ratio", "1"],
+        max_ratio: 1.0,
+        torture: true,
+        trouble: 0,
+        distortion: 0,
+        kills: 100,
+        lost: 0,
+    };
+}
+
+/// A history of `n` steps for `p`.
+pub fn history(rng: &mut Rng, p: Profile, n: usize) -> Vec<Step> {
+    if !p.torture {
+        return (0..n).map(|_| step(rng, p)).collect();
+    }
+    // A first round programs the cluster; every round after churns it, kills a daemon, and
+    // restarts once to converge.
+    let mut steps = vec![Step {
+        change: Change::Churn {
+            seed: rng.next_u64(),
+            ops: p.names * 2 / 3,
+        },
+        view: View::Full,
+        action: Action::Once,
+    }];
+    while steps.len() < n {
+        let kill = match rng.below(3) {
+            0 => Action::KilledDaemon {
+                ms: 20 + rng.below(600) as u64,
+            },
+            1 => Action::KilledAfterApply { us: 0 },
+            _ => Action::KilledAfterApply {
+                us: rng.below(3000) as u64,
+            },
+        };
+        steps.push(Step {
+            change: Change::Churn {
+                seed: rng.next_u64(),
+                ops: p.names / 10,
+            },
+            view: View::Full,
+            action: kill,
+        });
+        steps.push(Step {
+            change: Change::Nothing,
+            view: View::Full,
+            action: Action::Once,
+        });
+    }
+    steps
 }
 
 pub fn step(rng: &mut Rng, p: Profile) -> Step {
+    let (names, slots) = (p.names, p.slots);
     let change = if rng.chance(p.trouble) {
         match rng.below(8) {
             0 => Change::ClaimAddress {
@@ -189,7 +267,7 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
                 pick: rng.below(99),
             },
             4 | 5 => Change::PlantForeign {
-                cidr: rng.below(SLOTS),
+                cidr: rng.below(slots),
             },
             6 => Change::ClearForeign,
             _ => Change::Mend,
@@ -197,9 +275,9 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
     } else {
         match rng.below(10) {
             0..=3 => Change::Add {
-                name: rng.below(NAMES),
-                slot: rng.below(SLOTS),
-                cidr: rng.below(SLOTS),
+                name: rng.below(names),
+                slot: rng.below(slots),
+                cidr: rng.below(slots),
                 dual: rng.chance(50),
             },
             4 | 5 => Change::Delete {
@@ -207,17 +285,17 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
             },
             6 => Change::Readdress {
                 pick: rng.below(99),
-                slot: rng.below(SLOTS),
-                cidr: rng.below(SLOTS),
+                slot: rng.below(slots),
+                cidr: rng.below(slots),
             },
             7 => Change::RecycleIps {
                 pick: rng.below(99),
-                name: rng.below(NAMES),
-                cidr: rng.below(SLOTS),
+                name: rng.below(names),
+                cidr: rng.below(slots),
             },
             8 => Change::Rename {
                 pick: rng.below(99),
-                name: rng.below(NAMES),
+                name: rng.below(names),
             },
             _ => Change::Nothing,
         }
@@ -261,6 +339,9 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
 /// The cluster as it really is, and the foreign routes around it.
 #[derive(Clone, Debug, Default)]
 pub struct Truth {
+    /// Node names and address slots to draw from.
+    pub names: usize,
+    pub slots: usize,
     pub nodes: BTreeMap<String, TestNode>,
     /// Pod CIDR slots with a foreign route.
     pub foreign: Vec<usize>,
@@ -269,7 +350,7 @@ pub struct Truth {
 }
 
 fn name(i: usize) -> String {
-    format!("n{i:02}")
+    format!("n{i:03}")
 }
 
 fn make(name: &str, slot: usize, cidr: usize, dual: bool, generation: u32) -> TestNode {
@@ -288,6 +369,14 @@ fn make(name: &str, slot: usize, cidr: usize, dual: bool, generation: u32) -> Te
 }
 
 impl Truth {
+    pub fn new(p: &Profile) -> Self {
+        Self {
+            names: p.names,
+            slots: p.slots,
+            ..Self::default()
+        }
+    }
+
     fn pick(&self, i: usize) -> Option<String> {
         (!self.nodes.is_empty())
             .then(|| self.nodes.keys().nth(i % self.nodes.len()).unwrap().clone())
@@ -300,27 +389,55 @@ impl Truth {
     /// A free slot from `start` on: its address is nobody's.
     fn free_slot(&self, start: usize) -> Option<usize> {
         let used = self.used(|n| n.ips.clone());
-        (0..SLOTS)
-            .map(|k| (start + k) % SLOTS)
+        (0..self.slots)
+            .map(|k| (start + k) % self.slots)
             .find(|s| !used.contains(&slot_ipv4(*s)))
     }
 
     fn free_cidr(&self, start: usize) -> Option<usize> {
         let used = self.used(|n| n.cidrs.clone());
-        (0..SLOTS)
-            .map(|k| (start + k) % SLOTS)
+        (0..self.slots)
+            .map(|k| (start + k) % self.slots)
             .find(|s| !used.contains(&slot_cidr4(*s)))
     }
 
     fn free_name(&self, start: usize) -> Option<String> {
-        (0..NAMES)
-            .map(|k| name((start + k) % NAMES))
+        (0..self.names)
+            .map(|k| name((start + k) % self.names))
             .find(|n| !self.nodes.contains_key(n))
     }
 
     pub fn apply(&mut self, c: &Change) {
         match *c {
             Change::Nothing => {}
+            Change::Churn { seed, ops } => {
+                let mut rng = Rng::new(seed);
+                for _ in 0..ops {
+                    let plain = match rng.below(6) {
+                        0 | 1 => Change::Add {
+                            name: rng.below(self.names),
+                            slot: rng.below(self.slots),
+                            cidr: rng.below(self.slots),
+                            dual: rng.chance(50),
+                        },
+                        2 => Change::Delete {
+                            pick: rng.below(999),
+                        },
+                        3 => Change::Readdress {
+                            pick: rng.below(999),
+                            slot: rng.below(self.slots),
+                            cidr: rng.below(self.slots),
+                        },
+                        4 => Change::RecycleIps {
+                            pick: rng.below(999),
+                            name: rng.below(self.names),
+                            cidr: rng.below(self.slots),
+                        },
+                        _ => Change::Nothing,
+                    };
+                    self.apply(&plain);
+                }
+            }
             Change::Add {
                 name,
                 slot,

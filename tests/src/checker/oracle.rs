@@ -353,3 +353,69 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
     }
     v
 }
+
+/// What the kernel holds against what the listed nodes need (the cluster has no conflicts):
+/// objects of ours nobody needs (leaked), and objects needed but absent (missing).
+pub fn exactness(list: &[TestNode], after: &Snapshot) -> (usize, usize) {
+    let remote: Vec<&TestNode> = list
+        .iter()
+        .filter(|n| n.name != local_node().name)
+        .collect();
+    let want_ips: BTreeSet<&str> = remote
+        .iter()
+        .flat_map(|n| n.ips.iter().map(String::as_str))
+        .collect();
+    let mut want_routes: BTreeMap<&str, &str> = BTreeMap::new();
+    for n in &remote {
+        for c in &n.cidrs {
+            let v6 = c.contains(':');
+            if let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) {
+                want_routes.insert(c, gw);
+            }
+        }
+    }
+    let routes = after.our_routes();
+    let leaked = after
+        .map
+        .keys()
+        .filter(|ip| !want_ips.contains(ip.as_str()))
+        .count()
+        + routes
+            .iter()
+            .filter(|(d, g)| want_routes.get(*d) != Some(g))
+            .count();
+    let missing = want_ips
+        .iter()
+        .filter(|ip| !after.map.contains_key(**ip))
+        .count()
+        + want_routes
+            .iter()
+            .filter(|(d, g)| routes.get(*d) != Some(g))
+            .count();
+    (leaked, missing)
+}
+
+/// How many listed nodes, unchanged since they were last seen, carry another ID than then;
+/// `seen` remembers each node and its ID for the next call.
+pub fn id_changes(
+    list: &[TestNode],
+    after: &Snapshot,
+    seen: &mut BTreeMap<String, (TestNode, u16)>,
+) -> usize {
+    let mut changed = 0;
+    let mut now = BTreeMap::new();
+    for n in list.iter().filter(|n| n.name != local_node().name) {
+        let Some(id) = n.ips.first().and_then(|ip| after.map.get(ip)) else {
+            continue;
+        };
+        if let Some((before, old)) = seen.get(&n.name)
+            && before == n
+            && old != id
+        {
+            changed += 1;
+        }
+        now.insert(n.name.clone(), (n.clone(), *id));
+    }
+    *seen = now;
+    changed
+}
