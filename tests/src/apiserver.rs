@@ -132,6 +132,12 @@ struct Shared {
     /// store lock is held, so a watch sees a [`Msg::Drop`] before any change made after it.
     events: broadcast::Sender<Msg>,
     forbidden: AtomicBool,
+    /// Every request is answered `401 Unauthorized`, as when the token expired.
+    revoked: AtomicBool,
+    /// Every request is answered `500 InternalError`, as an API server in trouble does.
+    failing: AtomicBool,
+    /// Every connection is closed at once, as if nothing listened.
+    refusing: AtomicBool,
     lists: AtomicU64,
     watches: AtomicU64,
     gets: AtomicU64,
@@ -191,6 +197,9 @@ impl ApiServer {
             }),
             events,
             forbidden: AtomicBool::new(false),
+            revoked: AtomicBool::new(false),
+            failing: AtomicBool::new(false),
+            refusing: AtomicBool::new(false),
             lists: AtomicU64::new(0),
             watches: AtomicU64::new(0),
             gets: AtomicU64::new(0),
@@ -334,6 +343,26 @@ impl ApiServer {
         self.shared.forbidden.store(forbidden, Ordering::SeqCst);
     }
 
+    /// Answers every request from now on with `401 Unauthorized`, as when the agent's token
+    /// expired or was revoked, or stops doing so. Open watches are not cut.
+    pub fn set_revoked(&self, revoked: bool) {
+        self.shared.revoked.store(revoked, Ordering::SeqCst);
+    }
+
+    /// Answers every request from now on with `500 InternalError`, or stops doing so.
+    pub fn set_failing(&self, failing: bool) {
+        self.shared.failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// Closes every new connection at once, as a server that is down does (the client sees it
+    /// reset), and cuts the open watches; or serves again.
+    pub fn set_unreachable(&self, unreachable: bool) {
+        self.shared.refusing.store(unreachable, Ordering::SeqCst);
+        if unreachable {
+            self.drop_watches();
+        }
+    }
+
     /// Aborts every open watch connection mid-stream, without the end of the chunked body, the
     /// way a crashed API server or a cut network does. Changes made after this returns never
     /// reach the aborted watches.
@@ -472,6 +501,10 @@ async fn serve(
                 Err(_) => continue,
             },
         };
+        if shared.refusing.load(Ordering::SeqCst) {
+            drop(stream);
+            continue;
+        }
         let shared = shared.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
@@ -568,8 +601,16 @@ fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v == format!("Bearer {TOKEN}"));
-    if !authorized {
+    if !authorized || shared.revoked.load(Ordering::SeqCst) {
         return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized").into_response();
+    }
+    if shared.failing.load(Ordering::SeqCst) {
+        return status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            "Internal error occurred: etcdserver: request timed out",
+        )
+        .into_response();
     }
     if shared.forbidden.load(Ordering::SeqCst) {
         return forbidden(verb, name.as_deref()).into_response();

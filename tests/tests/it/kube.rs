@@ -193,3 +193,78 @@ fn restart_with_churn_through_the_api() {
         assert_eq!(report["kernel_writes"], 0, "{report}");
     });
 }
+
+#[test]
+fn readiness_follows_the_api_server_after_sync() {
+    require_sandbox!("readiness_follows_the_api_server_after_sync");
+    sandbox(|sb| {
+        let nodes = cluster(4);
+        let (server, env) = setup(sb, &nodes);
+        let _child = env.spawn(&["--metrics-addr", METRICS]);
+        env.wait("readiness", TIMEOUT, || readyz().0 == 200);
+        type Set = fn(&ApiServer, bool);
+        let cases: [(&str, Set, &str); 3] = [
+            ("forbidden", ApiServer::set_forbidden, "forbidden (403)"),
+            ("revoked", ApiServer::set_revoked, "unauthorized (401)"),
+            (
+                "unreachable",
+                ApiServer::set_unreachable,
+                "node source failing",
+            ),
+        ];
+        for (what, set, says) in cases {
+            set(&server, true);
+            server.drop_watches();
+            env.wait(&format!("not ready while {what}"), TIMEOUT, || {
+                let (code, body) = readyz();
+                code == 503 && body.contains(says) && body.contains("node source failing")
+            });
+            assert_eq!(
+                metric(&metrics(), "node_agent_source_failing"),
+                Some(1.0),
+                "{what}"
+            );
+            assert_exact(&env, &nodes);
+            set(&server, false);
+            env.wait(&format!("ready again after {what}"), TIMEOUT, || {
+                readyz().0 == 200
+            });
+            assert_eq!(metric(&metrics(), "node_agent_source_failing"), Some(0.0));
+        }
+    });
+}
+
+#[test]
+fn a_failing_api_server_is_retried_with_growing_waits() {
+    require_sandbox!("a_failing_api_server_is_retried_with_growing_waits");
+    sandbox(|sb| {
+        let nodes = cluster(2);
+        let (server, env) = setup(sb, &nodes);
+        let _child = env.spawn(&["--metrics-addr", METRICS]);
+        env.wait("readiness", TIMEOUT, || readyz().0 == 200);
+        server.set_failing(true);
+        server.drop_watches();
+        let total = |r: node_agent_tests::apiserver::Requests| r.list + r.watch + r.get;
+        let start = total(server.requests());
+        let began = std::time::Instant::now();
+        std::thread::sleep(Duration::from_secs(30));
+        let attempts = total(server.requests()) - start;
+        // Waits of 1, 2, 4, 8 and 16 s, each drawn from its upper half, fit at most 6 attempts
+        // in 30 s, each followed by one probe; a backoff that never grew (the watcher's own,
+        // reset by every list attempt, about every 1 to 1.5 s) made 20 or more.
+        node_agent_tests::report(&format!(
+            "bench: failing_api_server_requests {attempts} requests in {:.1} s",
+            began.elapsed().as_secs_f64()
+        ));
+        assert!(
+            attempts <= 14,
+            "{attempts} requests in 30 s: the backoff does not grow"
+        );
+        assert!(attempts >= 2, "the agent keeps trying ({attempts})");
+        assert_eq!(readyz().0, 503);
+        server.set_failing(false);
+        env.wait("ready again", Duration::from_secs(120), || {
+            readyz().0 == 200
+        });
+    });
+}

@@ -10,6 +10,7 @@
 //! | `rules` | end to end | one test per rule of `docs/design.md`, through the CLI only |
 //! | `invariants` | end to end | random histories, every invariant checked after every step |
 //! | `endpoints` | end to end | `/metrics`, `/healthz`, `/readyz` |
+//! | `faults` | end to end | a full or vanished state directory, a NodeList that does not parse, drift |
 //! | `kube` | end to end | the agent against the API-server stand-in |
 //! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
 //! | `deploy`, `docs` | none | manifests, Dockerfile, alert rules (promtool), every command the docs show |
@@ -24,6 +25,7 @@ mod datapath;
 mod deploy;
 mod docs;
 mod endpoints;
+mod faults;
 mod image;
 mod invariants;
 mod kube;

@@ -73,6 +73,7 @@ pub const KERNEL_TIER: &[&str] = &[
     "xfrm::",
     "agent::",
     "rules::",
+    "faults::",
     "endpoints::",
     "kube::",
 ];
