@@ -9,11 +9,11 @@
 # second copy of that set-up to keep in step with the first. It would also ship another build
 # than the one the tests ran. Packaging the built binary makes the image build take seconds on
 # top of the cached base, and the image carries exactly the binary the tests ran;
-# tests/tests/image.rs checks that byte for byte.
+# tests/tests/it/image.rs checks that byte for byte.
 #
 # The agent links glibc dynamically, so it is built on the base's release, Debian bookworm (as
 # CI does; `cargo xtask image` runs it once on the base to prove it). .dockerignore lets only the
-# binary into the build context. tests/tests/deploy.rs checks this file against xtask.
+# binary into the build context. tests/tests/it/deploy.rs checks this file against xtask.
 
 # debian:bookworm-slim: the release the agent is built and tested on. Where no registry is
 # reachable, `cargo xtask image` passes a stand-in made with debootstrap (--build-arg BASE=...).

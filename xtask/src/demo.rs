@@ -185,10 +185,21 @@ fn sh(args: &[&str]) -> anyhow::Result<()> {
     cmd::run(Command::new(args[0]).args(&args[1..]))
 }
 
+/// Runs and prints a command the way a reader would type it: the agent by its name (it is on the
+/// `PATH` of a node's pod), the sandbox's directories under `/tmp`.
 fn show(args: &[&str]) -> anyhow::Result<()> {
+    let shown: Vec<&str> = args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| match (i, Path::new(a).file_name()) {
+            (0, Some(name)) => name.to_str().unwrap_or(a),
+            _ => a,
+        })
+        .collect();
     println!(
         "$ {}",
-        args.join(" ")
+        shown
+            .join(" ")
             .replace(&format!("{}/", std::env::temp_dir().display()), "/tmp/")
     );
     let out = Command::new(args[0])

@@ -1,4 +1,4 @@
-//! `cargo xtask setup`: installs or verifies the eBPF toolchain recorded in TOOLCHAIN.md.
+//! `cargo xtask setup`: installs or verifies the eBPF toolchain of docs/toolchain.md.
 //!
 //! Every check is cheap, so a second run on a ready machine takes seconds. Anything that cannot
 //! be installed stops the run with the reason and the command that would fix it.
@@ -36,7 +36,7 @@ fn packages() -> anyhow::Result<()> {
     crate::apt::ensure(
         "packages",
         PACKAGES,
-        "; the LLVM 22 packages come from bookworm-security (see shared/TOOLCHAIN.md)",
+        "; the LLVM 22 packages come from bookworm-security (see docs/toolchain.md)",
     )
 }
 

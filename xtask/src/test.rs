@@ -10,8 +10,8 @@ use crate::cmd::{self, root, step};
 use crate::{apt, build_ebpf, image, setup, vm};
 
 /// What the image and alert tests need beyond `setup`: podman to build the image and debootstrap
-/// for its stand-in base (tests/tests/image.rs), promtool from `prometheus` to check and unit-test
-/// the alert rules (tests/tests/deploy.rs). Not part of `setup`: the demo needs none of them.
+/// for its stand-in base (tests/tests/it/image.rs), promtool from `prometheus` to check and unit-test
+/// the alert rules (tests/tests/it/deploy.rs). Not part of `setup`: the demo needs none of them.
 const TEST_PACKAGES: &[&str] = &["podman", "debootstrap", "prometheus"];
 
 #[derive(Debug, clap::Args)]

@@ -7,7 +7,7 @@
 //! concurrent re-add of the same node can never interleave. It drives the kernel through one seam,
 //! [`Kernel`], so unit tests run it against a fake that fails on command.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -15,7 +15,7 @@ use state::checkpoint::Checkpoint;
 use state::ids::{AllocatorState, FreedId};
 use state::inventory::Inventory;
 use state::node::AddressKind;
-use state::objects::{ObjectKind, Op};
+use state::objects::{ObjectId, ObjectKind, Op};
 use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, IpsecConfig, Plan, PlanConfig};
 
 use super::apply::{OpResult, apply_plan};
@@ -245,6 +245,11 @@ impl<K: Kernel> Reconciler<K> {
         }
         self.log_problems(&plan);
         let results = apply_plan(&mut self.kernel, &plan).await;
+        let reasons: HashMap<ObjectId, DeleteReason> = plan
+            .deletes
+            .iter()
+            .map(|d| (d.object.id(), d.reason))
+            .collect();
         let m = &self.telemetry.metrics;
         let mut writes = 0;
         let mut failed = Vec::new();
@@ -262,7 +267,12 @@ impl<K: Kernel> Reconciler<K> {
                     inventory.apply(&r.op);
                     match &r.op {
                         Op::Delete(o) => {
-                            tracing::info!(node = r.node.as_deref().unwrap_or("-"), "deleted {o}");
+                            let reason = reasons.get(&o.id()).map_or("", |r| r.as_str());
+                            tracing::info!(
+                                node = r.node.as_deref().unwrap_or("-"),
+                                reason,
+                                "deleted {o}"
+                            );
                         }
                         Op::Create(o) | Op::Replace(o) => {
                             if let Some(found) = drift.at(&o.id()) {
@@ -297,14 +307,21 @@ impl<K: Kernel> Reconciler<K> {
         self.record = Some(cp);
         self.total_writes += writes;
         self.pruned.extend(pruned.iter().cloned());
-        tracing::info!(
-            writes,
-            failed = failed.len(),
-            deletes = plan.deletes.len(),
-            upserts = plan.upserts.len(),
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "reconciled"
-        );
+        let elapsed_ms = started.elapsed().as_millis() as u64;
+        let (deletes, upserts, failures) = (plan.deletes.len(), plan.upserts.len(), failed.len());
+        if plan.is_empty() && failed.is_empty() {
+            // A resync or a relist that found nothing to do: not worth a line at info.
+            tracing::debug!(writes, elapsed_ms, "reconciled");
+        } else {
+            tracing::info!(
+                writes,
+                failed = failures,
+                deletes,
+                upserts,
+                elapsed_ms,
+                "reconciled"
+            );
+        }
         Ok(Outcome {
             plan,
             writes,

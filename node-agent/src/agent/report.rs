@@ -212,7 +212,9 @@ pub fn plan_table(report: &PlanReport) -> String {
         let action = if e.conflict { "conflict" } else { "error" };
         let _ = writeln!(s, "{:<8} {:<20} {}", action, e.node, e.error);
     }
-    if let Some(b) = &report.brake {
+    if let Some(b) = report.brake.as_ref().filter(|b| b.kind == "no_local_node") {
+        let _ = writeln!(s, "NO CHANGE: {}", b.message);
+    } else if let Some(b) = &report.brake {
         let _ = writeln!(s, "BRAKE ({}, hold {}): {}", b.kind, b.id, b.message);
         if !b.nodes.is_empty() {
             let _ = writeln!(s, "held nodes: {}", b.nodes.join(", "));

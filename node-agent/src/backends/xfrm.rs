@@ -14,7 +14,7 @@
 //!
 //! # Ownership
 //!
-//! The mark is the only thing that makes an xfrm object ours (DESIGN.md invariant 6). Dumps
+//! The mark is the only thing that makes an xfrm object ours (docs/design.md, invariant 6). Dumps
 //! cannot be filtered by mark in the kernel, so [`XfrmBackend::dump`] reads the whole SAD and SPD
 //! and keeps only objects whose mark value decodes with [`mark::decode`] (our direction bits,
 //! node ID != 0) under exactly our mask [`mark::MASK`]. Nothing else is ever listed, so nothing

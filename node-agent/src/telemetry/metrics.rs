@@ -103,7 +103,7 @@ impl Default for Metrics {
         );
         registry.register(
             "brake_held",
-            "1 while the mass-deletion brake holds stale-node deletions",
+            "1 while the mass-deletion brake holds removals (not for a list without the local node)",
             m.brake_held.clone(),
         );
         registry.register(
@@ -163,7 +163,7 @@ impl Default for Metrics {
         );
         registry.register(
             "node_input_errors",
-            "Nodes skipped or held for malformed or conflicting input",
+            "Nodes skipped or held for malformed input, a full map or no free ID (conflicts are node_agent_conflicts)",
             m.node_input_errors.clone(),
         );
         registry.register(
@@ -171,6 +171,12 @@ impl Default for Metrics {
             "Entries in the node-ID map over its capacity",
             m.node_map_fill_ratio.clone(),
         );
+        // Every kind shows from the start, so a rate over it is defined before the first repair.
+        for kind in state::objects::ObjectKind::ALL {
+            drop(m.drift_repaired.get_or_create(&KindLabel {
+                kind: kind.name().into(),
+            }));
+        }
         Self { registry, ..m }
     }
 }

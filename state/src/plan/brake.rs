@@ -96,7 +96,8 @@ pub enum HoldKind {
 #[derive(Clone, Debug, PartialEq)]
 pub struct BrakeHold {
     pub kind: HoldKind,
-    /// Names the held set, for an operator's confirmation (`node-agent prune confirm <id>`).
+    /// Names the held set, for an operator's confirmation (`node-agent prune confirm <id>`);
+    /// for [`HoldKind::NoLocalNode`], the local node's name.
     pub id: String,
     /// The held nodes, in name order.
     pub nodes: Vec<String>,
@@ -123,8 +124,8 @@ impl BrakeHold {
     pub(super) fn local_node_missing(local: &str) -> Self {
         Self {
             kind: HoldKind::NoLocalNode,
-            id: String::new(),
-            nodes: vec![local.to_string()],
+            id: local.to_string(),
+            nodes: Vec::new(),
             orphans: 0,
             removed_nodes: 0,
             known_nodes: 0,
@@ -146,7 +147,7 @@ impl fmt::Display for BrakeHold {
                 "the node list does not contain this node ({}): it is not a view of this \
                  cluster (a partial or filtered list, or another cluster's); nothing is changed \
                  until a list contains it",
-                self.nodes.first().map_or("", String::as_str)
+                self.id
             );
         }
         write!(

@@ -144,14 +144,20 @@ pub enum DeleteReason {
     Superseded,
 }
 
-impl fmt::Display for DeleteReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl DeleteReason {
+    pub const fn as_str(self) -> &'static str {
+        match self {
             Self::StaleNode => "stale node",
             Self::ChangedWhileDown => "changed while down",
             Self::Orphan => "orphan",
             Self::Superseded => "superseded",
-        })
+        }
+    }
+}
+
+impl fmt::Display for DeleteReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

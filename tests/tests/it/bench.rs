@@ -4,7 +4,7 @@
 //! - Backends: the objects of 5,000 remote nodes (10,000 map entries, 5,000 routes via distinct
 //!   gateways) applied into a fresh namespace and removed again, next to the floor measured on
 //!   the same work in the same run: `ip -batch` for routes, a plain loop of `bpf(2)` calls on the
-//!   map's fd for map entries. (xfrm policies: `tests/tests/xfrm.rs`.)
+//!   map's fd for map entries. (xfrm policies: `tests/tests/it/xfrm.rs`.)
 //! - The agent: a 5,000-node NodeList, cold start to ready, restart with 10% churn, unchanged
 //!   restart, peak RSS, and CPU over an idle minute.
 

@@ -1255,7 +1255,7 @@ fn prometheus_rule_from(rules: &str) -> String {
         .lines()
         .skip_while(|l| l.starts_with('#') || l.trim().is_empty());
     let mut out = format!(
-        "# Generated from rules.yaml by tests/tests/deploy.rs: edit rules.yaml, then run\n\
+        "# Generated from rules.yaml by tests/tests/it/deploy.rs: edit rules.yaml, then run\n\
          # `{REGENERATE}`.\n\
          # The alerts for the Prometheus operator. Its Prometheus picks rules by label\n\
          # (`ruleSelector`); add the label yours selects (docs/metrics.md).\n\
@@ -1276,7 +1276,7 @@ fn prometheus_rule_from(rules: &str) -> String {
 }
 
 const TABLE_START: &str = "<!-- The table is generated from deploy/monitoring/rules.yaml by \
-                           tests/tests/deploy.rs; edit the rules, not the table. -->";
+                           tests/tests/it/deploy.rs; edit the rules, not the table. -->";
 const TABLE_END: &str = "<!-- End of the generated table. -->";
 
 /// The alert table of docs/metrics.md, from the rules.
@@ -1406,6 +1406,9 @@ fn exposed_metrics() -> BTreeSet<String> {
     }));
     drop(m.checkpoint_writes.get_or_create(&ResultLabel {
         result: "ok".into(),
+    }));
+    drop(m.drift_repaired.get_or_create(&KindLabel {
+        kind: "route".into(),
     }));
     families(&m.encode())
 }

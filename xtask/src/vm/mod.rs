@@ -1,6 +1,6 @@
 //! `cargo xtask vm-test`: the VM test tier. Boots stock Debian kernels under QEMU and runs the
 //! kernel-tier test binaries inside, as root, where ESP and module loading exist (the host's
-//! kernel has neither). shared/VMTEST.md records why each choice below is the one that works.
+//! kernel has neither). docs/vm-tests.md records why each choice below is the one that works.
 //!
 //! One boot per kernel runs every test binary: a boot costs about 3 s under TCG, so booting per
 //! binary would dominate the run.
