@@ -38,9 +38,7 @@ pub fn run() -> anyhow::Result<()> {
                 "-p",
                 "node-agent-tests",
                 "--test",
-                "bench",
-                "--test",
-                "xfrm",
+                "it",
             ])
             .args(["--", "bench", "--test-threads=1", "--nocapture"]),
     )
