@@ -25,6 +25,12 @@ pub const NODE_STATS_MAP: &str = "NODE_STATS";
 /// Pin name of the counters map under [`PIN_DIR`].
 pub const NODE_STATS_PIN: &str = "node_stats";
 
+/// Name of the pod-CIDR map in the object file: an LPM trie from remote pod CIDRs to the node
+/// (ID and SPI) that owns them, read by [`POD_PROG`] to pick the xfrm OUT policy of a packet.
+pub const POD_CIDRS_MAP: &str = "POD_CIDRS";
+/// Pin name of the pod-CIDR map under [`PIN_DIR`].
+pub const POD_CIDRS_PIN: &str = "pod_cidrs";
+
 /// Pin name, under [`PIN_DIR`], of the record of freed node IDs: an array of one `u64` per node
 /// ID, the second (since the Unix epoch) the ID was last freed, 0 for never. Only the agent
 /// uses it; it keeps a freed ID's cool-down when the checkpoint is lost.
@@ -42,10 +48,37 @@ pub const MARK_SHIFT_GLOBAL: &str = "MARK_SHIFT";
 /// The node ID goes into the upper 16 bits of the mark by default.
 pub const DEFAULT_MARK_MASK: u32 = 0xFFFF_0000;
 
+/// Name of the global that turns IPsec marking on (non-zero) in the ingress classifier.
+pub const IPSEC_GLOBAL: &str = "IPSEC";
+
+/// The xfrm mark layout (Cilium's), shared by the datapath, which writes it, and the agent,
+/// whose xfrm states and policies match on it: node ID in bits 16-31, SPI in bits 12-15,
+/// direction in bits 8-11. Bits 0-7 are left to other users of the mark.
+pub mod xfrm_mark {
+    /// Direction bits of traffic toward a remote node (selects our OUT policies and states).
+    pub const OUT: u32 = 0x0E00;
+    /// Direction bits of ESP traffic from a remote node (selects our IN states).
+    pub const IN: u32 = 0x0D00;
+    /// The bits that carry the direction.
+    pub const DIR_MASK: u32 = 0x0F00;
+    /// The bits an xfrm mark of ours occupies: ID, SPI and direction.
+    pub const MASK: u32 = 0xFFFF_FF00;
+    pub const SPI_SHIFT: u32 = 12;
+    pub const ID_SHIFT: u32 = 16;
+
+    /// The mark of traffic toward (`OUT`) or from (`IN`) node `id` under `spi` (0..=15).
+    pub const fn encode(id: u16, spi: u8, dir: u32) -> u32 {
+        ((id as u32) << ID_SHIFT) | (((spi & 0x0F) as u32) << SPI_SHIFT) | dir
+    }
+}
+
 /// Name of the ingress classifier in the object file.
 pub const INGRESS_PROG: &str = "tc_ingress";
 /// Name of the egress classifier in the object file.
 pub const EGRESS_PROG: &str = "tc_egress";
+/// Name of the pod-traffic classifier: attached on ingress of the interface pod traffic enters
+/// the host through (the CNI's bridge), it marks packets toward remote pod CIDRs for xfrm.
+pub const POD_PROG: &str = "tc_pod";
 
 /// Key of `NODE_IDS`: one remote node address.
 ///
@@ -99,6 +132,15 @@ pub struct NodeValue {
     pub flags: u8,
 }
 
+/// `POD_CIDRS` is an LPM trie keyed by the kernel's `struct bpf_lpm_trie_key` (a `u32` prefix
+/// length in bits) followed by a [`NodeKey`]. The length counts over the whole `NodeKey`: its
+/// family byte and padding are the first [`POD_CIDR_HEADER_BITS`], so a `/24` IPv4 CIDR is
+/// stored with prefix length 56, and a lookup uses [`POD_CIDR_FULL_BITS`] and the packet's
+/// destination. The family byte in front keeps IPv4 and IPv6 CIDRs apart in one trie.
+pub const POD_CIDR_HEADER_BITS: u32 = 32;
+/// The prefix length of a `POD_CIDRS` lookup: every bit of a [`NodeKey`].
+pub const POD_CIDR_FULL_BITS: u32 = POD_CIDR_HEADER_BITS + 128;
+
 /// Per-node traffic counters: one slot per node ID in the per-CPU `NODE_STATS` array.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -149,6 +191,16 @@ mod tests {
         assert_eq!(offset_of!(NodeStats, rx_bytes), 8);
         assert_eq!(offset_of!(NodeStats, tx_packets), 16);
         assert_eq!(offset_of!(NodeStats, tx_bytes), 24);
+    }
+
+    #[test]
+    fn xfrm_marks_follow_ciliums_layout() {
+        assert_eq!(xfrm_mark::encode(7, 3, xfrm_mark::OUT), 0x0007_3E00);
+        assert_eq!(xfrm_mark::encode(0xFFFF, 15, xfrm_mark::IN), 0xFFFF_FD00);
+        assert_eq!(
+            xfrm_mark::encode(1, 0x1F, xfrm_mark::OUT) & !xfrm_mark::MASK,
+            0
+        );
     }
 
     #[test]

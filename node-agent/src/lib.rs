@@ -8,7 +8,7 @@ pub mod backends;
 pub mod cli;
 pub mod datapath;
 pub mod freed_ids;
-pub mod ipsec_key;
 pub mod node_map;
+pub mod pod_cidr_map;
 pub mod source;
 pub mod telemetry;

@@ -8,7 +8,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::node::{AddressKind, Family, Node};
-use crate::objects::{KernelObject, MapEntry, NodeId, Route, XfrmDir, XfrmPolicy, XfrmState};
+use crate::objects::{
+    KernelObject, MapEntry, NodeId, PodCidrEntry, Route, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
+};
 use crate::plan::{InputProblem, PlanConfig};
 
 /// The local endpoint of `family` for xfrm: the first configured local address of that family.
@@ -33,8 +35,26 @@ pub fn maps_address(include_external_ips: bool, kind: AddressKind) -> bool {
     kind == AddressKind::InternalIP || include_external_ips
 }
 
+/// The objects that belong to no node: with IPsec, the guards of every family this node has an
+/// xfrm endpoint in.
+pub fn global_objects(config: &PlanConfig) -> Vec<KernelObject> {
+    if config.ipsec.is_none() {
+        return Vec::new();
+    }
+    [Family::V4, Family::V6]
+        .into_iter()
+        .filter(|f| local_endpoint(config, *f).is_some())
+        .flat_map(XfrmGuard::all)
+        .map(KernelObject::XfrmGuard)
+        .collect()
+}
+
 /// Appends the objects `node` should have under `id` to `out`, and the problems that kept some
 /// from being derived (a pod CIDR without an InternalIP of its family) to `problems`.
+///
+/// With IPsec, per family both ends have an address in: an OUT and an IN state for every key in
+/// use, an OUT policy per pod CIDR and key, and a pod-CIDR entry that marks traffic toward the
+/// CIDR with the SPI being sent with. A CIDR is marked exactly when it has its policies.
 pub fn desired_objects(
     node: &Node,
     id: NodeId,
@@ -42,7 +62,7 @@ pub fn desired_objects(
     out: &mut Vec<KernelObject>,
     problems: &mut Vec<InputProblem>,
 ) {
-    let spi = config.ipsec.map_or(0, |i| i.spi);
+    let spi = config.ipsec.as_ref().map_or(0, |i| i.send_spi);
     for a in &node.addresses {
         if maps_address(config.include_external_ips, a.kind) {
             out.push(KernelObject::MapEntry(MapEntry {
@@ -66,41 +86,47 @@ pub fn desired_objects(
             }),
         }
     }
-    if config.ipsec.is_none() {
+    let Some(ipsec) = &config.ipsec else {
         return;
-    }
+    };
     for family in [Family::V4, Family::V6] {
         let (Some(local), Some(remote)) =
             (local_endpoint(config, family), node.internal_ip(family))
         else {
             continue;
         };
-        out.push(KernelObject::XfrmState(XfrmState {
-            src: local,
-            dst: remote,
-            spi,
-            dir: XfrmDir::Out,
-            node_id: id,
-        }));
-        out.push(KernelObject::XfrmState(XfrmState {
-            src: remote,
-            dst: local,
-            spi,
-            dir: XfrmDir::In,
-            node_id: id,
-        }));
-        for cidr in node
-            .pod_cidrs
-            .iter()
-            .filter(|c| Family::of_net(c) == family)
-        {
-            out.push(KernelObject::XfrmPolicy(XfrmPolicy {
-                src: any_net(family),
-                dst: *cidr,
-                dir: XfrmDir::Out,
+        let cidrs = || {
+            node.pod_cidrs
+                .iter()
+                .filter(move |c| Family::of_net(c) == family)
+        };
+        for key in &ipsec.keys {
+            for (src, dst, dir) in [(local, remote, XfrmDir::Out), (remote, local, XfrmDir::In)] {
+                out.push(KernelObject::XfrmState(XfrmState {
+                    src,
+                    dst,
+                    spi: key.spi,
+                    dir,
+                    node_id: id,
+                    key: key.tag,
+                }));
+            }
+            for cidr in cidrs() {
+                out.push(KernelObject::XfrmPolicy(XfrmPolicy {
+                    src: any_net(family),
+                    dst: *cidr,
+                    dir: XfrmDir::Out,
+                    node_id: id,
+                    tmpl_src: local,
+                    tmpl_dst: remote,
+                    spi: key.spi,
+                }));
+            }
+        }
+        for cidr in cidrs() {
+            out.push(KernelObject::PodCidrEntry(PodCidrEntry {
+                cidr: *cidr,
                 node_id: id,
-                tmpl_src: local,
-                tmpl_dst: remote,
                 spi,
             }));
         }

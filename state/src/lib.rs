@@ -9,3 +9,4 @@ pub mod inventory;
 pub mod node;
 pub mod objects;
 pub mod plan;
+pub mod rotation;

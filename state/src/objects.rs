@@ -12,6 +12,8 @@ use std::num::NonZeroU16;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+use crate::node::Family;
+
 /// A remote node's ID: 1..=65535. Zero is the local node and is never assigned, so it is not
 /// representable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -49,18 +51,11 @@ pub enum XfrmDir {
 
 /// The xfrm mark layout (Cilium's): node ID in bits 16-31, SPI in bits 12-15, direction in
 /// bits 8-11 (0xE00 out, 0xD00 in). Keeping Cilium's layout lets operators who know it read our
-/// marks, and leaves bits 0-7 to other users of the mark.
+/// marks, and leaves bits 0-7 to other users of the mark. The constants are the datapath's
+/// (`node_agent_common::xfrm_mark`), which writes these marks on packets.
 pub mod mark {
     use super::{NodeId, XfrmDir};
-
-    pub const OUT: u32 = 0x0E00;
-    pub const IN: u32 = 0x0D00;
-    /// Bits that carry the direction; a mark is ours only if they hold [`OUT`] or [`IN`].
-    pub const DIR_MASK: u32 = 0x0F00;
-    /// Bits compared when an object is looked up by mark: ID, SPI and direction.
-    pub const MASK: u32 = 0xFFFF_FF00;
-    pub const SPI_SHIFT: u32 = 12;
-    pub const ID_SHIFT: u32 = 16;
+    pub use node_agent_common::xfrm_mark::{DIR_MASK, ID_SHIFT, IN, MASK, OUT, SPI_SHIFT};
 
     /// The mark of our xfrm objects toward or from `node` under `spi` (0..=15).
     pub const fn encode(node: NodeId, spi: u8, dir: XfrmDir) -> u32 {
@@ -68,7 +63,7 @@ pub mod mark {
             XfrmDir::Out => OUT,
             XfrmDir::In => IN,
         };
-        ((node.get() as u32) << ID_SHIFT) | (((spi & 0x0F) as u32) << SPI_SHIFT) | dir
+        node_agent_common::xfrm_mark::encode(node.get(), spi, dir)
     }
 
     /// The node, SPI and direction of one of our marks, or `None` for a mark that is not ours
@@ -90,6 +85,17 @@ pub struct MapEntry {
     pub ip: IpAddr,
     pub node_id: NodeId,
     /// SPI in use toward the node (0 when IPsec is off).
+    pub spi: u8,
+}
+
+/// An entry of the pinned pod-CIDR map (IPsec only): a remote pod CIDR and the node traffic
+/// toward it is encrypted for. The pod classifier marks such traffic with the node's ID and the
+/// SPI in use, which selects the node's OUT policy.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct PodCidrEntry {
+    pub cidr: IpNet,
+    pub node_id: NodeId,
+    /// The SPI traffic toward the node is sent with (1..=15).
     pub spi: u8,
 }
 
@@ -126,6 +132,61 @@ pub struct XfrmState {
     pub spi: u8,
     pub dir: XfrmDir,
     pub node_id: NodeId,
+    /// Which key the state holds: a fingerprint of its algorithm, ICV length and key material
+    /// (never the key). Not part of the identity: a state whose key changed under the same SPI
+    /// is replaced.
+    pub key: KeyTag,
+}
+
+/// A fingerprint of an xfrm state's key: the first 8 bytes of a SHA-256 over the algorithm
+/// name, the ICV length and the key material. Safe to log and to compare across nodes (a node's
+/// OUT state toward a peer and the peer's IN state from it carry the same tag); it reveals
+/// nothing usable about the key.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct KeyTag(pub u64);
+
+impl fmt::Display for KeyTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// What an [`XfrmGuard`] does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum GuardRole {
+    /// OUT, mark [`mark::OUT`] under [`mark::DIR_MASK`], action block, at the lowest priority:
+    /// traffic marked for encryption that no node's OUT policy takes (the policy is missing, or
+    /// being replaced) is dropped, never sent in the clear.
+    Block,
+    /// FWD, mark [`mark::IN`] under [`mark::DIR_MASK`], allow, with an ESP tunnel template:
+    /// forwarded traffic our IN states decrypted is let through (the kernel drops decrypted
+    /// tunnel-mode traffic no policy accepts).
+    AcceptDecrypted,
+}
+
+/// An xfrm policy of the agent's own, one per role and address family, belonging to no node:
+/// it exists while IPsec is on.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct XfrmGuard {
+    pub family: Family,
+    pub role: GuardRole,
+    /// The kernel's policy has the shape the agent writes (action, priority, template). Always
+    /// true in what the agent wants; a dump says false for a guard someone changed, and the
+    /// planner then replaces it. Not part of the identity.
+    pub intact: bool,
+}
+
+impl XfrmGuard {
+    /// Every guard of `family`, as the agent writes them.
+    pub fn all(family: Family) -> [Self; 2] {
+        [GuardRole::Block, GuardRole::AcceptDecrypted].map(|role| Self {
+            family,
+            role,
+            intact: true,
+        })
+    }
 }
 
 /// An xfrm OUT policy sending traffic to a remote pod CIDR through the OUT state toward it.
@@ -147,9 +208,11 @@ pub struct XfrmPolicy {
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum KernelObject {
     MapEntry(MapEntry),
+    PodCidrEntry(PodCidrEntry),
     Route(Route),
     XfrmState(XfrmState),
     XfrmPolicy(XfrmPolicy),
+    XfrmGuard(XfrmGuard),
 }
 
 /// What the kernel keys an object by. Two objects with the same identity cannot coexist.
@@ -157,6 +220,9 @@ pub enum KernelObject {
 pub enum ObjectId {
     MapEntry {
         ip: IpAddr,
+    },
+    PodCidrEntry {
+        cidr: IpNet,
     },
     Route {
         dst: IpNet,
@@ -174,45 +240,67 @@ pub enum ObjectId {
         dir: XfrmDir,
         mark: u32,
     },
+    XfrmGuard {
+        family: Family,
+        role: GuardRole,
+    },
 }
 
 /// The kinds of object, for metrics, per-kind reporting and dispatch to a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum ObjectKind {
     MapEntry,
+    PodCidrEntry,
     Route,
     XfrmState,
     XfrmPolicy,
+    XfrmGuard,
 }
 
 impl ObjectKind {
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 6] = [
         Self::MapEntry,
+        Self::PodCidrEntry,
         Self::Route,
         Self::XfrmState,
         Self::XfrmPolicy,
+        Self::XfrmGuard,
     ];
 
-    /// The name metrics and reports use: `map_entry`, `route`, `xfrm_state`, `xfrm_policy`.
+    /// The name metrics and reports use: `map_entry`, `pod_cidr_entry`, `route`, `xfrm_state`,
+    /// `xfrm_policy`, `xfrm_guard`.
     pub const fn name(self) -> &'static str {
         match self {
             Self::MapEntry => "map_entry",
+            Self::PodCidrEntry => "pod_cidr_entry",
             Self::Route => "route",
             Self::XfrmState => "xfrm_state",
             Self::XfrmPolicy => "xfrm_policy",
+            Self::XfrmGuard => "xfrm_guard",
         }
     }
 
     /// Where the kind's changes go in a plan: an object is created after what it uses and
-    /// deleted before it (routes and xfrm objects after the node's map entries; a policy after
-    /// the state it selects).
+    /// deleted before it. The guards come first (so traffic marked for encryption is never
+    /// without its block policy), then the datapath's entries, routes, states, and the policies
+    /// that select the states. A node's pod-CIDR entry goes in before its route and xfrm
+    /// objects: traffic marked before its policy exists is dropped by the guard, never sent in
+    /// the clear; on removal the policy and state go first, and the mark last.
     pub const fn rank(self) -> u8 {
         match self {
-            Self::MapEntry => 0,
-            Self::Route => 1,
-            Self::XfrmState => 2,
-            Self::XfrmPolicy => 3,
+            Self::XfrmGuard => 0,
+            Self::MapEntry => 1,
+            Self::PodCidrEntry => 2,
+            Self::Route => 3,
+            Self::XfrmState => 4,
+            Self::XfrmPolicy => 5,
         }
+    }
+
+    /// The kinds written into the datapath's maps: a node gets nothing else until all of its
+    /// entries went in (invariant 17).
+    pub const fn is_datapath_entry(self) -> bool {
+        matches!(self, Self::MapEntry | Self::PodCidrEntry)
     }
 }
 
@@ -220,6 +308,7 @@ impl KernelObject {
     pub fn id(&self) -> ObjectId {
         match self {
             Self::MapEntry(e) => ObjectId::MapEntry { ip: e.ip },
+            Self::PodCidrEntry(e) => ObjectId::PodCidrEntry { cidr: e.cidr },
             Self::Route(r) => ObjectId::Route {
                 dst: r.dst,
                 metric: r.metric,
@@ -236,23 +325,30 @@ impl KernelObject {
                 dir: p.dir,
                 mark: mark::encode(p.node_id, p.spi, p.dir),
             },
+            Self::XfrmGuard(g) => ObjectId::XfrmGuard {
+                family: g.family,
+                role: g.role,
+            },
         }
     }
 
     pub fn kind(&self) -> ObjectKind {
         match self {
             Self::MapEntry(_) => ObjectKind::MapEntry,
+            Self::PodCidrEntry(_) => ObjectKind::PodCidrEntry,
             Self::Route(_) => ObjectKind::Route,
             Self::XfrmState(_) => ObjectKind::XfrmState,
             Self::XfrmPolicy(_) => ObjectKind::XfrmPolicy,
+            Self::XfrmGuard(_) => ObjectKind::XfrmGuard,
         }
     }
 
-    /// The node ID the object carries, where it carries one (routes do not).
+    /// The node ID the object carries, where it carries one (routes and guards do not).
     pub fn node_id(&self) -> Option<NodeId> {
         match self {
             Self::MapEntry(e) => Some(e.node_id),
-            Self::Route(_) => None,
+            Self::PodCidrEntry(e) => Some(e.node_id),
+            Self::Route(_) | Self::XfrmGuard(_) => None,
             Self::XfrmState(s) => Some(s.node_id),
             Self::XfrmPolicy(p) => Some(p.node_id),
         }
@@ -268,15 +364,21 @@ impl fmt::Display for KernelObject {
         };
         match self {
             Self::MapEntry(e) => write!(f, "map {} -> node {}", e.ip, e.node_id),
+            Self::PodCidrEntry(e) => write!(
+                f,
+                "pod-cidr map {} -> node {} spi {}",
+                e.cidr, e.node_id, e.spi
+            ),
             Self::Route(r) => write!(f, "route {} via {} metric {}", r.dst, r.gateway, r.metric),
             Self::XfrmState(s) => write!(
                 f,
-                "xfrm state {} {} -> {} spi {} node {}",
+                "xfrm state {} {} -> {} spi {} node {} key {}",
                 dir(s.dir),
                 s.src,
                 s.dst,
                 s.spi,
-                s.node_id
+                s.node_id,
+                s.key
             ),
             Self::XfrmPolicy(p) => write!(
                 f,
@@ -288,6 +390,18 @@ impl fmt::Display for KernelObject {
                 p.tmpl_dst,
                 p.node_id
             ),
+            Self::XfrmGuard(g) => {
+                let family = match g.family {
+                    Family::V4 => "ipv4",
+                    Family::V6 => "ipv6",
+                };
+                match g.role {
+                    GuardRole::Block => write!(f, "xfrm policy out block {family} (guard)"),
+                    GuardRole::AcceptDecrypted => {
+                        write!(f, "xfrm policy fwd accept-decrypted {family} (guard)")
+                    }
+                }
+            }
         }
     }
 }

@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use state::checkpoint::{Checkpoint, decode, encode};
-use state::desired::desired_objects;
+use state::desired::{desired_objects, global_objects};
 use state::inventory::Inventory;
 use state::node::{AddressKind, Node, NodeAddress};
-use state::objects::{KernelObject, ObjectId, Op};
+use state::objects::{KernelObject, KeyTag, ObjectId, Op};
 use state::plan::{BrakeMemory, IpsecConfig, LiveView, Plan, PlanConfig, PlanInput, plan};
 
 const POOL: usize = 16;
@@ -286,6 +286,7 @@ fn desired_of(
         }
     }
     assert!(problems.is_empty(), "{problems:?}");
+    out.extend(global_objects(cfg));
     out.into_iter().map(|o| (o.id(), o)).collect()
 }
 
@@ -297,7 +298,7 @@ fn config(ipsec: bool) -> PlanConfig {
     PlanConfig {
         local_node: "local".into(),
         local_addresses: vec![v4(LOCAL_SLOT), v6(LOCAL_SLOT)],
-        ipsec: ipsec.then_some(IpsecConfig { spi: 1 }),
+        ipsec: ipsec.then(|| IpsecConfig::single(1, KeyTag(1))),
         id_cooldown: Duration::from_secs(30),
         ..PlanConfig::default()
     }

@@ -1,9 +1,11 @@
 //! Applying a plan to the kernel, in phases.
 //!
 //! Deletes go first (users before what they use), so map room and identities are free before
-//! anything new takes them. Then the map entries. Then every other object, but only of nodes
-//! whose map entries all went in: a node the datapath cannot identify gets no route or xfrm
-//! object either (invariant 17).
+//! anything new takes them. Then the datapath's entries (the node-ID map's and, with IPsec, the
+//! pod-CIDR map's) and the guards. Then every other object, but only of nodes whose entries all
+//! went in: a node the datapath cannot identify, or whose traffic it cannot mark for
+//! encryption, gets no route or xfrm object either (invariant 17), so its pod traffic is never
+//! routed in the clear.
 
 use std::collections::BTreeSet;
 
@@ -42,10 +44,10 @@ async fn run<K: Kernel>(kernel: &mut K, ops: Vec<(Op, Option<&str>)>, out: &mut 
 pub async fn apply_plan<K: Kernel>(kernel: &mut K, plan: &Plan) -> Vec<OpResult> {
     let mut out = Vec::with_capacity(plan.deletes.len() + plan.upserts.len());
     run(kernel, plan.delete_ops(), &mut out).await;
-    let (entries, rest): (Vec<_>, Vec<_>) = plan
-        .upsert_ops()
-        .into_iter()
-        .partition(|(op, _)| op.object().kind() == ObjectKind::MapEntry);
+    let (entries, rest): (Vec<_>, Vec<_>) = plan.upsert_ops().into_iter().partition(|(op, _)| {
+        let kind = op.object().kind();
+        kind.is_datapath_entry() || kind == ObjectKind::XfrmGuard
+    });
     let before = out.len();
     run(
         kernel,

@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use state::rotation::Delays;
+
 use crate::datapath::DatapathConfig;
 
 #[derive(Clone, Debug)]
@@ -37,6 +39,8 @@ pub struct AgentConfig {
     pub sync_timeout: Duration,
     /// The IPsec key file; `None` runs without xfrm state.
     pub ipsec_key_file: Option<PathBuf>,
+    /// How a key rotation proceeds (`state::rotation`).
+    pub key_delays: Delays,
 }
 
 impl AgentConfig {
@@ -62,6 +66,10 @@ impl AgentConfig {
             max_node_id: state::ids::MAX_ID,
             sync_timeout: Duration::from_secs(120),
             ipsec_key_file: None,
+            key_delays: Delays {
+                propagation: Duration::from_secs(90),
+                retirement: Duration::from_secs(300),
+            },
         }
     }
 }

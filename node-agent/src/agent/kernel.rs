@@ -10,6 +10,7 @@ use std::future::Future;
 use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::Op;
+use state::rotation::FileKey;
 
 use crate::backends::{DumpError, OpError};
 
@@ -33,6 +34,22 @@ pub trait Kernel {
 
     /// Remembers freed node IDs in the kernel.
     fn remember_freed(&mut self, freed: &[FreedId]) -> Result<(), OpError>;
+
+    /// The IPsec keys states are written with, read again from the key file (the kernel side
+    /// holds the key material; the planner sees SPIs and tags only); `None` without IPsec.
+    fn ipsec_keys(&mut self) -> Option<KeyRead>;
+}
+
+/// The IPsec keys, as the planner sees them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyRead {
+    /// In key-file order; the last good ones when the file cannot be used now.
+    pub keys: Vec<FileKey>,
+    /// Changes whenever the file's bytes change.
+    pub digest: [u8; 32],
+    /// Why the file as it is now cannot be used (unreadable, invalid): the keys above are the
+    /// previous ones.
+    pub error: Option<String>,
 }
 
 #[cfg(test)]
@@ -67,6 +84,8 @@ pub mod fake {
         pub faults: Faults,
         pub dumps: usize,
         pub applied: Vec<Op>,
+        /// What [`Kernel::ipsec_keys`] answers.
+        pub keys: Option<KeyRead>,
     }
 
     fn busy(what: &str) -> OpError {
@@ -145,6 +164,10 @@ pub mod fake {
                 self.freed.insert(f.id.get(), *f);
             }
             Ok(())
+        }
+
+        fn ipsec_keys(&mut self) -> Option<KeyRead> {
+            self.keys.clone()
         }
     }
 }

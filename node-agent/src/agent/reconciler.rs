@@ -16,7 +16,8 @@ use state::ids::{AllocatorState, FreedId};
 use state::inventory::Inventory;
 use state::node::AddressKind;
 use state::objects::{ObjectId, ObjectKind, Op};
-use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, IpsecConfig, Plan, PlanConfig};
+use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, Plan, PlanConfig};
+use state::rotation::rotation;
 
 use super::apply::{OpResult, apply_plan};
 use super::config::AgentConfig;
@@ -69,6 +70,17 @@ pub struct Reconciler<K: Kernel> {
     total_writes: usize,
     pruned: BTreeSet<String>,
     telemetry: Arc<Telemetry>,
+    /// With IPsec: the key file's digest the last plan used, and when the rotation moves on.
+    keys: Option<KeysUsed>,
+}
+
+/// What the last plan made of the IPsec key file.
+struct KeysUsed {
+    digest: [u8; 32],
+    /// Since the Unix epoch.
+    next_change: Option<Duration>,
+    /// The abrupt switch was already reported for this file.
+    abrupt_reported: bool,
 }
 
 impl<K: Kernel> Reconciler<K> {
@@ -77,7 +89,6 @@ impl<K: Kernel> Reconciler<K> {
     /// checkpoint.
     pub fn new(
         config: AgentConfig,
-        ipsec: Option<IpsecConfig>,
         record: Option<Checkpoint>,
         mut kernel: K,
         telemetry: Arc<Telemetry>,
@@ -90,7 +101,7 @@ impl<K: Kernel> Reconciler<K> {
         let plan_config = PlanConfig {
             local_node: config.node_name.clone(),
             local_addresses: Vec::new(),
-            ipsec,
+            ipsec: None,
             max_prune_ratio: config.max_prune_ratio,
             force_prune: config.force_prune,
             confirm_delay: config.prune_confirm_delay,
@@ -118,6 +129,7 @@ impl<K: Kernel> Reconciler<K> {
             total_writes: 0,
             pruned: BTreeSet::new(),
             telemetry,
+            keys: None,
         }
     }
 
@@ -204,6 +216,49 @@ impl<K: Kernel> Reconciler<K> {
         config
     }
 
+    /// Reads the IPsec keys again and works out where the rotation stands at `now`: the keys
+    /// the next plan writes states for, and the one it sends with.
+    fn refresh_ipsec(&mut self, now: Duration) {
+        let Some(read) = self.kernel.ipsec_keys() else {
+            self.plan_config.ipsec = None;
+            return;
+        };
+        self.telemetry.set_key_file_error(read.error.clone());
+        let seen = self.record.as_ref().map_or(&[][..], |c| &c.ipsec_keys[..]);
+        let r = rotation(&read.keys, seen, now, self.config.key_delays);
+        let same_file = self.keys.as_ref().is_some_and(|k| k.digest == read.digest);
+        let reported = same_file && self.keys.as_ref().is_some_and(|k| k.abrupt_reported);
+        if r.abrupt && !reported {
+            tracing::warn!(
+                spi = r.ipsec.send_spi,
+                "none of the IPsec keys in the key file was seen before: the key this node sent \
+                 with is gone from the file, so it sends with the newest key at once, and nodes \
+                 that have not read the new file yet drop its traffic until they do. Rotate by \
+                 appending the new key and keeping the old line until the rotation completes"
+            );
+        }
+        let m = &self.telemetry.metrics;
+        m.ipsec_send_spi.set(i64::from(r.ipsec.send_spi));
+        m.ipsec_keys_in_use.set(r.ipsec.keys.len() as i64);
+        self.keys = Some(KeysUsed {
+            digest: read.digest,
+            next_change: r.next_change,
+            abrupt_reported: r.abrupt || reported,
+        });
+        self.plan_config.ipsec = Some(r.ipsec);
+    }
+
+    /// Whether the IPsec key file changed since the last plan (read again now).
+    pub fn keys_changed(&mut self) -> bool {
+        let digest = self.kernel.ipsec_keys().map(|r| r.digest);
+        digest != self.keys.as_ref().map(|k| k.digest)
+    }
+
+    /// When the IPsec key rotation moves on by itself (since the Unix epoch), if it will.
+    pub fn next_rotation_change(&self) -> Option<Duration> {
+        self.keys.as_ref().and_then(|k| k.next_change)
+    }
+
     fn make_plan(&self, inventory: &Inventory, now: Duration) -> Plan {
         let view = self.live.view();
         let config = self.plan_config();
@@ -223,7 +278,9 @@ impl<K: Kernel> Reconciler<K> {
     pub async fn plan(&mut self) -> Result<Plan, AgentError> {
         let inventory = self.kernel.dump().await?;
         self.record_objects(&inventory);
-        Ok(self.make_plan(&inventory, wall_clock()))
+        let now = wall_clock();
+        self.refresh_ipsec(now);
+        Ok(self.make_plan(&inventory, now))
     }
 
     /// Dumps, plans, applies. The record the outcome implies becomes the agent's record; the
@@ -237,6 +294,7 @@ impl<K: Kernel> Reconciler<K> {
             .map(|e| Drift::detect(e, &inventory))
             .unwrap_or_default();
         let now = wall_clock();
+        self.refresh_ipsec(now);
         let plan = self.make_plan(&inventory, now);
         self.confirmed_hold = None;
         if self.live.synced() {
@@ -532,7 +590,7 @@ mod tests {
     fn reconciler(nodes: &[(&str, u8)]) -> Reconciler<FakeKernel> {
         let config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
         let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-        let mut rec = Reconciler::new(config, None, None, FakeKernel::default(), telemetry);
+        let mut rec = Reconciler::new(config, None, FakeKernel::default(), telemetry);
         rec.on_event(SourceEvent::Init);
         rec.on_event(SourceEvent::InitApply(raw(
             "local",
@@ -648,7 +706,7 @@ mod tests {
         let mut config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
         config.max_node_id = 2;
         let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-        let mut rec = Reconciler::new(config, None, None, kernel, telemetry);
+        let mut rec = Reconciler::new(config, None, kernel, telemetry);
         rec.on_event(SourceEvent::Init);
         rec.on_event(SourceEvent::InitApply(raw(
             "local",
@@ -667,5 +725,119 @@ mod tests {
             "{:?}",
             o.plan.errors
         );
+    }
+
+    fn keys(spis: &[u8], digest: u8) -> crate::agent::kernel::KeyRead {
+        crate::agent::kernel::KeyRead {
+            keys: spis
+                .iter()
+                .map(|spi| state::rotation::FileKey {
+                    spi: *spi,
+                    tag: state::objects::KeyTag(u64::from(*spi)),
+                })
+                .collect(),
+            digest: [digest; 32],
+            error: None,
+        }
+    }
+
+    fn count(rec: &mut Reconciler<FakeKernel>, kind: ObjectKind) -> usize {
+        rec.kernel()
+            .ours
+            .values()
+            .filter(|o| o.kind() == kind)
+            .count()
+    }
+
+    fn sent_with(rec: &mut Reconciler<FakeKernel>) -> Vec<u8> {
+        let mut spis: Vec<u8> = rec
+            .kernel()
+            .ours
+            .values()
+            .filter_map(|o| match o {
+                KernelObject::PodCidrEntry(e) => Some(e.spi),
+                _ => None,
+            })
+            .collect();
+        spis.dedup();
+        spis
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_appended_key_gets_states_at_once_and_a_replaced_file_switches_at_once() {
+        let mut rec = reconciler(&[("a", 1), ("b", 2)]);
+        rec.kernel().keys = Some(keys(&[3], 1));
+        rec.reconcile().await.unwrap();
+        assert_eq!(
+            count(&mut rec, ObjectKind::XfrmState),
+            4,
+            "2 nodes, in and out"
+        );
+        assert_eq!(count(&mut rec, ObjectKind::PodCidrEntry), 2);
+        assert_eq!(count(&mut rec, ObjectKind::XfrmGuard), 2, "IPv4 only");
+        assert_eq!(sent_with(&mut rec), [3]);
+        let seen = rec.record().unwrap().ipsec_keys.clone();
+        assert_eq!(seen.iter().map(|k| k.spi).collect::<Vec<_>>(), [3]);
+        assert_eq!(metric(&rec, "node_agent_ipsec_send_spi"), Some(3.0));
+
+        // A line appended: the daemon's poll sees the change; both keys get states, the
+        // traffic stays on 3 until the propagation delay has passed.
+        rec.kernel().keys = Some(keys(&[3, 4], 2));
+        assert!(rec.keys_changed());
+        rec.reconcile().await.unwrap();
+        assert_eq!(count(&mut rec, ObjectKind::XfrmState), 8);
+        assert_eq!(sent_with(&mut rec), [3]);
+        assert_eq!(metric(&rec, "node_agent_ipsec_keys_in_use"), Some(2.0));
+        let next = rec.next_rotation_change().unwrap();
+        let in_90s = wall_clock() + Duration::from_secs(90);
+        assert!(
+            next <= in_90s && next + Duration::from_secs(5) > in_90s,
+            "{next:?}"
+        );
+        assert!(!rec.keys_changed(), "nothing new in the file");
+
+        // The file replaced by one new key: nothing to wait for, the old key is unusable.
+        rec.kernel().keys = Some(keys(&[5], 3));
+        rec.reconcile().await.unwrap();
+        assert_eq!(sent_with(&mut rec), [5]);
+        assert_eq!(count(&mut rec, ObjectKind::XfrmState), 4);
+        assert_eq!(rec.next_rotation_change(), None);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_unusable_key_file_keeps_the_keys_and_says_so_in_readiness() {
+        let mut rec = reconciler(&[("a", 1)]);
+        rec.kernel().keys = Some(keys(&[3], 1));
+        rec.reconcile().await.unwrap();
+        let mut bad = keys(&[3], 1);
+        bad.error = Some("IPsec key file /k line 2: SPI must be a decimal number 1..=15".into());
+        rec.kernel().keys = Some(bad);
+        let outcome = rec.reconcile().await.unwrap();
+        assert!(outcome.plan.is_empty(), "nothing changes");
+        assert_eq!(metric(&rec, "node_agent_ipsec_key_file_error"), Some(1.0));
+        rec.telemetry.set_reconciled(Ok(()));
+        let ready = rec.telemetry.ready().unwrap();
+        assert!(
+            ready.contains("IPsec key file unusable") && ready.contains("line 2"),
+            "{ready}"
+        );
+        rec.kernel().keys = Some(keys(&[3], 1));
+        rec.reconcile().await.unwrap();
+        assert_eq!(metric(&rec, "node_agent_ipsec_key_file_error"), Some(0.0));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn turning_ipsec_off_removes_every_ipsec_object() {
+        let mut rec = reconciler(&[("a", 1)]);
+        rec.kernel().keys = Some(keys(&[3], 1));
+        rec.reconcile().await.unwrap();
+        rec.kernel().keys = None;
+        rec.reconcile().await.unwrap();
+        let kinds: BTreeSet<ObjectKind> = rec.kernel().ours.values().map(|o| o.kind()).collect();
+        assert_eq!(
+            kinds,
+            BTreeSet::from([ObjectKind::MapEntry, ObjectKind::Route])
+        );
+        assert!(rec.record().unwrap().ipsec_keys.is_empty());
     }
 }

@@ -48,6 +48,9 @@ impl ExitStatus {
 const WAIT_LOG_EVERY: Duration = Duration::from_secs(10);
 /// Passes `--once` makes before it settles for what failed.
 const ONCE_MAX_PASSES: usize = 5;
+/// How often the daemon looks at the IPsec key file (a small read; a Secret volume changes by an
+/// atomic symlink swap, so the next read sees the whole new file).
+const KEY_FILE_POLL: Duration = Duration::from_secs(2);
 
 /// How the wait for the first full list may end early.
 #[derive(Clone, Copy)]
@@ -115,8 +118,8 @@ pub async fn run_once(
     };
     let telemetry = Arc::new(Telemetry::new(Duration::MAX));
     let (checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
-    let (backends, ipsec) = Backends::open(&config, dry_run).await?;
-    let mut rec = Reconciler::new(config, ipsec, record, backends, telemetry);
+    let backends = Backends::open(&config, dry_run).await?;
+    let mut rec = Reconciler::new(config, record, backends, telemetry);
     wait_for_sync(&mut rec, &mut rx, wait).await?;
     if dry_run {
         let plan = rec.plan().await?;
@@ -199,8 +202,9 @@ pub async fn run(
 ) -> Result<(), AgentError> {
     let mut signals = Signals::install()?;
     let (checkpointer, record) = Checkpointer::open(&config.state_dir, false)?;
-    let (backends, ipsec) = Backends::open(&config, false).await?;
-    let mut rec = Reconciler::new(config, ipsec, record, backends, telemetry.clone());
+    let backends = Backends::open(&config, false).await?;
+    let ipsec = config.ipsec_key_file.is_some();
+    let mut rec = Reconciler::new(config, record, backends, telemetry.clone());
     rec.confirm_by_relist(true);
     let beat = tokio::spawn({
         // Liveness while waiting for sync: the loop below beats on its own turns.
@@ -242,6 +246,9 @@ pub async fn run(
         stale_since: None,
         published_hold: None,
     };
+    if ipsec {
+        daemon.schedule.watch_keys(Instant::now(), KEY_FILE_POLL);
+    }
     loop {
         daemon.turn(&relist).await;
         let wake = daemon.schedule.next_wake(Instant::now());
@@ -294,6 +301,10 @@ impl<K: Kernel> Daemon<K> {
             // A full channel means a request is already pending: one is enough.
             let _ = relist.try_send(SourceRequest::Relist);
             self.schedule.relist_asked();
+        }
+        if due.keys {
+            let changed = self.rec.keys_changed();
+            self.schedule.keys_checked(Instant::now(), changed);
         }
         if self.schedule.due(Instant::now()).checkpoint {
             self.write_checkpoint();
@@ -351,6 +362,9 @@ impl<K: Kernel> Daemon<K> {
             .and_then(|h| h.confirmable_at)
             .map(|at| now + at.saturating_sub(wall_clock()));
         self.schedule.reconciled(now, outcome, changed, confirmable);
+        let rotation = self.rec.next_rotation_change();
+        self.schedule
+            .rotation_moves_at(rotation.map(|at| now + at.saturating_sub(wall_clock())));
         if let Some(plan) = plan {
             self.publish_hold(plan);
         }
@@ -476,13 +490,7 @@ mod tests {
         config.checkpoint_interval = Duration::ZERO;
         let (checkpointer, record) = Checkpointer::open(dir, false).unwrap();
         let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-        let mut rec = Reconciler::new(
-            config,
-            None,
-            record,
-            FakeKernel::default(),
-            telemetry.clone(),
-        );
+        let mut rec = Reconciler::new(config, record, FakeKernel::default(), telemetry.clone());
         rec.confirm_by_relist(true);
         list(&mut rec, nodes);
         Daemon {

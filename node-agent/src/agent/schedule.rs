@@ -53,6 +53,8 @@ pub struct Due {
     pub checkpoint: bool,
     /// Ask the source for a fresh full list (a hold is ripe for confirmation).
     pub relist: bool,
+    /// Look at the IPsec key file again.
+    pub keys: bool,
 }
 
 /// How a reconcile went, as far as timing is concerned.
@@ -79,6 +81,10 @@ pub struct Schedule {
     checkpoint_backoff: Backoff,
     /// When a hold may be confirmed by a fresh list, until the source has been asked for one.
     relist_at: Option<Instant>,
+    /// With IPsec: when to look at the key file again, and how often.
+    keys_at: Option<(Instant, Duration)>,
+    /// When the IPsec key rotation moves on by itself (a switch, a retirement).
+    rotation_at: Option<Instant>,
 }
 
 impl Schedule {
@@ -96,7 +102,29 @@ impl Schedule {
             checkpoint_retry_at: None,
             checkpoint_backoff: CHECKPOINT_BACKOFF,
             relist_at: None,
+            keys_at: None,
+            rotation_at: None,
         }
+    }
+
+    /// Look at the IPsec key file every `every`, starting `every` from `now`.
+    pub fn watch_keys(&mut self, now: Instant, every: Duration) {
+        self.keys_at = Some((now + every, every));
+    }
+
+    /// The key file was looked at; `changed` makes a reconcile due at once.
+    pub fn keys_checked(&mut self, now: Instant, changed: bool) {
+        if let Some((_, every)) = self.keys_at {
+            self.keys_at = Some((now + every, every));
+        }
+        if changed {
+            self.reconcile_now(now);
+        }
+    }
+
+    /// Reconcile when the key rotation moves on by itself, if it will.
+    pub fn rotation_moves_at(&mut self, at: Option<Instant>) {
+        self.rotation_at = at;
     }
 
     /// The live view changed: reconcile after the debounce (bursts coalesce into one).
@@ -127,9 +155,12 @@ impl Schedule {
 
     pub fn due(&self, now: Instant) -> Due {
         Due {
-            reconcile: self.reconcile_at.is_some_and(|t| t <= now) || self.resync_at <= now,
+            reconcile: self.reconcile_at.is_some_and(|t| t <= now)
+                || self.resync_at <= now
+                || self.rotation_at.is_some_and(|t| t <= now),
             checkpoint: self.checkpoint_at().is_some_and(|t| t <= now),
             relist: self.relist_at.is_some_and(|t| t <= now),
+            keys: self.keys_at.is_some_and(|(t, _)| t <= now),
         }
     }
 
@@ -140,6 +171,8 @@ impl Schedule {
             Some(self.resync_at),
             self.checkpoint_at(),
             self.relist_at,
+            self.keys_at.map(|(t, _)| t),
+            self.rotation_at,
         ]
         .into_iter()
         .flatten()
@@ -157,6 +190,9 @@ impl Schedule {
         confirmable: Option<Instant>,
     ) {
         self.reconcile_at = None;
+        if self.rotation_at.is_some_and(|t| t <= now) {
+            self.rotation_at = None;
+        }
         if self.resync_at <= now {
             self.resync_at = now + self.resync;
         }
@@ -207,6 +243,32 @@ mod tests {
 
     fn schedule(t0: Instant) -> Schedule {
         Schedule::new(t0, Duration::from_millis(100), 300 * S, S)
+    }
+
+    #[test]
+    fn key_checks_and_the_rotation_wake_the_loop_only_when_due() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        s.reconciled(t0, Reconciled::Done, false, None);
+        s.watch_keys(t0, 2 * S);
+        assert_eq!(s.next_wake(t0), t0 + 2 * S);
+        assert!(s.due(t0 + 2 * S).keys && !s.due(t0 + 2 * S).reconcile);
+        s.keys_checked(t0 + 2 * S, false);
+        assert!(!s.due(t0 + 3 * S).keys && !s.due(t0 + 3 * S).reconcile);
+        s.keys_checked(t0 + 4 * S, true);
+        assert!(
+            s.due(t0 + 4 * S).reconcile,
+            "a changed file is planned at once"
+        );
+        s.reconciled(t0 + 4 * S, Reconciled::Done, false, None);
+        s.rotation_moves_at(Some(t0 + 90 * S));
+        assert!(!s.due(t0 + 89 * S).reconcile);
+        assert!(s.due(t0 + 90 * S).reconcile);
+        s.reconciled(t0 + 90 * S, Reconciled::Done, false, None);
+        assert!(
+            !s.due(t0 + 91 * S).reconcile,
+            "a rotation step wakes the loop once"
+        );
     }
 
     #[test]

@@ -68,6 +68,7 @@ impl MapBackend {
         let errno = err.errno();
         if op_is_full(errno) {
             return OpError::MapFull {
+                map: "node-ID",
                 capacity: self.capacity,
             };
         }
@@ -78,8 +79,9 @@ impl MapBackend {
     }
 }
 
-/// The kernel answers E2BIG when a hash map is at `max_entries` (ENOSPC on some paths).
-fn op_is_full(errno: Option<i32>) -> bool {
+/// The kernel answers E2BIG when a hash map is at `max_entries` (ENOSPC on some paths, and for
+/// a full LPM trie).
+pub(super) fn op_is_full(errno: Option<i32>) -> bool {
     matches!(errno, Some(libc::E2BIG) | Some(libc::ENOSPC))
 }
 

@@ -10,28 +10,32 @@
 //! [`Backends`] puts them behind the reconciler's one seam, [`crate::agent::kernel::Kernel`].
 
 pub mod map;
+pub mod netlink;
+pub mod pod_cidrs;
 pub mod routes;
 pub mod xfrm;
 
 use std::future::Future;
 
+use std::path::PathBuf;
+
 use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::{KernelObject, ObjectKind, Op};
-use state::plan::IpsecConfig;
+use state::rotation::FileKey;
 
+use self::xfrm::keys::{KeyError, KeyFile, KeyRing};
 use crate::agent::AgentConfig;
-use crate::agent::kernel::Kernel;
-use crate::datapath::{Datapath, DatapathError, node_ids_pin};
+use crate::agent::kernel::{Kernel, KeyRead};
+use crate::datapath::{Datapath, DatapathError, node_ids_pin, pod_cidrs_pin};
 use crate::freed_ids::{self, FreedIds, FreedIdsError};
-use crate::ipsec_key::{KeyError, KeyFile};
 use crate::node_map::NodeMapError;
 
 /// Why one operation failed. Per-operation, so one bad node never stops the others.
 #[derive(Debug, thiserror::Error)]
 pub enum OpError {
-    #[error("node-ID map full at {capacity} entries; raise --node-map-max")]
-    MapFull { capacity: u32 },
+    #[error("{map} map full at {capacity} entries; raise --node-map-max")]
+    MapFull { map: &'static str, capacity: u32 },
     #[error("gateway {gateway} is unreachable for route {dst}: {source}")]
     GatewayUnreachable {
         dst: ipnet::IpNet,
@@ -117,13 +121,18 @@ impl From<NodeMapError> for OpenError {
 
 /// The backends behind one interface: the reconciler dumps and applies through this.
 ///
-/// A backend is `None` where it is not in use: the map in a dry run before any pin exists,
-/// routes when disabled. A missing backend dumps nothing and fails every op of its kind.
+/// A backend is `None` where it is not in use: the maps in a dry run before any pin exists,
+/// the xfrm backend and the pod-CIDR map without IPsec. A missing backend dumps nothing and
+/// fails every op of its kind.
 pub struct Backends {
     pub map: Option<map::MapBackend>,
+    /// The pod-CIDR map: only with IPsec.
+    pub pod_cidrs: Option<pod_cidrs::PodCidrBackend>,
     pub routes: Option<routes::RouteBackend>,
-    /// Owns both xfrm kinds: states and policies.
+    /// Owns the xfrm kinds: states, policies and guards.
     pub xfrm: Option<xfrm::XfrmBackend>,
+    /// The IPsec key file and what it held when last read.
+    pub key_file: Option<KeyFileState>,
     /// The kernel's record of freed node IDs; `None` in a dry run before it exists.
     pub freed: Option<FreedIds>,
     /// The loaded datapath (not in a dry run): the map backend writes what it reads.
@@ -132,61 +141,133 @@ pub struct Backends {
 
 impl Backends {
     /// Opens everything the agent writes: loads and attaches the datapath (reusing compatible
-    /// pins), opens the map, the freed-ID record, the netlink sockets, and with IPsec the key
+    /// pins), opens the maps, the freed-ID record, the netlink sockets, and with IPsec the key
     /// file, checking that the kernel can create ESP states. With `dry_run` nothing is created,
-    /// attached or written: the maps are opened only if they already exist. Returns the IPsec
-    /// settings the planner needs.
-    pub async fn open(
-        config: &AgentConfig,
-        dry_run: bool,
-    ) -> Result<(Self, Option<IpsecConfig>), OpenError> {
+    /// attached or written: the maps are opened only if they already exist.
+    pub async fn open(config: &AgentConfig, dry_run: bool) -> Result<Self, OpenError> {
         let bpffs = &config.datapath.bpffs;
+        let capacity = config.datapath.node_map_max;
         let pin = node_ids_pin(bpffs);
+        let cidr_pin = pod_cidrs_pin(bpffs);
         let freed_pin = freed_ids::pin(bpffs);
-        let (datapath, map, freed) = if dry_run {
-            let map = match pin.exists() {
-                true => Some(map::MapBackend::open(&pin, config.datapath.node_map_max)?),
-                false => None,
-            };
-            let freed = match freed_pin.exists() {
-                true => Some(FreedIds::open(&freed_pin)?),
-                false => None,
-            };
-            (None, map, freed)
-        } else {
-            let dp = Datapath::load(&config.datapath)?;
-            let map = map::MapBackend::open(&pin, config.datapath.node_map_max)?;
-            (
-                Some(dp),
-                Some(map),
-                Some(FreedIds::open_or_create(&freed_pin)?),
-            )
+        let ipsec = config.ipsec_key_file.is_some();
+        let datapath = match dry_run {
+            true => None,
+            false => Some(Datapath::load(&config.datapath)?),
+        };
+        // In a dry run the pins are read only if they exist; otherwise the load made them.
+        let exists = |p: &PathBuf| !dry_run || p.exists();
+        let map = match exists(&pin) {
+            true => Some(map::MapBackend::open(&pin, capacity)?),
+            false => None,
+        };
+        let pod_cidrs = match ipsec && exists(&cidr_pin) {
+            true => Some(pod_cidrs::PodCidrBackend::open(&cidr_pin, capacity)?),
+            false => None,
+        };
+        let freed = match (dry_run, freed_pin.exists()) {
+            (false, _) => Some(FreedIds::open_or_create(&freed_pin)?),
+            (true, true) => Some(FreedIds::open(&freed_pin)?),
+            (true, false) => None,
         };
         let routes = routes::RouteBackend::new(config.route_protocol, config.route_table)
             .map_err(OpenError::Netlink)?;
-        let (xfrm, ipsec) = match &config.ipsec_key_file {
+        let (xfrm, key_file) = match &config.ipsec_key_file {
             None => (None, None),
             Some(path) => {
                 let file = KeyFile::load(path)?;
-                let spi = file.key.spi();
-                let backend =
-                    xfrm::XfrmBackend::new(Some(file.key)).map_err(OpenError::XfrmSocket)?;
+                for w in &file.warnings {
+                    tracing::warn!(path = %path.display(), "{w}");
+                }
+                let state = KeyFileState::new(path.clone(), &file);
+                let backend = xfrm::XfrmBackend::new(KeyRing::new(file.keys))
+                    .map_err(OpenError::XfrmSocket)?;
                 if !dry_run {
                     backend.probe_esp().await?;
                 }
-                (Some(backend), Some(IpsecConfig { spi }))
+                (Some(backend), Some(state))
             }
         };
-        Ok((
-            Self {
-                map,
-                routes: Some(routes),
-                xfrm,
-                freed,
-                datapath,
-            },
-            ipsec,
-        ))
+        Ok(Self {
+            map,
+            pod_cidrs,
+            routes: Some(routes),
+            xfrm,
+            key_file,
+            freed,
+            datapath,
+        })
+    }
+}
+
+/// The IPsec key file: where it is, and what the last good read found (never the key material,
+/// which only the xfrm backend holds).
+pub struct KeyFileState {
+    path: PathBuf,
+    keys: Vec<FileKey>,
+    digest: [u8; 32],
+    /// The last error, so it is logged once, not at every read.
+    error: Option<String>,
+}
+
+impl KeyFileState {
+    fn new(path: PathBuf, file: &KeyFile) -> Self {
+        Self {
+            path,
+            keys: file_keys(file),
+            digest: file.digest,
+            error: None,
+        }
+    }
+
+    fn read(&self) -> KeyRead {
+        KeyRead {
+            keys: self.keys.clone(),
+            digest: self.digest,
+            error: self.error.clone(),
+        }
+    }
+}
+
+fn file_keys(file: &KeyFile) -> Vec<FileKey> {
+    file.keys
+        .iter()
+        .map(|k| FileKey {
+            spi: k.spi(),
+            tag: k.tag(),
+        })
+        .collect()
+}
+
+impl Backends {
+    /// Reads the key file again; new keys go to the xfrm backend. A file that cannot be used
+    /// keeps the previous keys, and says why once.
+    fn reload_keys(&mut self) -> Option<KeyRead> {
+        let state = self.key_file.as_mut()?;
+        match KeyFile::load(&state.path) {
+            Ok(file) if file.digest == state.digest => state.error = None,
+            Ok(file) => {
+                for w in &file.warnings {
+                    tracing::warn!(path = %state.path.display(), "{w}");
+                }
+                state.keys = file_keys(&file);
+                state.digest = file.digest;
+                state.error = None;
+                let spis: Vec<u8> = state.keys.iter().map(|k| k.spi).collect();
+                tracing::info!(path = %state.path.display(), ?spis, "IPsec key file changed");
+                if let Some(x) = &mut self.xfrm {
+                    x.set_keys(KeyRing::new(file.keys));
+                }
+            }
+            Err(e) => {
+                let e = e.to_string();
+                if state.error.as_ref() != Some(&e) {
+                    tracing::error!("{e}; keeping the keys read before");
+                }
+                state.error = Some(e);
+            }
+        }
+        Some(state.read())
     }
 }
 
@@ -195,6 +276,9 @@ impl Kernel for Backends {
         let mut inv = Inventory::new();
         if let Some(m) = &mut self.map {
             m.dump_into(&mut inv).await?;
+        }
+        if let Some(p) = &mut self.pod_cidrs {
+            p.dump_into(&mut inv).await?;
         }
         if let Some(r) = &mut self.routes {
             r.dump_into(&mut inv).await?;
@@ -220,24 +304,34 @@ impl Kernel for Backends {
                     Some(m) => results.extend(m.apply(chunk).await),
                     None => results.extend(disabled()),
                 },
+                ObjectKind::PodCidrEntry => match &mut self.pod_cidrs {
+                    Some(p) => results.extend(p.apply(chunk).await),
+                    None => results.extend(disabled()),
+                },
                 ObjectKind::Route => match &mut self.routes {
                     Some(r) => results.extend(r.apply(chunk).await),
                     None => results.extend(disabled()),
                 },
-                ObjectKind::XfrmState | ObjectKind::XfrmPolicy => match &mut self.xfrm {
-                    Some(x) => results.extend(x.apply(chunk).await),
-                    None => results.extend(disabled()),
-                },
+                ObjectKind::XfrmState | ObjectKind::XfrmPolicy | ObjectKind::XfrmGuard => {
+                    match &mut self.xfrm {
+                        Some(x) => results.extend(x.apply(chunk).await),
+                        None => results.extend(disabled()),
+                    }
+                }
             }
         }
         results
     }
 
     async fn purge_junk(&mut self) -> Result<usize, OpError> {
-        match &mut self.map {
-            Some(m) => m.purge_invalid(),
-            None => Ok(0),
+        let mut purged = 0;
+        if let Some(m) = &mut self.map {
+            purged += m.purge_invalid()?;
         }
+        if let Some(p) = &mut self.pod_cidrs {
+            purged += p.purge_invalid()?;
+        }
+        Ok(purged)
     }
 
     fn freed_ids(&mut self) -> Result<Vec<FreedId>, OpError> {
@@ -252,6 +346,10 @@ impl Kernel for Backends {
             Some(f) => f.write(freed).map_err(freed_error),
             None => Ok(()),
         }
+    }
+
+    fn ipsec_keys(&mut self) -> Option<KeyRead> {
+        self.reload_keys()
     }
 }
 

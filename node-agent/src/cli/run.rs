@@ -55,6 +55,15 @@ pub struct AgentArgs {
         value_delimiter = ','
     )]
     pub datapath_ifaces: Vec<String>,
+    /// Interface pod traffic enters the host through (the CNI's bridge, e.g. `cni0`);
+    /// repeatable. With IPsec, a classifier on its ingress marks traffic toward remote pod
+    /// CIDRs for encryption; IPsec refuses to start without one.
+    #[arg(
+        long = "pod-iface",
+        env = "NODE_AGENT_POD_IFACE",
+        value_delimiter = ','
+    )]
+    pub pod_ifaces: Vec<String>,
     /// Capacity of the node-ID map when it is first created; an existing pin must match.
     #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX", default_value_t = node_agent_common::DEFAULT_NODE_MAP_MAX)]
     pub node_map_max: u32,
@@ -91,10 +100,19 @@ pub struct AgentArgs {
     #[arg(long, env = "NODE_AGENT_TEST_MAX_NODE_ID", default_value_t = state::ids::MAX_ID, hide = true)]
     pub max_node_id: u16,
     /// IPsec key file, one key per line: `<spi 1-15> rfc4106(gcm(aes)) 0x<key+salt hex> <icv
-    /// bits>`; the last line is the active key. Enables xfrm states and policies toward every
-    /// remote node; start-up fails if the kernel has no ESP.
+    /// bits>`; the last line is the newest key, and appending a line rotates to it. Enables
+    /// encryption of pod traffic toward every remote node (needs --pod-iface); start-up fails
+    /// if the kernel has no ESP.
     #[arg(long, env = "NODE_AGENT_IPSEC_KEY_FILE")]
     pub ipsec_key_file: Option<PathBuf>,
+    /// A new key is received at once but sent with only after this long, so that every node
+    /// has read the new key file first (a Secret reaches every kubelet within about a minute).
+    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_PROPAGATION_DELAY", default_value = "90s", value_parser = parse_duration)]
+    pub ipsec_key_propagation_delay: Duration,
+    /// The previous key is still received this long after the switch to a new one, then its
+    /// states are removed. Must be longer than the propagation delay.
+    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_ROTATION_DELAY", default_value = "5m", value_parser = parse_duration)]
+    pub ipsec_key_rotation_delay: Duration,
     /// Shortest interval between two checkpoint writes (changes in between are coalesced; a
     /// final write always happens on SIGTERM).
     #[arg(long, env = "NODE_AGENT_CHECKPOINT_INTERVAL", default_value = "1s", value_parser = parse_duration)]
@@ -184,8 +202,23 @@ impl AgentArgs {
                 self.max_prune_ratio
             );
         }
+        if self.ipsec_key_rotation_delay <= self.ipsec_key_propagation_delay {
+            bail!(
+                "--ipsec-key-rotation-delay ({:?}) must be longer than \
+                 --ipsec-key-propagation-delay ({:?}): a node must keep receiving the old key \
+                 until every other node has switched",
+                self.ipsec_key_rotation_delay,
+                self.ipsec_key_propagation_delay
+            );
+        }
         let mut c = AgentConfig::new(node_name, &self.state_dir, &self.bpffs.bpffs);
         c.datapath.ifaces = self.datapath_ifaces.clone();
+        c.datapath.pod_ifaces = self.pod_ifaces.clone();
+        c.datapath.ipsec = self.ipsec_key_file.is_some();
+        c.key_delays = state::rotation::Delays {
+            propagation: self.ipsec_key_propagation_delay,
+            retirement: self.ipsec_key_rotation_delay,
+        };
         c.datapath.node_map_max = self.node_map_max;
         c.datapath.mark_mask = self.mark_mask;
         c.route_protocol = self.route_protocol;

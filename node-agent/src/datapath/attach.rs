@@ -57,9 +57,11 @@ pub(super) fn direction_name(dir: TcAttachType) -> &'static str {
     }
 }
 
-/// Attaches `prog` to `iface` in direction `dir`, taking over a previous agent's attachment.
+/// Attaches `prog` (named `name`) to `iface` in direction `dir`, taking over a previous agent's
+/// attachment.
 pub(super) fn attach(
     prog: &mut SchedClassifier,
+    name: &str,
     iface: &str,
     dir: TcAttachType,
     link_dir: &Path,
@@ -70,7 +72,7 @@ pub(super) fn attach(
         source,
     };
     if has_tcx() {
-        attach_tcx(prog, iface, dir, link_dir).map_err(err)
+        attach_tcx(prog, &link_pin(link_dir, name, iface, dir), iface, dir).map_err(err)
     } else {
         attach_netlink(prog, iface, dir).map_err(err)
     }
@@ -81,17 +83,24 @@ fn has_tcx() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
-fn link_pin(link_dir: &Path, iface: &str, dir: TcAttachType) -> PathBuf {
-    link_dir.join(format!("{iface}-{}", direction_name(dir)))
+/// `<iface>-ingress` and `<iface>-egress` for the uplink classifiers (the names releases before
+/// the pod classifier used, kept so that an upgrade takes their links over), `<iface>-pod` for
+/// the pod classifier.
+fn link_pin(link_dir: &Path, prog: &str, iface: &str, dir: TcAttachType) -> PathBuf {
+    if prog == node_agent_common::POD_PROG {
+        link_dir.join(format!("{iface}-pod"))
+    } else {
+        link_dir.join(format!("{iface}-{}", direction_name(dir)))
+    }
 }
 
 fn attach_tcx(
     prog: &mut SchedClassifier,
+    pin: &Path,
     iface: &str,
     dir: TcAttachType,
-    link_dir: &Path,
 ) -> Result<Attachment, AttachError> {
-    let pin = link_pin(link_dir, iface, dir);
+    let pin = pin.to_path_buf();
     match PinnedLink::from_pin(&pin) {
         Ok(old) => {
             let link = SchedClassifierLink::try_from(FdLink::from(old))?;

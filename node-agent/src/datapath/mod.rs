@@ -58,6 +58,19 @@ pub enum DatapathError {
     BadCapacity(u32),
     #[error("mark mask {0:#010x} must be one contiguous run of at least 16 bits")]
     BadMarkMask(u32),
+    #[error(
+        "with IPsec the mark mask must be 0xffff0000 (got {0:#010x}): the xfrm marks of ESP \
+         packets put the node ID in bits 16-31"
+    )]
+    IpsecMarkMask(u32),
+    #[error(
+        "IPsec needs --pod-iface (the interface pod traffic enters the host through, e.g. the \
+         CNI's bridge cni0): without it no packet is marked for encryption and pod traffic \
+         would leave in the clear"
+    )]
+    IpsecWithoutPodIface,
+    #[error("{0} is both a --datapath-iface and a --pod-iface; each interface has one role")]
+    IfaceTwice(String),
     #[error("loading the eBPF object: {0}")]
     Load(#[source] Box<aya::EbpfError>),
     #[error("loading program {name}: {source}")]
@@ -84,6 +97,11 @@ pub struct DatapathConfig {
     pub mark_mask: u32,
     /// Interfaces to attach the classifiers to, on ingress and egress.
     pub ifaces: Vec<String>,
+    /// Interfaces pod traffic enters the host through (the CNI's bridge): the pod classifier
+    /// attaches to their ingress and marks traffic toward remote pod CIDRs for xfrm.
+    pub pod_ifaces: Vec<String>,
+    /// IPsec is on: ESP packets get the xfrm IN mark, and a pod interface is required.
+    pub ipsec: bool,
 }
 
 impl DatapathConfig {
@@ -93,6 +111,8 @@ impl DatapathConfig {
             node_map_max: abi::DEFAULT_NODE_MAP_MAX,
             mark_mask: abi::DEFAULT_MARK_MASK,
             ifaces: Vec::new(),
+            pod_ifaces: Vec::new(),
+            ipsec: false,
         }
     }
 
@@ -110,6 +130,11 @@ pub fn pin_dir(bpffs: &Path) -> PathBuf {
 /// Path of the pinned node-ID map under a bpffs root.
 pub fn node_ids_pin(bpffs: &Path) -> PathBuf {
     pin_dir(bpffs).join(abi::NODE_IDS_PIN)
+}
+
+/// Path of the pinned pod-CIDR map under a bpffs root.
+pub fn pod_cidrs_pin(bpffs: &Path) -> PathBuf {
+    pin_dir(bpffs).join(abi::POD_CIDRS_PIN)
 }
 
 /// Path of the pinned counters map under a bpffs root.
@@ -143,6 +168,15 @@ impl Datapath {
         {
             return Err(DatapathError::BadMarkMask(mask));
         }
+        if config.ipsec && mask != abi::DEFAULT_MARK_MASK {
+            return Err(DatapathError::IpsecMarkMask(mask));
+        }
+        if config.ipsec && config.pod_ifaces.is_empty() {
+            return Err(DatapathError::IpsecWithoutPodIface);
+        }
+        if let Some(i) = config.pod_ifaces.iter().find(|i| config.ifaces.contains(i)) {
+            return Err(DatapathError::IfaceTwice(i.clone()));
+        }
         check_bpffs(&config.bpffs)?;
         let dir = config.pin_dir();
         let link_dir = dir.join("links");
@@ -159,8 +193,11 @@ impl Datapath {
 
         let ids_pin = node_ids_pin(&config.bpffs);
         let stats_pin = node_stats_pin(&config.bpffs);
+        let cidrs_pin = pod_cidrs_pin(&config.bpffs);
         check_pin(&ids_pin, node_ids_layout(config.node_map_max))?;
         check_pin(&stats_pin, node_stats_layout())?;
+        check_pin(&cidrs_pin, pod_cidrs_layout(config.node_map_max))?;
+        let ipsec = u32::from(config.ipsec);
 
         // No kernel BTF: the programs use no CO-RE relocations, and parsing vmlinux's BTF would
         // cost the agent tens of MiB of memory for nothing. The object's own BTF still goes to
@@ -169,9 +206,12 @@ impl Datapath {
             .btf(None)
             .map_pin_path(abi::NODE_IDS_MAP, ids_pin.as_path())
             .map_pin_path(abi::NODE_STATS_MAP, stats_pin.as_path())
+            .map_pin_path(abi::POD_CIDRS_MAP, cidrs_pin.as_path())
             .map_max_entries(abi::NODE_IDS_MAP, config.node_map_max)
+            .map_max_entries(abi::POD_CIDRS_MAP, config.node_map_max)
             .override_global(abi::MARK_MASK_GLOBAL, &mask, true)
             .override_global(abi::MARK_SHIFT_GLOBAL, &shift, true)
+            .override_global(abi::IPSEC_GLOBAL, &ipsec, true)
             .load(bytes)
             .map_err(|e| DatapathError::Load(Box::new(e)))?;
 
@@ -185,10 +225,12 @@ impl Datapath {
         };
 
         let mut attachments = Vec::new();
-        for (name, dir) in [
-            (abi::INGRESS_PROG, TcAttachType::Ingress),
-            (abi::EGRESS_PROG, TcAttachType::Egress),
-        ] {
+        let roles = [
+            (abi::INGRESS_PROG, TcAttachType::Ingress, &config.ifaces),
+            (abi::EGRESS_PROG, TcAttachType::Egress, &config.ifaces),
+            (abi::POD_PROG, TcAttachType::Ingress, &config.pod_ifaces),
+        ];
+        for (name, dir, ifaces) in roles {
             let prog_err = |e: aya::programs::ProgramError| DatapathError::Program {
                 name,
                 source: Box::new(e),
@@ -199,10 +241,11 @@ impl Datapath {
                 .try_into()
                 .map_err(prog_err)?;
             prog.load().map_err(prog_err)?;
-            for iface in &config.ifaces {
-                let outcome = attach::attach(prog, iface, dir, &link_dir)?;
+            for iface in ifaces {
+                let outcome = attach::attach(prog, name, iface, dir, &link_dir)?;
                 tracing::info!(
                     iface,
+                    program = name,
                     direction = direction_name(dir),
                     ?outcome,
                     "classifier attached"
@@ -270,6 +313,16 @@ pub fn node_ids_layout(max_entries: u32) -> MapLayout {
     MapLayout {
         map_type: MapType::Hash,
         key_size: size_of::<abi::NodeKey>() as u32,
+        value_size: size_of::<abi::NodeValue>() as u32,
+        max_entries,
+    }
+}
+
+/// The layout `pod_cidrs` must have for this build.
+pub fn pod_cidrs_layout(max_entries: u32) -> MapLayout {
+    MapLayout {
+        map_type: MapType::LpmTrie,
+        key_size: (size_of::<u32>() + size_of::<abi::NodeKey>()) as u32,
         value_size: size_of::<abi::NodeValue>() as u32,
         max_entries,
     }

@@ -1,7 +1,8 @@
 //! The Prometheus metrics, all prefixed `node_agent_`. `docs/metrics.md` lists each one and what to alert on.
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -34,6 +35,37 @@ pub struct ResultLabel {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct XfrmStatLabel {
+    /// The kernel's name of the counter, e.g. `XfrmOutPolBlock`.
+    name: String,
+}
+
+/// The kernel's xfrm counters, read from `/proc/net/xfrm_stat` at each scrape
+/// (`node_agent_xfrm_stat_total{name=...}`). Nothing is exported where the kernel keeps none.
+#[derive(Debug)]
+struct XfrmStatCollector;
+
+impl Collector for XfrmStatCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(Some(stats)) = crate::backends::xfrm::stats::read() else {
+            return Ok(());
+        };
+        let counter = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "xfrm_stat",
+            "The kernel's xfrm counters (/proc/net/xfrm_stat), by the kernel's name: XfrmOutPolBlock counts packets marked for encryption that the block guard dropped",
+            None,
+            counter.metric_type(),
+        )?;
+        for (name, value) in stats {
+            let label = XfrmStatLabel { name };
+            ConstCounter::new(value).encode(family.encode_family(&label)?)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     pub registry: Registry,
@@ -55,6 +87,9 @@ pub struct Metrics {
     pub source_errors: Counter,
     pub node_input_errors: Gauge,
     pub node_map_fill_ratio: Gauge<f64, AtomicU64>,
+    pub ipsec_send_spi: Gauge,
+    pub ipsec_keys_in_use: Gauge,
+    pub ipsec_key_file_error: Gauge,
 }
 
 impl Default for Metrics {
@@ -79,6 +114,9 @@ impl Default for Metrics {
             source_errors: Counter::default(),
             node_input_errors: Gauge::default(),
             node_map_fill_ratio: Gauge::default(),
+            ipsec_send_spi: Gauge::default(),
+            ipsec_keys_in_use: Gauge::default(),
+            ipsec_key_file_error: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -171,6 +209,22 @@ impl Default for Metrics {
             "Entries in the node-ID map over its capacity",
             m.node_map_fill_ratio.clone(),
         );
+        registry.register(
+            "ipsec_send_spi",
+            "The SPI this node sends with (0 without IPsec)",
+            m.ipsec_send_spi.clone(),
+        );
+        registry.register(
+            "ipsec_keys_in_use",
+            "IPsec keys with states: 1, or 2 (more if rotations overlap) while a rotation is under way",
+            m.ipsec_keys_in_use.clone(),
+        );
+        registry.register(
+            "ipsec_key_file_error",
+            "1 while the IPsec key file as it is now cannot be used (the keys read before stay in use)",
+            m.ipsec_key_file_error.clone(),
+        );
+        registry.register_collector(Box::new(XfrmStatCollector));
         // Every kind shows from the start, so a rate over it is defined before the first repair.
         for kind in state::objects::ObjectKind::ALL {
             drop(m.drift_repaired.get_or_create(&KindLabel {

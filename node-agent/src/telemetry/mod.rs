@@ -28,6 +28,9 @@ struct Status {
     /// The checkpoint cannot be written: the datapath is right, only the record is stale, so
     /// the agent stays ready and says so.
     checkpoint: Option<String>,
+    /// The IPsec key file as it is now cannot be used; the keys read before stay in use, so
+    /// the agent stays ready and says so.
+    key_file: Option<String>,
 }
 
 #[derive(Debug)]
@@ -49,6 +52,7 @@ impl Telemetry {
                 brake: None,
                 source: None,
                 checkpoint: None,
+                key_file: None,
             }),
             stall_after,
         }
@@ -89,6 +93,13 @@ impl Telemetry {
         self.status().checkpoint = why;
     }
 
+    pub fn set_key_file_error(&self, why: Option<String>) {
+        self.metrics
+            .ipsec_key_file_error
+            .set(i64::from(why.is_some()));
+        self.status().key_file = why;
+    }
+
     /// `Ok` when alive, or why not.
     pub fn health(&self) -> Result<(), String> {
         let age = self.status().heartbeat.elapsed();
@@ -122,12 +133,22 @@ impl Telemetry {
         if let Some(why) = &s.failing {
             not.push(format!("last reconcile failed: {why}"));
         }
-        let detail = s
-            .checkpoint
-            .as_ref()
-            .map(|why| format!("checkpoint failing: {why}"));
+        let detail: Vec<String> = [
+            s.checkpoint
+                .as_ref()
+                .map(|why| format!("checkpoint failing: {why}")),
+            s.key_file.as_ref().map(|why| {
+                format!("IPsec key file unusable, the keys read before stay in use: {why}")
+            }),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         if not.is_empty() {
-            Ok(detail.map_or_else(|| "ready".into(), |d| format!("ready; {d}")))
+            match detail.is_empty() {
+                true => Ok("ready".into()),
+                false => Ok(format!("ready; {}", detail.join("; "))),
+            }
         } else {
             not.extend(detail);
             Err(not.join("\n"))

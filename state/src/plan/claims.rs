@@ -77,16 +77,19 @@ pub(super) fn resources(node: &Node, cfg: &PlanConfig) -> SmallVec<[Resource; 4]
         .collect()
 }
 
-/// The key resource of an object: the one its identity is built on.
-pub(super) fn key_resource(o: &KernelObject) -> Resource {
-    match o {
+/// The key resource of an object: the one its identity is built on; `None` for the agent's own
+/// objects, which belong to no node.
+pub(super) fn key_resource(o: &KernelObject) -> Option<Resource> {
+    Some(match o {
         KernelObject::MapEntry(e) => Resource::Address(e.ip),
+        KernelObject::PodCidrEntry(e) => Resource::PodCidr(e.cidr),
         KernelObject::Route(r) => Resource::PodCidr(r.dst),
         KernelObject::XfrmState(s) => {
             Resource::Address(if s.dir == XfrmDir::Out { s.dst } else { s.src })
         }
         KernelObject::XfrmPolicy(p) => Resource::PodCidr(p.dst),
-    }
+        KernelObject::XfrmGuard(_) => return None,
+    })
 }
 
 /// A resource an object uses besides its key: a route's gateway, a policy's tunnel endpoint.
@@ -94,7 +97,10 @@ pub(super) fn secondary_resource(o: &KernelObject) -> Option<Resource> {
     match o {
         KernelObject::Route(r) => Some(Resource::Address(r.gateway)),
         KernelObject::XfrmPolicy(p) => Some(Resource::Address(p.tmpl_dst)),
-        KernelObject::MapEntry(_) | KernelObject::XfrmState(_) => None,
+        KernelObject::MapEntry(_)
+        | KernelObject::PodCidrEntry(_)
+        | KernelObject::XfrmState(_)
+        | KernelObject::XfrmGuard(_) => None,
     }
 }
 
@@ -131,8 +137,10 @@ impl ClaimedAnywhere {
     }
 
     /// Whether anyone claims the object through its key, its node ID or its secondary resource.
+    /// The agent's own objects (no key resource) are never anyone's orphans: the brake does not
+    /// count them.
     pub fn owns(&self, o: &KernelObject) -> bool {
-        self.contains(&key_resource(o))
+        key_resource(o).is_none_or(|r| self.contains(&r))
             || o.node_id().is_some_and(|id| self.ids.contains(&id))
             || secondary_resource(o).is_some_and(|r| self.contains(&r))
     }

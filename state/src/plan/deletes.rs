@@ -19,7 +19,7 @@ use super::records::Record;
 use super::{Delete, DeleteReason, Local, PlanInput};
 use crate::ids::IdSet;
 use crate::node::Node;
-use crate::objects::{KernelObject, NodeId, ObjectId};
+use crate::objects::{KernelObject, NodeId, ObjectId, ObjectKind};
 
 /// Who an undesired object belongs to, strongest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -59,8 +59,8 @@ impl OwnerIndex {
     }
 
     fn owner(&self, o: &KernelObject) -> Option<Owner> {
-        self.resources
-            .get(&key_resource(o))
+        key_resource(o)
+            .and_then(|r| self.resources.get(&r))
             .or_else(|| o.node_id().and_then(|id| self.ids.get(&id)))
             .or_else(|| secondary_resource(o).and_then(|r| self.resources.get(&r)))
             .copied()
@@ -149,6 +149,9 @@ pub(super) fn decide(
         }
         let (reason, node) = if is_local_entry(o, local) {
             (DeleteReason::Orphan, None)
+        } else if o.kind() == ObjectKind::XfrmGuard {
+            // Undesired only when IPsec is off; belongs to no node, the brake does not count it.
+            (DeleteReason::Disabled, None)
         } else {
             match index.owner(o) {
                 Some(Owner::Held(_)) => {

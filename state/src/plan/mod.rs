@@ -29,12 +29,12 @@ use std::time::Duration;
 use foldhash::{HashSet, HashSetExt};
 use ipnet::IpNet;
 
-use crate::checkpoint::{Checkpoint, PendingDelete};
-use crate::desired::desired_objects;
+use crate::checkpoint::{Checkpoint, KeySeen, PendingDelete};
+use crate::desired::{desired_objects, global_objects};
 use crate::ids::{AllocatorState, IdError, MAX_ID};
 use crate::inventory::Inventory;
 use crate::node::{Family, Node};
-use crate::objects::{KernelObject, NodeId, ObjectId, Op};
+use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
 
 pub use brake::{BrakeHold, BrakeMemory, HoldKind, Removal};
 pub use claims::{ConflictWhy, Resource};
@@ -42,10 +42,34 @@ pub use claims::{ConflictWhy, Resource};
 use self::classify::LiveClass;
 
 /// IPsec settings that shape the desired objects.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IpsecConfig {
-    /// The SPI in use (0..=15, it lives in 4 mark bits).
+    /// The SPI traffic is sent with (1..=15, it lives in 4 mark bits): the map entries carry it.
+    pub send_spi: u8,
+    /// Every key whose states and policies exist now: the one sent with and, during a
+    /// rotation, the one rotated in (received, not yet sent with) or out (still received).
+    pub keys: Vec<KeyInUse>,
+    /// When the agent first saw each key of the key file: written into the checkpoint, so a
+    /// rotation resumes on its schedule after a restart ([`crate::rotation`]).
+    pub seen: Vec<KeySeen>,
+}
+
+impl IpsecConfig {
+    /// One key, sent with: no rotation under way.
+    pub fn single(spi: u8, tag: KeyTag) -> Self {
+        Self {
+            send_spi: spi,
+            keys: vec![KeyInUse { spi, tag }],
+            seen: Vec::new(),
+        }
+    }
+}
+
+/// A key whose states exist: its SPI and the fingerprint of what the states hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyInUse {
     pub spi: u8,
+    pub tag: KeyTag,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -142,6 +166,8 @@ pub enum DeleteReason {
     Orphan,
     /// A live node's object replaced by one with a different identity (new node ID or SPI).
     Superseded,
+    /// One of the agent's own objects for a feature that is off now (the IPsec guards).
+    Disabled,
 }
 
 impl DeleteReason {
@@ -151,6 +177,7 @@ impl DeleteReason {
             Self::ChangedWhileDown => "changed while down",
             Self::Orphan => "orphan",
             Self::Superseded => "superseded",
+            Self::Disabled => "disabled",
         }
     }
 }
@@ -168,6 +195,10 @@ pub struct Delete {
     /// The node the object was reached through; `None` for orphans.
     pub node: Option<String>,
 }
+
+/// The owner named for objects that belong to no node (the IPsec guards). Node names cannot
+/// contain parentheses, so it never collides with one.
+pub const AGENT_OWNED: &str = "(agent)";
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Upsert {
@@ -462,6 +493,18 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         }
     }
 
+    for o in global_objects(cfg) {
+        let oid = o.id();
+        if input.inventory.get(&oid) != Some(&o) {
+            upserts.push(Upsert {
+                update: input.inventory.contains(&oid),
+                object: o,
+                node: AGENT_OWNED.to_string(),
+            });
+        }
+        desired.insert(oid);
+    }
+
     // 6. Deletes and their reasons.
     let deleted = deletes::decide(input, &live, &records, &brake, &desired, &local);
 
@@ -525,9 +568,10 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         pending_deletes: pending,
         ids: alloc.state(),
         removals: brake_memory.window.clone(),
-        ipsec_keys: input
-            .record
-            .map(|c| c.ipsec_keys.clone())
+        ipsec_keys: cfg
+            .ipsec
+            .as_ref()
+            .map(|i| i.seen.clone())
             .unwrap_or_default(),
     };
     Plan {
@@ -550,7 +594,8 @@ fn key_cidr(o: &KernelObject) -> Option<IpNet> {
     match o {
         KernelObject::Route(r) => Some(r.dst),
         KernelObject::XfrmPolicy(p) => Some(p.dst),
-        KernelObject::MapEntry(_) | KernelObject::XfrmState(_) => None,
+        KernelObject::PodCidrEntry(e) => Some(e.cidr),
+        KernelObject::MapEntry(_) | KernelObject::XfrmState(_) | KernelObject::XfrmGuard(_) => None,
     }
 }
 

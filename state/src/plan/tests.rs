@@ -1,6 +1,6 @@
 //! One scenario per rule of the planner, in the order of `docs/design.md`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use super::*;
 use crate::ids::FreedId;
@@ -279,6 +279,7 @@ fn stale_node_is_deleted_with_all_its_objects_and_never_re_added() {
         spi: 3,
         dir: XfrmDir::Out,
         node_id: id(2),
+        key: KeyTag::default(),
     });
     k.put(extra.clone());
     let p = r.plan(Some(&cp), &[a(), c()], &k);
@@ -552,10 +553,12 @@ fn failed_stale_delete_stays_pending_with_attempts_and_keeps_its_id() {
     assert!(p2.checkpoint_after(&[]).pending_deletes.is_empty());
 }
 
+const TAG: KeyTag = KeyTag(0x1111);
+
 #[test]
 fn ipsec_adds_states_both_ways_and_a_policy_per_cidr_for_each_shared_family() {
     let mut r = Run::new();
-    r.cfg.ipsec = Some(IpsecConfig { spi: 3 });
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
     r.cfg.local_addresses = vec![ip("10.0.0.100")];
     let mut k = Kernel::default();
     let dual = node(
@@ -569,21 +572,42 @@ fn ipsec_adds_states_both_ways_and_a_policy_per_cidr_for_each_shared_family() {
     assert_eq!(count(ObjectKind::Route), 2);
     assert_eq!(count(ObjectKind::XfrmState), 2, "IPv4 only: no local IPv6");
     assert_eq!(count(ObjectKind::XfrmPolicy), 1);
+    assert_eq!(
+        count(ObjectKind::PodCidrEntry),
+        1,
+        "only the CIDR with policies is marked"
+    );
+    assert_eq!(count(ObjectKind::XfrmGuard), 2, "block and accept, IPv4");
     assert!(
         p.upserts
             .iter()
             .all(|u| u.object.node_id().is_none_or(|i| i == id(1)))
     );
+    assert!(k.ours.values().any(|o| matches!(o,
+            KernelObject::PodCidrEntry(e) if e.spi == 3 && e.cidr == net("10.1.1.0/24"))));
     assert!(r.plan(Some(&cp), &[dual], &k).is_empty());
+}
+
+#[test]
+fn the_guards_go_in_before_any_mark_and_the_marks_before_routes_and_xfrm() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    let p = r.plan(None, &[a()], &Kernel::default());
+    let kinds: Vec<ObjectKind> = p.ops().iter().map(|o| o.object().kind()).collect();
+    let first = |k| kinds.iter().position(|x| *x == k).unwrap();
+    assert!(first(ObjectKind::XfrmGuard) < first(ObjectKind::MapEntry));
+    assert!(first(ObjectKind::MapEntry) < first(ObjectKind::PodCidrEntry));
+    assert!(first(ObjectKind::PodCidrEntry) < first(ObjectKind::Route));
+    assert!(first(ObjectKind::XfrmState) < first(ObjectKind::XfrmPolicy));
 }
 
 #[test]
 fn spi_change_supersedes_old_xfrm_objects_without_the_brake() {
     let mut r = Run::new();
-    r.cfg.ipsec = Some(IpsecConfig { spi: 3 });
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
     let mut k = Kernel::default();
     let (_, cp) = r.reconcile(None, &[a()], &mut k);
-    r.cfg.ipsec = Some(IpsecConfig { spi: 4 });
+    r.cfg.ipsec = Some(IpsecConfig::single(4, KeyTag(0x2222)));
     let p = r.plan(Some(&cp), &[a()], &k);
     assert!(p.brake.is_none(), "replacing objects is not removing nodes");
     let reasons: Vec<_> = p.deletes.iter().map(|d| d.reason).collect();
@@ -591,6 +615,139 @@ fn spi_change_supersedes_old_xfrm_objects_without_the_brake() {
     assert!(reasons.iter().all(|r| *r == DeleteReason::Superseded));
     k.apply(&p.ops());
     assert!(r.plan(Some(&p.checkpoint), &[a()], &k).is_empty());
+}
+
+#[test]
+fn a_rotation_keeps_both_keys_states_and_switches_only_the_marks() {
+    let mut r = Run::new();
+    let (old, new) = (
+        KeyInUse { spi: 3, tag: TAG },
+        KeyInUse {
+            spi: 4,
+            tag: KeyTag(0x2222),
+        },
+    );
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a()], &mut k);
+    // The new key arrives: its states and policies go in, the marks still say SPI 3.
+    r.cfg.ipsec = Some(IpsecConfig {
+        send_spi: 3,
+        keys: vec![old, new],
+        seen: Vec::new(),
+    });
+    let p = r.plan(Some(&cp), &[a()], &k);
+    assert!(p.deletes.is_empty());
+    assert!(
+        p.upserts.iter().all(|u| !u.update),
+        "adds only: {:?}",
+        p.upserts
+    );
+    k.apply(&p.ops());
+    let states = |k: &Kernel| {
+        k.ours
+            .values()
+            .filter(|o| o.kind() == ObjectKind::XfrmState)
+            .count()
+    };
+    assert_eq!(states(&k), 4, "two keys, both directions");
+    // The switch: only the marks change, in place.
+    r.cfg.ipsec = Some(IpsecConfig {
+        send_spi: 4,
+        keys: vec![old, new],
+        seen: Vec::new(),
+    });
+    let p = r.plan(Some(&p.checkpoint), &[a()], &k);
+    assert!(p.deletes.is_empty());
+    let kinds: BTreeSet<ObjectKind> = p.upserts.iter().map(|u| u.object.kind()).collect();
+    assert_eq!(
+        kinds,
+        BTreeSet::from([ObjectKind::MapEntry, ObjectKind::PodCidrEntry])
+    );
+    assert!(p.upserts.iter().all(|u| u.update));
+    k.apply(&p.ops());
+    // The old key retires: its states and policy go, as superseded.
+    r.cfg.ipsec = Some(IpsecConfig {
+        send_spi: 4,
+        keys: vec![new],
+        seen: Vec::new(),
+    });
+    let p = r.plan(Some(&p.checkpoint), &[a()], &k);
+    assert!(p.upserts.is_empty());
+    assert_eq!(p.deletes.len(), 3);
+    assert!(
+        p.deletes
+            .iter()
+            .all(|d| d.reason == DeleteReason::Superseded
+                && matches!(&d.object, KernelObject::XfrmState(s) if s.spi == 3)
+                    | matches!(&d.object, KernelObject::XfrmPolicy(p) if p.spi == 3))
+    );
+    k.apply(&p.ops());
+    assert_eq!(states(&k), 2);
+}
+
+#[test]
+fn a_state_whose_key_changed_under_the_same_spi_is_replaced_in_place() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a()], &mut k);
+    r.cfg.ipsec = Some(IpsecConfig::single(3, KeyTag(0x9999)));
+    let p = r.plan(Some(&cp), &[a()], &k);
+    assert!(p.deletes.is_empty());
+    assert_eq!(p.upserts.len(), 2, "{:?}", p.upserts);
+    assert!(
+        p.upserts
+            .iter()
+            .all(|u| u.update && u.object.kind() == ObjectKind::XfrmState)
+    );
+}
+
+#[test]
+fn ipsec_off_removes_the_guards_and_the_marks_whatever_the_brake() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a()], &mut k);
+    r.cfg.ipsec = None;
+    r.cfg.max_prune_ratio = 0.0;
+    let p = r.plan(Some(&cp), &[a()], &k);
+    assert!(p.brake.is_none(), "{:?}", p.brake);
+    let guards: Vec<_> = p
+        .deletes
+        .iter()
+        .filter(|d| d.object.kind() == ObjectKind::XfrmGuard)
+        .collect();
+    assert_eq!(guards.len(), 4, "block and accept, both families");
+    assert!(
+        guards
+            .iter()
+            .all(|d| d.reason == DeleteReason::Disabled && d.node.is_none())
+    );
+    k.apply(&p.ops());
+    assert!(
+        k.ours
+            .values()
+            .all(|o| matches!(o.kind(), ObjectKind::MapEntry | ObjectKind::Route))
+    );
+    assert!(r.plan(Some(&p.checkpoint), &[a()], &k).is_empty());
+}
+
+#[test]
+fn guards_without_a_record_are_neither_orphans_nor_counted_by_the_brake() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    let mut k = Kernel::default();
+    r.reconcile(None, &[a()], &mut k);
+    // The checkpoint is lost and the cluster is empty but for the local node.
+    let p = r.plan(None, &[], &k);
+    assert!(
+        p.deletes
+            .iter()
+            .all(|d| d.object.kind() != ObjectKind::XfrmGuard),
+        "{:?}",
+        p.deletes
+    );
 }
 
 #[test]

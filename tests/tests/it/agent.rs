@@ -358,13 +358,13 @@ fn kernel_has_esp() -> bool {
 
 /// The xfrm objects of ours in the kernel: (kind, remote endpoint or CIDR, node ID in the mark).
 fn xfrm_objects() -> Vec<(String, String, u16)> {
-    use node_agent::backends::xfrm::XfrmBackend;
+    use node_agent::backends::xfrm::{KeyRing, XfrmBackend};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let x = XfrmBackend::new(None).unwrap();
+        let x = XfrmBackend::new(KeyRing::default()).unwrap();
         let mut out = Vec::new();
         for s in x.dump_states().await.unwrap() {
             let (kind, remote) = match s.dir {
@@ -373,7 +373,7 @@ fn xfrm_objects() -> Vec<(String, String, u16)> {
             };
             out.push((kind.to_owned(), remote.to_string(), s.node_id.get()));
         }
-        for p in x.dump_policies().await.unwrap() {
+        for p in x.dump_policies().await.unwrap().policies {
             out.push((
                 format!("policy-out via {}", p.tmpl_dst),
                 p.dst.to_string(),

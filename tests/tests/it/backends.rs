@@ -262,7 +262,10 @@ fn full_map_is_a_typed_error_naming_the_flag() {
             let results = b.apply(&upserts(&five)).await;
             assert!(results[..4].iter().all(Result::is_ok), "{results:?}");
             let err = results[4].as_ref().unwrap_err();
-            assert!(matches!(err, OpError::MapFull { capacity: 4 }), "{err:?}");
+            assert!(
+                matches!(err, OpError::MapFull { capacity: 4, .. }),
+                "{err:?}"
+            );
             assert_eq!(
                 err.to_string(),
                 "node-ID map full at 4 entries; raise --node-map-max"

@@ -17,9 +17,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use ipnet::IpNet;
+use node_agent::backends::xfrm::{IpsecKey, KeyFile, KeyRing};
 use node_agent::backends::xfrm::{ProbeError, XfrmBackend};
 use node_agent::backends::{Backend, OpError};
-use node_agent::ipsec_key::{IpsecKey, KeyFile};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
 use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip};
@@ -74,6 +74,7 @@ fn state(id: u16, src: &str, dst: &str, dir: XfrmDir) -> XfrmState {
         spi: SPI,
         dir,
         node_id: node(id),
+        key: key().tag(),
     }
 }
 
@@ -186,7 +187,7 @@ fn policies_round_trip_v4_and_v6() {
     require_sandbox!("policies_round_trip_v4_and_v6");
     sandbox(|_| {
         runtime().block_on(async {
-            let mut b = XfrmBackend::new(None).unwrap();
+            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
             let ours = our_policies();
             assert!(b.dump().await.unwrap().is_empty());
             all_ok(b.apply(&upserts(&ours)).await);
@@ -229,7 +230,7 @@ fn policy_upserts_are_idempotent_and_replace_in_place() {
     require_sandbox!("policy_upserts_are_idempotent_and_replace_in_place");
     sandbox(|_| {
         runtime().block_on(async {
-            let mut b = XfrmBackend::new(None).unwrap();
+            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
             let ours = our_policies();
             all_ok(b.apply(&upserts(&ours)).await);
             let dump1 = set(b.dump().await.unwrap());
@@ -318,7 +319,7 @@ fn foreign_policies_are_never_listed_nor_touched() {
             let foreign = ip_text(&["xfrm", "policy"]);
             assert_eq!(count(&foreign), 5);
 
-            let mut b = XfrmBackend::new(None).unwrap();
+            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
             assert!(
                 b.dump().await.unwrap().is_empty(),
                 "foreign policies listed"
@@ -354,7 +355,7 @@ where
     }
     sandbox(|_| {
         runtime().block_on(async {
-            let b = XfrmBackend::new(Some(key())).unwrap();
+            let b = XfrmBackend::new(KeyRing::new(vec![key()])).unwrap();
             match b.probe_esp().await {
                 Ok(()) => body(b).await,
                 Err(e) => esp_skip(name, &e.to_string()),
@@ -408,13 +409,33 @@ fn state_upserts_are_idempotent() {
         assert_eq!(ip_text(&["xfrm", "state"]), listing1);
 
         // A new key under the same SPI: UPDSA would keep the old key, so each state is
-        // deleted and re-added (two writes each) and the kernel then holds the new key.
+        // deleted and re-added (two writes each) and the kernel then holds the new key, which
+        // the dump tells by its tag.
         let new_hex = "99".repeat(20);
-        b.set_key(Some(
-            IpsecKey::parse(&format!("{SPI} rfc4106(gcm(aes)) 0x{new_hex} 128"), None).unwrap(),
-        ));
+        let new_key =
+            IpsecKey::parse(&format!("{SPI} rfc4106(gcm(aes)) 0x{new_hex} 128"), None).unwrap();
+        let new_tag = new_key.tag();
+        b.set_keys(KeyRing::new(vec![new_key]));
+        let stale = b.apply(&upserts(&ours)).await;
+        assert!(
+            stale.iter().all(|r| r
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("not the planned"))),
+            "a state planned with the old key is refused: {stale:?}"
+        );
+        assert_eq!(b.writes(), writes);
+        let ours: Vec<KernelObject> = ours
+            .into_iter()
+            .map(|o| match o {
+                KernelObject::XfrmState(s) => {
+                    KernelObject::XfrmState(XfrmState { key: new_tag, ..s })
+                }
+                o => o,
+            })
+            .collect();
         all_ok(b.apply(&upserts(&ours)).await);
         assert_eq!(b.writes(), writes * 3);
+        let dump1 = set(ours.clone());
         assert_eq!(set(b.dump().await.unwrap()), dump1);
         let listing = ip_text(&["xfrm", "state"]);
         assert_eq!(
@@ -428,7 +449,10 @@ fn state_upserts_are_idempotent() {
         assert_eq!(ip_text(&["xfrm", "state"]), listing1);
 
         // The node's address changed under the same daddr/SPI/mark (IN state): replaced.
-        let moved = KernelObject::XfrmState(state(7, "10.0.0.77", "10.0.0.1", XfrmDir::In));
+        let moved = KernelObject::XfrmState(XfrmState {
+            key: new_tag,
+            ..state(7, "10.0.0.77", "10.0.0.1", XfrmDir::In)
+        });
         all_ok(b.apply(&[Op::Replace(moved.clone())]).await);
         let mut want = dump1.clone();
         want.remove(&ours[1]);
@@ -501,7 +525,7 @@ fn probe_esp_tells_the_truth_about_this_kernel() {
     sandbox(|_| {
         let expected = ip_says_esp();
         let probed = runtime().block_on(async {
-            let b = XfrmBackend::new(Some(key())).unwrap();
+            let b = XfrmBackend::new(KeyRing::new(vec![key()])).unwrap();
             b.probe_esp().await
         });
         match (expected, probed) {
@@ -536,7 +560,7 @@ fn state_errors_and_logs_never_show_the_key() {
     require_sandbox!("state_errors_and_logs_never_show_the_key");
     sandbox(|_| {
         runtime().block_on(async {
-            let mut b = XfrmBackend::new(Some(key())).unwrap();
+            let mut b = XfrmBackend::new(KeyRing::new(vec![key()])).unwrap();
             let ours = our_states();
             // On a kernel without ESP every upsert fails; with ESP, a state of another SPI does.
             let mut ops = upserts(&ours);
@@ -556,8 +580,11 @@ fn state_errors_and_logs_never_show_the_key() {
             }
             assert!(seen >= 1);
             let e = results.last().unwrap().as_ref().unwrap_err().to_string();
-            assert!(e.contains("active IPsec key has SPI 3, not 9"), "{e}");
-            let dbg = format!("{:?}", b.key().unwrap());
+            assert!(
+                e.contains("the IPsec key file has no key with SPI 9"),
+                "{e}"
+            );
+            let dbg = format!("{:?}", b.keys());
             assert!(!dbg.contains(KEY_HEX) && !dbg.contains("161, 178"), "{dbg}");
             if let Err(e) = b.probe_esp().await {
                 assert!(!format!("{e} {e:?}").contains(KEY_HEX));
@@ -588,7 +615,11 @@ fn key_file_loads_and_warns_when_group_or_others_can_read_it() {
     let k = KeyFile::load(&path).unwrap();
     assert!(k.warnings.is_empty(), "{:?}", k.warnings);
     assert_eq!(
-        (k.key.spi(), k.key.icv_bits(), k.key.key_len()),
+        (
+            k.newest().spi(),
+            k.newest().icv_bits(),
+            k.newest().key_len()
+        ),
         (SPI, 96, 20)
     );
 
@@ -688,7 +719,7 @@ fn bench_policies_against_ip_batch() {
             .map(KernelObject::XfrmPolicy)
             .collect();
         let (ours_add, ours_dump, ours_del) = runtime().block_on(async {
-            let mut b = XfrmBackend::new(None).unwrap();
+            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
             let t = Instant::now();
             all_ok(b.apply(&upserts(&objs)).await);
             let a = t.elapsed();

@@ -9,8 +9,8 @@
 //! 3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128
 //! ```
 //!
-//! - `spi`: 1..=15, decimal. It must fit the 4 SPI bits of the xfrm mark
-//!   ([`state::objects::mark`]); the kernel SPI of our states is the same number.
+//! - `spi`: 1..=15, decimal, each SPI on one line at most. It must fit the 4 SPI bits of the
+//!   xfrm mark ([`state::objects::mark`]); the kernel SPI of our states is the same number.
 //! - `aead-algorithm`: `rfc4106(gcm(aes))` (AES-GCM for ESP), the only one accepted.
 //! - `hex-key`: the key followed by the 4-byte salt, hex, with or without `0x`: 16, 24 or 32 key
 //!   bytes + 4 salt bytes (20, 28 or 36 bytes, 40, 56 or 72 hex digits).
@@ -19,20 +19,24 @@
 //! `#` starts a comment (whole line or trailing); blank lines are ignored.
 //!
 //! **Several lines**: every key line must be valid (a typo in a newly appended key is an error,
-//! never silently skipped in favour of the older key), and the **last** line is the active key.
-//! Rotation therefore means appending a line with a new SPI; the SPI is part of the xfrm mark and
-//! identity, so the new states and policies sit next to the old ones until those are deleted.
+//! never silently skipped in favour of the older key), and the **last** line is the newest key.
+//! Rotation means appending a line with a new SPI; `state::rotation` decides from the order of
+//! the lines and from when the agent first saw each key which keys have states and which one
+//! traffic is sent with.
 //!
 //! # Secrecy
 //!
 //! Key material never leaves [`IpsecKey`] except through [`IpsecKey::key_bytes`], which only the
-//! xfrm backend calls to build its netlink messages. `IpsecKey`'s `Debug` redacts the key, it
+//! xfrm backend calls to build its netlink messages, and [`IpsecKey::tag`], a fingerprint that
+//! reveals nothing usable about it. `IpsecKey`'s `Debug` redacts the key, it
 //! implements neither `Display` nor `Serialize`, errors never quote the line they complain about
 //! (only its number and what is wrong), and the key bytes are overwritten when the key is
 //! dropped. A key file readable by group or others draws a warning naming the path and the mode.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+
+use state::objects::KeyTag;
 
 /// The only AEAD algorithm accepted.
 pub const RFC4106_GCM_AES: &str = "rfc4106(gcm(aes))";
@@ -73,58 +77,96 @@ impl IpsecKey {
         &self.key
     }
 
-    /// Parses a key file's text; the last key line is the active key. `path` only labels errors.
+    /// The fingerprint of the states this key makes (see [`tag`]).
+    pub fn tag(&self) -> KeyTag {
+        tag(&self.algorithm, self.icv_bits, &self.key)
+    }
+
+    /// Parses a key file's text and returns its newest (last) key. `path` only labels errors.
     pub fn parse(text: &str, path: Option<&Path>) -> Result<Self, KeyError> {
-        let err = |line: usize, kind: KeyErrorKind| KeyError {
-            path: path.map(Path::to_path_buf),
-            line: Some(line),
-            kind,
-        };
-        let mut active = None;
-        for (i, raw) in text.lines().enumerate() {
-            let n = i + 1;
-            let content = raw.split('#').next().unwrap_or("").trim();
-            if content.is_empty() {
-                continue;
-            }
-            let fields: Vec<&str> = content.split_whitespace().collect();
-            if fields.len() != 4 {
-                return Err(err(n, KeyErrorKind::FieldCount(fields.len())));
-            }
-            let spi = match fields[0].parse::<u8>() {
-                Ok(s @ 1..=15) => s,
-                _ => return Err(err(n, KeyErrorKind::BadSpi)),
-            };
-            let algorithm = fields[1];
-            if algorithm != RFC4106_GCM_AES {
-                return Err(err(n, KeyErrorKind::UnknownAlgorithm(sanitize(algorithm))));
-            }
-            let key = decode_hex(fields[2]).map_err(|k| err(n, k))?;
-            if !matches!(key.len().checked_sub(RFC4106_SALT_LEN), Some(16 | 24 | 32)) {
-                let len = key.len();
-                drop(Secret(key));
-                return Err(err(n, KeyErrorKind::KeyLength(len)));
-            }
-            let icv_bits = match fields[3].parse::<u32>() {
-                Ok(b @ (64 | 96 | 128)) => b,
-                _ => {
-                    drop(Secret(key));
-                    return Err(err(n, KeyErrorKind::BadIcv));
-                }
-            };
-            active = Some(IpsecKey {
-                spi,
-                algorithm: algorithm.to_owned(),
-                key,
-                icv_bits,
-            });
+        let mut keys = parse_keys(text, path)?;
+        Ok(keys.pop().expect("parse_keys returns at least one key"))
+    }
+}
+
+/// The fingerprint of a state's key: the first 8 bytes of SHA-256 over the algorithm name, a
+/// zero byte, the ICV length (32 bits, big-endian) and the key material. The agent computes it
+/// for the keys it installs and for the states it dumps, and compares the two.
+pub fn tag(algorithm: &str, icv_bits: u32, key: &[u8]) -> KeyTag {
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(algorithm.as_bytes());
+    ctx.update(&[0]);
+    ctx.update(&icv_bits.to_be_bytes());
+    ctx.update(key);
+    let digest = ctx.finish();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest.as_ref()[..8]);
+    KeyTag(u64::from_be_bytes(first))
+}
+
+/// Parses a key file's text: every key, in file order (the last is the newest). Fails on the
+/// first invalid line, on an SPI used twice, and on a file without keys.
+pub fn parse_keys(text: &str, path: Option<&Path>) -> Result<Vec<IpsecKey>, KeyError> {
+    let err = |line: usize, kind: KeyErrorKind| KeyError {
+        path: path.map(Path::to_path_buf),
+        line: Some(line),
+        kind,
+    };
+    let mut keys: Vec<(usize, IpsecKey)> = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let n = i + 1;
+        let content = raw.split('#').next().unwrap_or("").trim();
+        if content.is_empty() {
+            continue;
         }
-        active.ok_or(KeyError {
+        let key = parse_line(content).map_err(|k| err(n, k))?;
+        if let Some((first_line, _)) = keys.iter().find(|(_, k)| k.spi == key.spi) {
+            let (spi, first_line) = (key.spi, *first_line);
+            return Err(err(n, KeyErrorKind::SpiTwice { spi, first_line }));
+        }
+        keys.push((n, key));
+    }
+    if keys.is_empty() {
+        return Err(KeyError {
             path: path.map(Path::to_path_buf),
             line: None,
             kind: KeyErrorKind::NoKey,
-        })
+        });
     }
+    Ok(keys.into_iter().map(|(_, k)| k).collect())
+}
+
+/// One key line, comments and surrounding blanks removed.
+fn parse_line(content: &str) -> Result<IpsecKey, KeyErrorKind> {
+    let fields: Vec<&str> = content.split_whitespace().collect();
+    if fields.len() != 4 {
+        return Err(KeyErrorKind::FieldCount(fields.len()));
+    }
+    let spi = match fields[0].parse::<u8>() {
+        Ok(s @ 1..=15) => s,
+        _ => return Err(KeyErrorKind::BadSpi),
+    };
+    let algorithm = fields[1];
+    if algorithm != RFC4106_GCM_AES {
+        return Err(KeyErrorKind::UnknownAlgorithm(sanitize(algorithm)));
+    }
+    let icv_bits = match fields[3].parse::<u32>() {
+        Ok(b @ (64 | 96 | 128)) => b,
+        _ => return Err(KeyErrorKind::BadIcv),
+    };
+    let key = Secret(decode_hex(fields[2])?);
+    if !matches!(
+        key.0.len().checked_sub(RFC4106_SALT_LEN),
+        Some(16 | 24 | 32)
+    ) {
+        return Err(KeyErrorKind::KeyLength(key.0.len()));
+    }
+    Ok(IpsecKey {
+        spi,
+        algorithm: algorithm.to_owned(),
+        key: key.take(),
+        icv_bits,
+    })
 }
 
 impl fmt::Debug for IpsecKey {
@@ -144,8 +186,15 @@ impl Drop for IpsecKey {
     }
 }
 
-/// Key bytes on their way out of a failed parse: wiped on drop.
+/// Key bytes on their way into an [`IpsecKey`] or out of a failed parse: wiped on drop.
 struct Secret(Vec<u8>);
+
+impl Secret {
+    /// The bytes, handed over without a copy (nothing is left to wipe).
+    fn take(mut self) -> Vec<u8> {
+        std::mem::take(&mut self.0)
+    }
+}
 
 impl Drop for Secret {
     fn drop(&mut self) {
@@ -197,18 +246,51 @@ fn sanitize(s: &str) -> String {
     out
 }
 
+/// The keys the xfrm backend writes states with, looked up by SPI.
+#[derive(Debug, Default)]
+pub struct KeyRing(Vec<IpsecKey>);
+
+impl KeyRing {
+    /// `keys` in file order (the last is the newest).
+    pub fn new(keys: Vec<IpsecKey>) -> Self {
+        Self(keys)
+    }
+
+    /// The key of `spi`, or why there is none.
+    pub fn get(&self, spi: u8) -> Result<&IpsecKey, String> {
+        if self.0.is_empty() {
+            return Err("no IPsec key is configured".into());
+        }
+        self.0
+            .iter()
+            .find(|k| k.spi == spi)
+            .ok_or_else(|| format!("the IPsec key file has no key with SPI {spi}"))
+    }
+
+    pub fn newest(&self) -> Option<&IpsecKey> {
+        self.0.last()
+    }
+
+    pub fn keys(&self) -> &[IpsecKey] {
+        &self.0
+    }
+}
+
 /// A key file loaded from disk, with what was worth warning about.
 #[derive(Debug)]
 pub struct KeyFile {
     pub path: PathBuf,
-    pub key: IpsecKey,
-    /// Warnings already logged with `tracing::warn!` (e.g. a group- or world-readable file).
+    /// Every key, in file order: the last is the newest.
+    pub keys: Vec<IpsecKey>,
+    /// A SHA-256 of the file's bytes, to tell whether a later read found something new.
+    pub digest: [u8; 32],
+    /// What is worth warning about (a group- or world-readable file); the caller logs it.
     pub warnings: Vec<String>,
 }
 
 impl KeyFile {
-    /// Reads and validates the key file at `path`; warns (log and [`KeyFile::warnings`]) when
-    /// group or others can read it.
+    /// Reads and validates the key file at `path`; [`KeyFile::warnings`] says when group or
+    /// others can read it.
     pub fn load(path: &Path) -> Result<Self, KeyError> {
         use std::os::unix::fs::PermissionsExt;
         let io = |source: std::io::Error| KeyError {
@@ -224,7 +306,6 @@ impl KeyFile {
                  make it 0400 or 0600",
                 path.display()
             );
-            tracing::warn!(path = %path.display(), mode = %format_args!("{mode:04o}"), "{w}");
             warnings.push(w);
         }
         let text = Secret(std::fs::read(path).map_err(io)?);
@@ -233,12 +314,21 @@ impl KeyFile {
             line: None,
             kind: KeyErrorKind::NotUtf8,
         })?;
-        let key = IpsecKey::parse(text, Some(path))?;
+        let keys = parse_keys(text, Some(path))?;
+        let mut digest = [0u8; 32];
+        digest
+            .copy_from_slice(ring::digest::digest(&ring::digest::SHA256, text.as_bytes()).as_ref());
         Ok(Self {
             path: path.to_path_buf(),
-            key,
+            keys,
+            digest,
             warnings,
         })
+    }
+
+    /// The newest key: the last line.
+    pub fn newest(&self) -> &IpsecKey {
+        self.keys.last().expect("a key file has at least one key")
     }
 }
 
@@ -272,6 +362,10 @@ pub enum KeyErrorKind {
     KeyLength(usize),
     #[error("ICV length must be 64, 96 or 128 bits")]
     BadIcv,
+    #[error(
+        "SPI {spi} is already used by the key on line {first_line}; every key needs its own SPI"
+    )]
+    SpiTwice { spi: u8, first_line: usize },
     #[error("no key line (only comments or blank lines)")]
     NoKey,
     #[error("not valid UTF-8")]
@@ -307,6 +401,7 @@ mod tests {
     use super::*;
 
     const HEX: &str = "0102030405060708090a0b0c0d0e0f1011121314";
+    const TAG_OF_HEX: &str = "162b8789fce5e3bd";
 
     #[test]
     fn parses_a_valid_key_and_the_last_line_wins() {
@@ -357,6 +452,32 @@ mod tests {
         }
         let e = IpsecKey::parse("# only a comment\n", None).unwrap_err();
         assert!(e.to_string().contains("no key line"), "{e}");
+    }
+
+    #[test]
+    fn every_key_is_kept_in_file_order_and_an_spi_is_used_once() {
+        let other = "0f0e0d0c0b0a09080706050403020100aabbccdd";
+        let text = format!("2 rfc4106(gcm(aes)) 0x{HEX} 128\n3 rfc4106(gcm(aes)) 0x{other} 128\n");
+        let keys = parse_keys(&text, None).unwrap();
+        assert_eq!(keys.iter().map(IpsecKey::spi).collect::<Vec<_>>(), [2, 3]);
+        assert_ne!(keys[0].tag(), keys[1].tag());
+        let twice = format!("{text}2 rfc4106(gcm(aes)) 0x{other} 128\n");
+        let e = parse_keys(&twice, None).unwrap_err().to_string();
+        assert!(
+            e.contains("line 3") && e.contains("SPI 2") && e.contains("line 1"),
+            "{e}"
+        );
+        assert!(!e.contains(other) && !e.contains(HEX), "{e}");
+    }
+
+    #[test]
+    fn the_tag_is_sha256_over_algorithm_icv_and_key() {
+        // Computed independently: printf 'rfc4106(gcm(aes))\0\0\0\0\x80' followed by the 20 key
+        // bytes, through `sha256sum`, first 16 hex digits.
+        let k = IpsecKey::parse(&format!("5 rfc4106(gcm(aes)) {HEX} 128"), None).unwrap();
+        assert_eq!(k.tag().to_string(), TAG_OF_HEX);
+        let k96 = IpsecKey::parse(&format!("5 rfc4106(gcm(aes)) {HEX} 96"), None).unwrap();
+        assert_ne!(k96.tag(), k.tag(), "the ICV length is part of it");
     }
 
     #[test]

@@ -1,0 +1,328 @@
+//! The xfrm backend: ESP tunnel-mode states and OUT policies toward every remote node, and the
+//! guards that make IPsec fail closed.
+//!
+//! # What it creates
+//!
+//! Per remote node and address family, for every key in use (the one sent with and, during a
+//! rotation, the one rotated in or out):
+//! - an **OUT state** `local -> remote` and an **IN state** `remote -> local`: ESP, tunnel mode,
+//!   reqid [`REQID`], AEAD from the key, kernel SPI = the key's SPI number (1..=15, the same
+//!   number as the SPI bits of the mark; SPIs below 256 are "reserved" by RFC 4303 but the kernel
+//!   accepts them, and Cilium uses them the same way), mark `mark::encode(node, spi, dir)` /
+//!   [`mark::MASK`];
+//! - an **OUT policy** per remote pod CIDR: selector `0.0.0.0/0` (or `::/0`) -> CIDR, the same
+//!   mark, one template: ESP tunnel `local -> remote`, reqid [`REQID`], the SPI.
+//!
+//! Per address family, belonging to no node, the **guards** ([`state::objects::XfrmGuard`]): an
+//! OUT block policy for traffic marked for encryption that no node's policy takes, and a FWD
+//! policy that lets through what our IN states decrypted.
+//!
+//! The datapath writes the marks on packets: the pod classifier the OUT mark of traffic toward a
+//! remote pod CIDR, the uplink classifier the IN mark of ESP packets from a known node.
+//!
+//! # Ownership
+//!
+//! The mark is the only thing that makes an xfrm object ours (docs/design.md, invariant 6). Dumps
+//! cannot be filtered by mark in the kernel, so the dump reads the whole SAD and SPD and keeps
+//! only objects whose mark is ours ([`parse`]). Nothing else is ever listed, so nothing else can
+//! reach a delete; writes and deletes that could touch a foreign object check first ([`states`],
+//! [`policies`]).
+//!
+//! # The files
+//!
+//! [`keys`] the key file, [`message`] the messages we send, [`parse`] the dumps we read back,
+//! [`states`] and [`policies`] the operations, [`request`] the one request helper and the quiet
+//! codec (netlink-proto's default codec logs every message, keys included), [`probe`] the ESP
+//! check, [`stats`] the kernel's counters. Netlink errors mean the same here as for routes
+//! ([`crate::backends::netlink`]).
+
+pub mod keys;
+pub mod message;
+pub mod parse;
+mod policies;
+pub mod probe;
+pub mod request;
+mod states;
+pub mod stats;
+
+use std::collections::HashSet;
+use std::io;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures::StreamExt;
+use ipnet::IpNet;
+use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP};
+use netlink_packet_xfrm::{XfrmMessage, policy as xpolicy, state as sa};
+use netlink_proto::ConnectionHandle;
+use state::inventory::Inventory;
+use state::objects::{
+    KernelObject, ObjectKind, Op, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark,
+};
+
+pub use self::keys::{IpsecKey, KeyFile, KeyRing};
+pub use self::message::REQID;
+use self::parse::{ParsedPolicy, parse_policy, parse_state};
+pub use self::probe::ProbeError;
+use self::request::request;
+use super::netlink::KernelError;
+use super::{Backend, DumpError, OpError};
+
+/// Requests in flight on the netlink socket at once.
+pub const PIPELINE: usize = 128;
+
+/// The xfrm backend. Owns the three xfrm kinds ([`XfrmBackend::kinds`]): `Backends::apply`
+/// must route ops of any of them here.
+pub struct XfrmBackend {
+    handle: ConnectionHandle<XfrmMessage>,
+    keys: Arc<KeyRing>,
+    writes: Arc<AtomicU64>,
+}
+
+/// Our policies as the kernel has them: the nodes' and the guards.
+#[derive(Debug, Default)]
+pub struct PolicyDump {
+    pub policies: Vec<XfrmPolicy>,
+    pub guards: Vec<XfrmGuard>,
+}
+
+impl XfrmBackend {
+    /// Opens an xfrm netlink socket in the current network namespace; needs a tokio runtime.
+    ///
+    /// `keys` are the keys states are written with (by SPI); policies, guards, dumps and
+    /// deletes need none. Replace them with [`Self::set_keys`].
+    pub fn new(keys: KeyRing) -> io::Result<Self> {
+        Ok(Self {
+            handle: request::connect()?,
+            keys: Arc::new(keys),
+            writes: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// The kinds this backend owns.
+    pub const fn kinds() -> [ObjectKind; 3] {
+        [
+            ObjectKind::XfrmState,
+            ObjectKind::XfrmPolicy,
+            ObjectKind::XfrmGuard,
+        ]
+    }
+
+    /// Replaces the keys (after a key file reload).
+    pub fn set_keys(&mut self, keys: KeyRing) {
+        self.keys = Arc::new(keys);
+    }
+
+    pub fn keys(&self) -> &KeyRing {
+        &self.keys
+    }
+
+    /// Kernel writes that succeeded so far (adds, replaces, deletes), for tests and metrics.
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Our policies and guards (mark ours under exactly our mask), as the kernel has them.
+    pub async fn dump_policies(&self) -> Result<PolicyDump, DumpError> {
+        let msgs = request(
+            &self.handle,
+            XfrmMessage::GetPolicy(xpolicy::DelGetMessage::default()),
+            NLM_F_DUMP,
+        )
+        .await
+        .map_err(|e| dump_error(ObjectKind::XfrmPolicy, e))?;
+        let mut out = PolicyDump::default();
+        for m in &msgs {
+            let (XfrmMessage::AddPolicy(p) | XfrmMessage::UpdatePolicy(p)) = m else {
+                continue;
+            };
+            match parse_policy(p) {
+                Some(ParsedPolicy::Node(p)) => out.policies.push(p),
+                Some(ParsedPolicy::Guard(g)) => out.guards.push(g),
+                None => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// Our states (mark ours under exactly our mask), as the kernel has them.
+    pub async fn dump_states(&self) -> Result<Vec<XfrmState>, DumpError> {
+        let msgs = request(
+            &self.handle,
+            XfrmMessage::GetDumpSa(sa::GetDumpMessage::default()),
+            NLM_F_DUMP,
+        )
+        .await
+        .map_err(|e| dump_error(ObjectKind::XfrmState, e))?;
+        Ok(msgs
+            .iter()
+            .filter_map(|m| match m {
+                XfrmMessage::AddSa(s) | XfrmMessage::UpdateSa(s) => parse_state(s),
+                _ => None,
+            })
+            .collect())
+    }
+
+    fn ctx(&self) -> Ctx {
+        Ctx {
+            handle: self.handle.clone(),
+            keys: self.keys.clone(),
+            writes: self.writes.clone(),
+        }
+    }
+}
+
+impl Backend for XfrmBackend {
+    async fn dump_into(&mut self, inv: &mut Inventory) -> Result<(), DumpError> {
+        for s in self.dump_states().await? {
+            inv.insert(KernelObject::XfrmState(s));
+        }
+        let policies = self.dump_policies().await?;
+        for p in policies.policies {
+            inv.insert(KernelObject::XfrmPolicy(p));
+        }
+        for g in policies.guards {
+            inv.insert(KernelObject::XfrmGuard(g));
+        }
+        Ok(())
+    }
+
+    async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
+        let ctx = self.ctx();
+        let mut results = Vec::with_capacity(ops.len());
+        for wave in waves(ops) {
+            let done: Vec<_> = futures::stream::iter(wave.iter().cloned())
+                .map(|op| ctx.clone().apply_one(op))
+                .buffered(PIPELINE)
+                .collect()
+                .await;
+            results.extend(done);
+        }
+        results
+    }
+}
+
+/// What the kernel keys an object by: ops on the same key must not be in flight together.
+#[derive(PartialEq, Eq, Hash)]
+enum KernelKey {
+    State {
+        dst: IpAddr,
+        spi: u8,
+        mark: u32,
+    },
+    Policy {
+        src: IpNet,
+        dst: IpNet,
+        dir: XfrmDir,
+        mark: u32,
+    },
+    Other,
+}
+
+fn kernel_key(op: &Op) -> KernelKey {
+    match op.object() {
+        KernelObject::XfrmState(s) => KernelKey::State {
+            dst: s.dst,
+            spi: s.spi,
+            mark: mark::encode(s.node_id, s.spi, s.dir),
+        },
+        KernelObject::XfrmPolicy(p) => KernelKey::Policy {
+            src: p.src,
+            dst: p.dst,
+            dir: p.dir,
+            mark: mark::encode(p.node_id, p.spi, p.dir),
+        },
+        _ => KernelKey::Other,
+    }
+}
+
+/// Cuts `ops` into consecutive runs in which no kernel identity appears twice, so that the
+/// planner's order (a delete before an upsert reusing the identity) holds while requests are
+/// pipelined.
+fn waves(ops: &[Op]) -> Vec<&[Op]> {
+    let mut out = Vec::new();
+    let mut seen = HashSet::new();
+    let mut start = 0;
+    for (i, op) in ops.iter().enumerate() {
+        let key = kernel_key(op);
+        if key != KernelKey::Other && !seen.insert(key) {
+            out.push(&ops[start..i]);
+            start = i;
+            seen.clear();
+            seen.insert(kernel_key(op));
+        }
+    }
+    if start < ops.len() {
+        out.push(&ops[start..]);
+    }
+    out
+}
+
+/// What one in-flight op needs.
+#[derive(Clone)]
+struct Ctx {
+    handle: ConnectionHandle<XfrmMessage>,
+    keys: Arc<KeyRing>,
+    writes: Arc<AtomicU64>,
+}
+
+impl Ctx {
+    async fn apply_one(self, op: Op) -> Result<(), OpError> {
+        match op.object() {
+            KernelObject::XfrmPolicy(p) => self.apply_policy(&op, p).await,
+            KernelObject::XfrmGuard(g) => self.apply_guard(&op, g).await,
+            KernelObject::XfrmState(s) => match op {
+                Op::Delete(_) => self.delete_state(&op, s).await,
+                Op::Create(_) | Op::Replace(_) => self.upsert_state(s).await,
+            },
+            o => Err(OpError::Disabled { kind: o.kind() }),
+        }
+    }
+
+    /// Sends one mutating request; counts it when the kernel accepted it.
+    async fn write(&self, msg: XfrmMessage) -> Result<(), KernelError> {
+        request(&self.handle, msg, NLM_F_ACK).await?;
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+fn dump_error(kind: ObjectKind, e: KernelError) -> DumpError {
+    DumpError::Kernel {
+        kind,
+        source: e.into_io(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use state::objects::NodeId;
+
+    fn pol(node: u16, dst: &str) -> KernelObject {
+        KernelObject::XfrmPolicy(XfrmPolicy {
+            src: "0.0.0.0/0".parse().unwrap(),
+            dst: dst.parse().unwrap(),
+            dir: XfrmDir::Out,
+            node_id: NodeId::new(node).unwrap(),
+            tmpl_src: "10.0.0.1".parse().unwrap(),
+            tmpl_dst: "10.0.0.2".parse().unwrap(),
+            spi: 3,
+        })
+    }
+
+    #[test]
+    fn waves_split_at_a_repeated_identity() {
+        let a = pol(1, "10.1.0.0/24");
+        let b = pol(2, "10.2.0.0/24");
+        let ops = vec![
+            Op::Delete(a.clone()),
+            Op::Create(b.clone()),
+            Op::Create(a),
+            Op::Delete(b),
+        ];
+        let w = waves(&ops);
+        assert_eq!(w.iter().map(|w| w.len()).collect::<Vec<_>>(), vec![2, 2]);
+    }
+}
