@@ -11,7 +11,7 @@ use crate::node::{AddressKind, Family, Node};
 use crate::objects::{
     KernelObject, MapEntry, NodeId, PodCidrEntry, Route, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
 };
-use crate::plan::{InputProblem, PlanConfig};
+use crate::plan::{InputProblem, Pair, PlanConfig};
 
 /// The local endpoint of `family` for xfrm: the first configured local address of that family.
 pub fn local_endpoint(config: &PlanConfig, family: Family) -> Option<IpAddr> {
@@ -100,15 +100,26 @@ pub fn desired_objects(
                 .iter()
                 .filter(move |c| Family::of_net(c) == family)
         };
+        let (local_boot, remote_boot) = (config.local_boot_id.as_str(), node.boot_id.as_str());
         for key in &ipsec.keys {
-            for (src, dst, dir) in [(local, remote, XfrmDir::Out), (remote, local, XfrmDir::In)] {
+            let ends = [
+                (local, remote, local_boot, remote_boot, XfrmDir::Out),
+                (remote, local, remote_boot, local_boot, XfrmDir::In),
+            ];
+            for (src, dst, src_boot, dst_boot, dir) in ends {
+                let pair = Pair {
+                    src,
+                    dst,
+                    src_boot,
+                    dst_boot,
+                };
                 out.push(KernelObject::XfrmState(XfrmState {
                     src,
                     dst,
                     spi: key.spi,
                     dir,
                     node_id: id,
-                    key: key.tag,
+                    key: ipsec.tags.tag(key, &pair),
                 }));
             }
             for cidr in cidrs() {

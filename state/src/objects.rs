@@ -228,11 +228,13 @@ pub enum ObjectId {
         dst: IpNet,
         metric: u32,
     },
+    /// The kernel keys a state by destination, SPI, protocol and mark: two states that differ
+    /// only in their source cannot coexist, two that differ in their mark (another node ID)
+    /// can, and are two objects.
     XfrmState {
-        src: IpAddr,
         dst: IpAddr,
         spi: u8,
-        dir: XfrmDir,
+        mark: u32,
     },
     XfrmPolicy {
         src: IpNet,
@@ -314,10 +316,9 @@ impl KernelObject {
                 metric: r.metric,
             },
             Self::XfrmState(s) => ObjectId::XfrmState {
-                src: s.src,
                 dst: s.dst,
                 spi: s.spi,
-                dir: s.dir,
+                mark: mark::encode(s.node_id, s.spi, s.dir),
             },
             Self::XfrmPolicy(p) => ObjectId::XfrmPolicy {
                 src: p.src,

@@ -18,11 +18,12 @@
 //! at once; so does one whose every key is new, because the key it sent with is gone from the
 //! file (the operator replaced the file rather than appending), and it says so.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::checkpoint::KeySeen;
 use crate::objects::KeyTag;
-use crate::plan::{IpsecConfig, KeyInUse};
+use crate::plan::{IpsecConfig, KeyInUse, KeyTags};
 
 /// A key of the key file, as far as planning is concerned: its SPI and what its states hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +42,7 @@ pub struct Delays {
 }
 
 /// Where a rotation stands.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Rotation {
     /// The keys in use and the one sent with, and when the agent first saw each key of the
     /// file (for the checkpoint): for the planner.
@@ -54,8 +55,15 @@ pub struct Rotation {
 }
 
 /// Where a rotation stands at `now` (since the Unix epoch), given the key file's keys in file
-/// order (at least one) and the agent's record of when it first saw keys.
-pub fn rotation(file: &[FileKey], seen: &[KeySeen], now: Duration, delays: Delays) -> Rotation {
+/// order (at least one) and the agent's record of when it first saw keys; `tags` says what the
+/// states of each key hold.
+pub fn rotation(
+    file: &[FileKey],
+    seen: &[KeySeen],
+    now: Duration,
+    delays: Delays,
+    tags: Arc<dyn KeyTags>,
+) -> Rotation {
     assert!(!file.is_empty(), "a key file holds at least one key");
     let fresh = seen.is_empty();
     let first_seen: Vec<Duration> = file
@@ -95,6 +103,7 @@ pub fn rotation(file: &[FileKey], seen: &[KeySeen], now: Duration, delays: Delay
                     first_seen: *t,
                 })
                 .collect(),
+            tags,
         },
         next_change: switch_next.chain(retire_next).min(),
         abrupt: abrupt && !fresh,
@@ -104,6 +113,7 @@ pub fn rotation(file: &[FileKey], seen: &[KeySeen], now: Duration, delays: Delay
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::GlobalTags;
 
     const S: Duration = Duration::from_secs(1);
     const DELAYS: Delays = Delays {
@@ -124,7 +134,13 @@ mod tests {
 
     #[test]
     fn a_first_start_sends_with_the_newest_key_at_once_and_keeps_no_other() {
-        let r = rotation(&[key(2), key(3)], &[], 1000 * S, DELAYS);
+        let r = rotation(
+            &[key(2), key(3)],
+            &[],
+            1000 * S,
+            DELAYS,
+            Arc::new(GlobalTags),
+        );
         assert_eq!(r.ipsec.send_spi, 3);
         assert_eq!(
             spis(&r),
@@ -138,25 +154,49 @@ mod tests {
     #[test]
     fn an_appended_key_is_received_at_once_sent_with_after_propagation_and_the_old_one_retires() {
         let t0 = 1000 * S;
-        let start = rotation(&[key(3)], &[], t0, DELAYS);
+        let start = rotation(&[key(3)], &[], t0, DELAYS, Arc::new(GlobalTags));
         let t1 = t0 + 50 * S;
         let file = [key(3), key(4)];
         // Seen: both directions of both keys, still sending with 3.
-        let r = rotation(&file, &start.ipsec.seen, t1, DELAYS);
+        let r = rotation(&file, &start.ipsec.seen, t1, DELAYS, Arc::new(GlobalTags));
         assert_eq!((r.ipsec.send_spi, spis(&r)), (3, vec![3, 4]));
         assert_eq!(r.next_change, Some(t1 + 90 * S), "the switch");
         // The switch, exactly on time; the old key is still received.
-        let r = rotation(&file, &r.ipsec.seen, t1 + 90 * S, DELAYS);
+        let r = rotation(
+            &file,
+            &r.ipsec.seen,
+            t1 + 90 * S,
+            DELAYS,
+            Arc::new(GlobalTags),
+        );
         assert_eq!((r.ipsec.send_spi, spis(&r)), (4, vec![3, 4]));
         assert_eq!(r.next_change, Some(t1 + 390 * S), "the retirement");
-        let r = rotation(&file, &r.ipsec.seen, t1 + 389 * S, DELAYS);
+        let r = rotation(
+            &file,
+            &r.ipsec.seen,
+            t1 + 389 * S,
+            DELAYS,
+            Arc::new(GlobalTags),
+        );
         assert_eq!(spis(&r), [3, 4]);
         // Retired, although its line is still in the file.
-        let r = rotation(&file, &r.ipsec.seen, t1 + 390 * S, DELAYS);
+        let r = rotation(
+            &file,
+            &r.ipsec.seen,
+            t1 + 390 * S,
+            DELAYS,
+            Arc::new(GlobalTags),
+        );
         assert_eq!((r.ipsec.send_spi, spis(&r)), (4, vec![4]));
         assert_eq!(r.next_change, None);
         // The old line removed afterwards: nothing changes.
-        let r = rotation(&[key(4)], &r.ipsec.seen, t1 + 500 * S, DELAYS);
+        let r = rotation(
+            &[key(4)],
+            &r.ipsec.seen,
+            t1 + 500 * S,
+            DELAYS,
+            Arc::new(GlobalTags),
+        );
         assert_eq!((r.ipsec.send_spi, spis(&r)), (4, vec![4]));
         assert_eq!(r.ipsec.seen.len(), 1);
     }
@@ -174,7 +214,7 @@ mod tests {
             },
         ];
         let file = [key(3), key(4)];
-        let r = rotation(&file, &seen, 1060 * S, DELAYS);
+        let r = rotation(&file, &seen, 1060 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!((r.ipsec.send_spi, spis(&r)), (3, vec![3, 4]));
         assert_eq!(r.next_change, Some(1090 * S), "the original switch time");
         assert_eq!(r.ipsec.seen, seen);
@@ -187,9 +227,9 @@ mod tests {
             first_seen: Duration::ZERO,
         }];
         let file = [key(15), key(1)];
-        let r = rotation(&file, &seen, 1000 * S, DELAYS);
+        let r = rotation(&file, &seen, 1000 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!(r.ipsec.send_spi, 15, "1 is newer than 15 here");
-        let r = rotation(&file, &r.ipsec.seen, 1090 * S, DELAYS);
+        let r = rotation(&file, &r.ipsec.seen, 1090 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!(r.ipsec.send_spi, 1);
     }
 
@@ -199,7 +239,7 @@ mod tests {
             spi: 3,
             first_seen: Duration::ZERO,
         }];
-        let r = rotation(&[key(4)], &seen, 1000 * S, DELAYS);
+        let r = rotation(&[key(4)], &seen, 1000 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!((r.ipsec.send_spi, spis(&r)), (4, vec![4]));
         assert!(r.abrupt);
         assert_eq!(
@@ -225,23 +265,23 @@ mod tests {
         ];
         let file = [key(3), key(4), key(5)];
         // 5 appears while 4 is being rotated in.
-        let r = rotation(&file, &seen, 1050 * S, DELAYS);
+        let r = rotation(&file, &seen, 1050 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!((r.ipsec.send_spi, spis(&r)), (3, vec![3, 4, 5]));
-        let r = rotation(&file, &r.ipsec.seen, 1090 * S, DELAYS);
+        let r = rotation(&file, &r.ipsec.seen, 1090 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!((r.ipsec.send_spi, spis(&r)), (4, vec![3, 4, 5]));
         assert_eq!(
             r.next_change,
             Some(1140 * S),
             "5 becomes ready before 3 retires"
         );
-        let r = rotation(&file, &r.ipsec.seen, 1140 * S, DELAYS);
+        let r = rotation(&file, &r.ipsec.seen, 1140 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!(r.ipsec.send_spi, 5);
         assert_eq!(
             spis(&r),
             [3, 4, 5],
             "both older keys are received for 300 s more"
         );
-        let r = rotation(&file, &r.ipsec.seen, 1440 * S, DELAYS);
+        let r = rotation(&file, &r.ipsec.seen, 1440 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!(spis(&r), [5]);
     }
 }

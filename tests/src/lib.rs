@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod apiserver;
 pub mod checker;
+pub mod cluster;
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};

@@ -41,7 +41,7 @@ pub trait Kernel {
 }
 
 /// The IPsec keys, as the planner sees them.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct KeyRead {
     /// In key-file order; the last good ones when the file cannot be used now.
     pub keys: Vec<FileKey>,
@@ -50,6 +50,8 @@ pub struct KeyRead {
     /// Why the file as it is now cannot be used (unreadable, invalid): the keys above are the
     /// previous ones.
     pub error: Option<String>,
+    /// The tags of the states of these keys, by node pair.
+    pub tags: std::sync::Arc<dyn state::plan::KeyTags>,
 }
 
 #[cfg(test)]

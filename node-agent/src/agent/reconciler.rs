@@ -15,7 +15,7 @@ use state::checkpoint::Checkpoint;
 use state::ids::{AllocatorState, FreedId};
 use state::inventory::Inventory;
 use state::node::AddressKind;
-use state::objects::{ObjectId, ObjectKind, Op};
+use state::objects::{KernelObject, ObjectId, ObjectKind, Op, XfrmDir};
 use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, Plan, PlanConfig};
 use state::rotation::rotation;
 
@@ -203,6 +203,10 @@ impl<K: Kernel> Reconciler<K> {
 
     fn plan_config(&self) -> PlanConfig {
         let mut config = self.plan_config.clone();
+        config.local_boot_id = self
+            .live
+            .get(&self.config.node_name)
+            .map_or_else(String::new, |n| n.boot_id.clone());
         config.local_addresses = self
             .live
             .get(&self.config.node_name)
@@ -225,7 +229,8 @@ impl<K: Kernel> Reconciler<K> {
         };
         self.telemetry.set_key_file_error(read.error.clone());
         let seen = self.record.as_ref().map_or(&[][..], |c| &c.ipsec_keys[..]);
-        let r = rotation(&read.keys, seen, now, self.config.key_delays);
+        read.tags.plan_begins();
+        let r = rotation(&read.keys, seen, now, self.config.key_delays, read.tags);
         let same_file = self.keys.as_ref().is_some_and(|k| k.digest == read.digest);
         let reported = same_file && self.keys.as_ref().is_some_and(|k| k.abrupt_reported);
         if r.abrupt && !reported {
@@ -389,7 +394,7 @@ impl<K: Kernel> Reconciler<K> {
     }
 
     /// Counts and logs the repair of an object that drifted.
-    fn repaired(&self, node: Option<&str>, o: &state::objects::KernelObject, found: &Found) {
+    fn repaired(&self, node: Option<&str>, o: &KernelObject, found: &Found) {
         self.telemetry
             .metrics
             .drift_repaired
@@ -399,6 +404,15 @@ impl<K: Kernel> Reconciler<K> {
             .inc();
         let node = node.unwrap_or("-");
         match found {
+            Found::Missing if matches!(o, KernelObject::XfrmState(x) if x.dir == XfrmDir::Out) => {
+                tracing::error!(
+                    node,
+                    "repaired drift: {o} had gone from the kernel; written back with the same \
+                     key, so its sequence numbers start over: the peer's anti-replay window \
+                     drops its packets (and GCM nonces repeat) until the IPsec key is rotated; \
+                     rotate it (docs/ipsec.md)"
+                );
+            }
             Found::Missing => {
                 tracing::warn!(
                     node,
@@ -738,6 +752,7 @@ mod tests {
                 .collect(),
             digest: [digest; 32],
             error: None,
+            tags: Arc::new(state::plan::GlobalTags),
         }
     }
 

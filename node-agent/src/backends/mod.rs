@@ -24,7 +24,9 @@ use state::inventory::Inventory;
 use state::objects::{KernelObject, ObjectKind, Op};
 use state::rotation::FileKey;
 
-use self::xfrm::keys::{KeyError, KeyFile, KeyRing};
+use std::sync::Arc;
+
+use self::xfrm::keys::{KeyBook, KeyError, KeyFile};
 use crate::agent::AgentConfig;
 use crate::agent::kernel::{Kernel, KeyRead};
 use crate::datapath::{Datapath, DatapathError, node_ids_pin, pod_cidrs_pin};
@@ -176,12 +178,11 @@ impl Backends {
             None => (None, None),
             Some(path) => {
                 let file = KeyFile::load(path)?;
-                for w in &file.warnings {
-                    tracing::warn!(path = %path.display(), "{w}");
-                }
-                let state = KeyFileState::new(path.clone(), &file);
-                let backend = xfrm::XfrmBackend::new(KeyRing::new(file.keys))
+                warn_about(&file);
+                let mut state = KeyFileState::new(path.clone(), &file);
+                let backend = xfrm::XfrmBackend::new(KeyBook::new(file.keys))
                     .map_err(OpenError::XfrmSocket)?;
+                state.book = backend.book();
                 if !dry_run {
                     backend.probe_esp().await?;
                 }
@@ -208,6 +209,8 @@ pub struct KeyFileState {
     digest: [u8; 32],
     /// The last error, so it is logged once, not at every read.
     error: Option<String>,
+    /// The keys, shared with the xfrm backend.
+    book: Arc<KeyBook>,
 }
 
 impl KeyFileState {
@@ -217,6 +220,7 @@ impl KeyFileState {
             keys: file_keys(file),
             digest: file.digest,
             error: None,
+            book: Arc::default(),
         }
     }
 
@@ -225,7 +229,25 @@ impl KeyFileState {
             keys: self.keys.clone(),
             digest: self.digest,
             error: self.error.clone(),
+            tags: self.book.clone(),
         }
+    }
+}
+
+/// Logs what is worth knowing about a key file just read: its permissions, global keys.
+fn warn_about(file: &KeyFile) {
+    for w in &file.warnings {
+        tracing::warn!(path = %file.path.display(), "{w}");
+    }
+    for k in file.keys.iter().filter(|k| !k.per_pair()) {
+        tracing::warn!(
+            spi = k.spi(),
+            "IPsec key SPI {} is one key for every node pair: their GCM nonces overlap, and a \
+             rebooted node's traffic is dropped by its peers' anti-replay windows until the key \
+             is rotated; write it as `{}+` for per-pair keys",
+            k.spi(),
+            k.spi()
+        );
     }
 }
 
@@ -247,16 +269,15 @@ impl Backends {
         match KeyFile::load(&state.path) {
             Ok(file) if file.digest == state.digest => state.error = None,
             Ok(file) => {
-                for w in &file.warnings {
-                    tracing::warn!(path = %state.path.display(), "{w}");
-                }
+                warn_about(&file);
                 state.keys = file_keys(&file);
                 state.digest = file.digest;
                 state.error = None;
                 let spis: Vec<u8> = state.keys.iter().map(|k| k.spi).collect();
                 tracing::info!(path = %state.path.display(), ?spis, "IPsec key file changed");
+                state.book = Arc::new(KeyBook::new(file.keys));
                 if let Some(x) = &mut self.xfrm {
-                    x.set_keys(KeyRing::new(file.keys));
+                    x.set_keys(state.book.clone());
                 }
             }
             Err(e) => {

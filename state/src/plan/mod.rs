@@ -24,6 +24,7 @@ mod records;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use foldhash::{HashSet, HashSetExt};
@@ -42,7 +43,7 @@ pub use claims::{ConflictWhy, Resource};
 use self::classify::LiveClass;
 
 /// IPsec settings that shape the desired objects.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct IpsecConfig {
     /// The SPI traffic is sent with (1..=15, it lives in 4 mark bits): the map entries carry it.
     pub send_spi: u8,
@@ -52,30 +53,73 @@ pub struct IpsecConfig {
     /// When the agent first saw each key of the key file: written into the checkpoint, so a
     /// rotation resumes on its schedule after a restart ([`crate::rotation`]).
     pub seen: Vec<KeySeen>,
+    /// What each state's key is, by node pair: the key file's own key, or one derived per pair.
+    pub tags: Arc<dyn KeyTags>,
+}
+
+impl PartialEq for IpsecConfig {
+    fn eq(&self, other: &Self) -> bool {
+        self.send_spi == other.send_spi
+            && self.keys == other.keys
+            && self.seen == other.seen
+            && Arc::ptr_eq(&self.tags, &other.tags)
+    }
 }
 
 impl IpsecConfig {
-    /// One key, sent with: no rotation under way.
+    /// One global key, sent with: no rotation under way.
     pub fn single(spi: u8, tag: KeyTag) -> Self {
         Self {
             send_spi: spi,
             keys: vec![KeyInUse { spi, tag }],
             seen: Vec::new(),
+            tags: Arc::new(GlobalTags),
         }
     }
 }
 
-/// A key whose states exist: its SPI and the fingerprint of what the states hold.
+/// A key whose states exist: its SPI and the tag of the key file's key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeyInUse {
     pub spi: u8,
     pub tag: KeyTag,
 }
 
+/// The two ends of a state and their boot IDs: what a per-pair key is derived from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pair<'a> {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub src_boot: &'a str,
+    pub dst_boot: &'a str,
+}
+
+/// The tag of the key a state holds. The planner compares tags, never keys: the implementation
+/// that knows the keys (the agent's key book) lives with the kernel side.
+pub trait KeyTags: fmt::Debug + Send + Sync {
+    fn tag(&self, key: &KeyInUse, pair: &Pair<'_>) -> KeyTag;
+
+    /// A plan is about to ask for tags (an implementation that remembers derived keys may
+    /// forget those no recent plan asked for).
+    fn plan_begins(&self) {}
+}
+
+/// Global keys: every state of a key holds the key file's key itself.
+#[derive(Debug)]
+pub struct GlobalTags;
+
+impl KeyTags for GlobalTags {
+    fn tag(&self, key: &KeyInUse, _: &Pair<'_>) -> KeyTag {
+        key.tag
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanConfig {
     /// The node this agent runs on; never treated as a remote node.
     pub local_node: String,
+    /// This node's boot ID (per-pair IPsec keys are derived from it).
+    pub local_boot_id: String,
     /// This node's addresses; the first of each family is the xfrm endpoint. They are the local
     /// node's, whatever a remote node claims (invariant 14), and map entries for them are
     /// deleted (ID 0, the local node, is implicit).
@@ -109,6 +153,7 @@ impl Default for PlanConfig {
     fn default() -> Self {
         Self {
             local_node: String::new(),
+            local_boot_id: String::new(),
             local_addresses: Vec::new(),
             ipsec: None,
             max_prune_ratio: 0.5,

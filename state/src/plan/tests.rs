@@ -1,6 +1,7 @@
 //! One scenario per rule of the planner, in the order of `docs/design.md`.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
 
 use super::*;
 use crate::ids::FreedId;
@@ -635,6 +636,7 @@ fn a_rotation_keeps_both_keys_states_and_switches_only_the_marks() {
         send_spi: 3,
         keys: vec![old, new],
         seen: Vec::new(),
+        tags: Arc::new(GlobalTags),
     });
     let p = r.plan(Some(&cp), &[a()], &k);
     assert!(p.deletes.is_empty());
@@ -656,6 +658,7 @@ fn a_rotation_keeps_both_keys_states_and_switches_only_the_marks() {
         send_spi: 4,
         keys: vec![old, new],
         seen: Vec::new(),
+        tags: Arc::new(GlobalTags),
     });
     let p = r.plan(Some(&p.checkpoint), &[a()], &k);
     assert!(p.deletes.is_empty());
@@ -671,6 +674,7 @@ fn a_rotation_keeps_both_keys_states_and_switches_only_the_marks() {
         send_spi: 4,
         keys: vec![new],
         seen: Vec::new(),
+        tags: Arc::new(GlobalTags),
     });
     let p = r.plan(Some(&p.checkpoint), &[a()], &k);
     assert!(p.upserts.is_empty());
@@ -701,6 +705,95 @@ fn a_state_whose_key_changed_under_the_same_spi_is_replaced_in_place() {
             .iter()
             .all(|u| u.update && u.object.kind() == ObjectKind::XfrmState)
     );
+}
+
+#[test]
+fn a_recycled_address_under_a_new_node_id_leaves_none_of_the_old_nodes_states() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    r.cfg.max_prune_ratio = 1.0;
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), c()], &mut k);
+    let id_c = cp
+        .nodes
+        .iter()
+        .find(|n| n.name == "c")
+        .unwrap()
+        .node_id
+        .unwrap();
+    // While the agent was down, c went and d came up on c's address and CIDR. The kernel keys
+    // a state by destination, SPI and mark, and the mark holds the node ID: d's states are new
+    // objects beside c's, and c's must be deleted, not "replaced".
+    let d_on_c = node("d", &["10.0.0.3"], &["10.1.3.0/24"]);
+    let (p, cp) = r.reconcile(Some(&cp), &[a(), d_on_c.clone()], &mut k);
+    let deleted_c_states = p
+        .deletes
+        .iter()
+        .filter(|d| matches!(&d.object, KernelObject::XfrmState(s) if s.node_id == id_c))
+        .count();
+    assert_eq!(deleted_c_states, 2, "{:?}", p.deletes);
+    let id_d = cp
+        .nodes
+        .iter()
+        .find(|n| n.name == "d")
+        .unwrap()
+        .node_id
+        .unwrap();
+    let states: Vec<&XfrmState> = k
+        .ours
+        .values()
+        .filter_map(|o| match o {
+            KernelObject::XfrmState(s) if s.src == ip("10.0.0.3") || s.dst == ip("10.0.0.3") => {
+                Some(s)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(states.len(), 2, "only d's two states: {states:?}");
+    assert!(states.iter().all(|s| s.node_id == id_d), "{states:?}");
+    assert!(r.plan(Some(&cp), &[a(), d_on_c], &k).is_empty());
+}
+
+/// Per-pair keys for tests: a tag made of the pair's addresses and boot IDs.
+#[derive(Debug)]
+struct PairTags;
+
+impl KeyTags for PairTags {
+    fn tag(&self, key: &KeyInUse, pair: &Pair<'_>) -> KeyTag {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (key.spi, pair.src, pair.dst, pair.src_boot, pair.dst_boot).hash(&mut h);
+        KeyTag(h.finish())
+    }
+}
+
+#[test]
+fn per_pair_keys_differ_by_pair_and_direction_and_a_reboot_replaces_that_nodes_states() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig {
+        tags: Arc::new(PairTags),
+        ..IpsecConfig::single(3, TAG)
+    });
+    r.cfg.local_boot_id = "boot-local".into();
+    let mut k = Kernel::default();
+    let mut a2 = a();
+    a2.boot_id = "boot-a-1".into();
+    let (_, cp) = r.reconcile(None, &[a2.clone(), b()], &mut k);
+    let tags: BTreeSet<KeyTag> = k
+        .ours
+        .values()
+        .filter_map(|o| match o {
+            KernelObject::XfrmState(s) => Some(s.key),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tags.len(), 4, "a key per node and direction (IPv4 nodes)");
+    // node a rebooted: both its states get new keys, in place; b's stay.
+    a2.boot_id = "boot-a-2".into();
+    let p = r.plan(Some(&cp), &[a2, b()], &k);
+    assert!(p.deletes.is_empty(), "{:?}", p.deletes);
+    assert_eq!(p.upserts.len(), 2, "{:?}", p.upserts);
+    assert!(p.upserts.iter().all(|u| u.update && u.node == "a"));
 }
 
 #[test]

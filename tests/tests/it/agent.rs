@@ -358,13 +358,13 @@ fn kernel_has_esp() -> bool {
 
 /// The xfrm objects of ours in the kernel: (kind, remote endpoint or CIDR, node ID in the mark).
 fn xfrm_objects() -> Vec<(String, String, u16)> {
-    use node_agent::backends::xfrm::{KeyRing, XfrmBackend};
+    use node_agent::backends::xfrm::{KeyBook, XfrmBackend};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let x = XfrmBackend::new(KeyRing::default()).unwrap();
+        let x = XfrmBackend::new(KeyBook::default()).unwrap();
         let mut out = Vec::new();
         for s in x.dump_states().await.unwrap() {
             let (kind, remote) = match s.dir {

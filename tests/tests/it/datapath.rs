@@ -485,7 +485,7 @@ fn pod_behind_a_bridge() {
 #[test]
 fn pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it() {
     use node_agent::backends::Backend;
-    use node_agent::backends::xfrm::{KeyRing, XfrmBackend};
+    use node_agent::backends::xfrm::{KeyBook, XfrmBackend};
     use node_agent::pod_cidr_map::PodCidrMap;
     use node_agent_tests::in_netns;
     use state::node::Family as IpFamily;
@@ -542,7 +542,7 @@ fn pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it()
         // The block guard: traffic marked for encryption that no node policy takes is dropped.
         cidrs.upsert(net("10.244.2.0/24"), value(9, 5)).unwrap();
         node_agent_tests::runtime().block_on(async {
-            let mut x = XfrmBackend::new(KeyRing::default()).unwrap();
+            let mut x = XfrmBackend::new(KeyBook::default()).unwrap();
             let [block, _] = XfrmGuard::all(IpFamily::V4);
             let r = x.apply(&[Op::Create(KernelObject::XfrmGuard(block))]).await;
             assert!(r.iter().all(Result::is_ok), "{r:?}");

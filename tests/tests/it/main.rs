@@ -6,6 +6,7 @@
 //! | `datapath` | kernel | the eBPF programs with real packets, the loader, pins, link takeover |
 //! | `backends` | kernel | map, routes, xfrm policies against the real kernel |
 //! | `xfrm` | kernel (VM for states) | xfrm states and policies |
+//! | `ipsec` | VM | pod traffic between node namespaces, encrypted: the wire sees only ESP; rotation; restart with churn |
 //! | `agent` | end to end | the real binary against NodeList files: restarts, the brake, crashes |
 //! | `rules` | end to end | one test per rule of `docs/design.md`, through the CLI only |
 //! | `invariants` | end to end | random histories, every invariant checked after every step |
@@ -28,6 +29,7 @@ mod endpoints;
 mod faults;
 mod image;
 mod invariants;
+mod ipsec;
 mod kube;
 mod rules;
 mod xfrm;

@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use ipnet::IpNet;
-use node_agent::backends::xfrm::{IpsecKey, KeyFile, KeyRing};
+use node_agent::backends::xfrm::{IpsecKey, KeyBook, KeyFile};
 use node_agent::backends::xfrm::{ProbeError, XfrmBackend};
 use node_agent::backends::{Backend, OpError};
 use node_agent_tests::require_sandbox;
@@ -187,7 +187,7 @@ fn policies_round_trip_v4_and_v6() {
     require_sandbox!("policies_round_trip_v4_and_v6");
     sandbox(|_| {
         runtime().block_on(async {
-            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
+            let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
             let ours = our_policies();
             assert!(b.dump().await.unwrap().is_empty());
             all_ok(b.apply(&upserts(&ours)).await);
@@ -230,7 +230,7 @@ fn policy_upserts_are_idempotent_and_replace_in_place() {
     require_sandbox!("policy_upserts_are_idempotent_and_replace_in_place");
     sandbox(|_| {
         runtime().block_on(async {
-            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
+            let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
             let ours = our_policies();
             all_ok(b.apply(&upserts(&ours)).await);
             let dump1 = set(b.dump().await.unwrap());
@@ -319,7 +319,7 @@ fn foreign_policies_are_never_listed_nor_touched() {
             let foreign = ip_text(&["xfrm", "policy"]);
             assert_eq!(count(&foreign), 5);
 
-            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
+            let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
             assert!(
                 b.dump().await.unwrap().is_empty(),
                 "foreign policies listed"
@@ -355,7 +355,7 @@ where
     }
     sandbox(|_| {
         runtime().block_on(async {
-            let b = XfrmBackend::new(KeyRing::new(vec![key()])).unwrap();
+            let b = XfrmBackend::new(KeyBook::new(vec![key()])).unwrap();
             match b.probe_esp().await {
                 Ok(()) => body(b).await,
                 Err(e) => esp_skip(name, &e.to_string()),
@@ -415,7 +415,7 @@ fn state_upserts_are_idempotent() {
         let new_key =
             IpsecKey::parse(&format!("{SPI} rfc4106(gcm(aes)) 0x{new_hex} 128"), None).unwrap();
         let new_tag = new_key.tag();
-        b.set_keys(KeyRing::new(vec![new_key]));
+        b.set_keys(std::sync::Arc::new(KeyBook::new(vec![new_key])));
         let stale = b.apply(&upserts(&ours)).await;
         assert!(
             stale.iter().all(|r| r
@@ -525,7 +525,7 @@ fn probe_esp_tells_the_truth_about_this_kernel() {
     sandbox(|_| {
         let expected = ip_says_esp();
         let probed = runtime().block_on(async {
-            let b = XfrmBackend::new(KeyRing::new(vec![key()])).unwrap();
+            let b = XfrmBackend::new(KeyBook::new(vec![key()])).unwrap();
             b.probe_esp().await
         });
         match (expected, probed) {
@@ -560,7 +560,7 @@ fn state_errors_and_logs_never_show_the_key() {
     require_sandbox!("state_errors_and_logs_never_show_the_key");
     sandbox(|_| {
         runtime().block_on(async {
-            let mut b = XfrmBackend::new(KeyRing::new(vec![key()])).unwrap();
+            let mut b = XfrmBackend::new(KeyBook::new(vec![key()])).unwrap();
             let ours = our_states();
             // On a kernel without ESP every upsert fails; with ESP, a state of another SPI does.
             let mut ops = upserts(&ours);
@@ -719,7 +719,7 @@ fn bench_policies_against_ip_batch() {
             .map(KernelObject::XfrmPolicy)
             .collect();
         let (ours_add, ours_dump, ours_del) = runtime().block_on(async {
-            let mut b = XfrmBackend::new(KeyRing::default()).unwrap();
+            let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
             let t = Instant::now();
             all_ok(b.apply(&upserts(&objs)).await);
             let a = t.elapsed();

@@ -71,6 +71,7 @@ pub const KERNEL_TIER: &[&str] = &[
     "datapath::",
     "backends::",
     "xfrm::",
+    "ipsec::",
     "agent::",
     "rules::",
     "faults::",

@@ -66,6 +66,7 @@ const LOAD: &[&str] = &[
     "9p",
     "veth",
     "dummy",
+    "bridge",
     "sch_ingress",
     "cls_bpf",
     "xfrm_user",

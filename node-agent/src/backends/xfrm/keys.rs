@@ -11,12 +11,24 @@
 //!
 //! - `spi`: 1..=15, decimal, each SPI on one line at most. It must fit the 4 SPI bits of the
 //!   xfrm mark ([`state::objects::mark`]); the kernel SPI of our states is the same number.
+//!   A `+` right after it (`3+`, Cilium's notation) asks for **per-pair keys**: each state
+//!   gets its own key, derived from this one ([`derive`]).
 //! - `aead-algorithm`: `rfc4106(gcm(aes))` (AES-GCM for ESP), the only one accepted.
 //! - `hex-key`: the key followed by the 4-byte salt, hex, with or without `0x`: 16, 24 or 32 key
 //!   bytes + 4 salt bytes (20, 28 or 36 bytes, 40, 56 or 72 hex digits).
 //! - `icv-bits`: the ICV (tag) length, 64, 96 or 128.
 //!
 //! `#` starts a comment (whole line or trailing); blank lines are ignored.
+//!
+//! # Per-pair keys
+//!
+//! With one key for every node pair, every OUT state in the cluster encrypts under the same
+//! AES-GCM key, and their sequence numbers (hence the GCM nonces) overlap: nonce reuse. And a
+//! rebooted node's states start their sequence numbers over, which its peers' anti-replay
+//! windows drop. A per-pair key is derived for each state from the file's key, both ends'
+//! addresses and both ends' boot IDs ([`derive`]): no two states share a key, and a reboot
+//! changes the keys of every state toward and from the node, so both sides replace them.
+//! Global keys still work, with a warning at start-up; per-pair keys are what to use.
 //!
 //! **Several lines**: every key line must be valid (a typo in a newly appended key is an error,
 //! never silently skipped in favour of the older key), and the **last** line is the newest key.
@@ -33,10 +45,14 @@
 //! (only its number and what is wrong), and the key bytes are overwritten when the key is
 //! dropped. A key file readable by group or others draws a warning naming the path and the mode.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use state::objects::KeyTag;
+use state::plan::{KeyInUse, KeyTags, Pair};
 
 /// The only AEAD algorithm accepted.
 pub const RFC4106_GCM_AES: &str = "rfc4106(gcm(aes))";
@@ -46,6 +62,8 @@ pub const RFC4106_SALT_LEN: usize = 4;
 /// One ESP key: SPI, AEAD algorithm, key material (key + salt) and ICV length.
 pub struct IpsecKey {
     spi: u8,
+    /// States get keys derived per node pair (`<spi>+`).
+    per_pair: bool,
     algorithm: String,
     key: Vec<u8>,
     icv_bits: u32,
@@ -60,6 +78,11 @@ impl IpsecKey {
     /// The AEAD algorithm name as the kernel's crypto API knows it.
     pub fn algorithm(&self) -> &str {
         &self.algorithm
+    }
+
+    /// Whether states get keys derived per node pair from this one.
+    pub fn per_pair(&self) -> bool {
+        self.per_pair
     }
 
     /// The ICV length in bits.
@@ -142,7 +165,11 @@ fn parse_line(content: &str) -> Result<IpsecKey, KeyErrorKind> {
     if fields.len() != 4 {
         return Err(KeyErrorKind::FieldCount(fields.len()));
     }
-    let spi = match fields[0].parse::<u8>() {
+    let (spi, per_pair) = match fields[0].strip_suffix('+') {
+        Some(spi) => (spi, true),
+        None => (fields[0], false),
+    };
+    let spi = match spi.parse::<u8>() {
         Ok(s @ 1..=15) => s,
         _ => return Err(KeyErrorKind::BadSpi),
     };
@@ -163,6 +190,7 @@ fn parse_line(content: &str) -> Result<IpsecKey, KeyErrorKind> {
     }
     Ok(IpsecKey {
         spi,
+        per_pair,
         algorithm: algorithm.to_owned(),
         key: key.take(),
         icv_bits,
@@ -173,6 +201,7 @@ impl fmt::Debug for IpsecKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IpsecKey")
             .field("spi", &self.spi)
+            .field("per_pair", &self.per_pair)
             .field("algorithm", &self.algorithm)
             .field("key", &format_args!("<redacted {} bytes>", self.key.len()))
             .field("icv_bits", &self.icv_bits)
@@ -246,33 +275,206 @@ fn sanitize(s: &str) -> String {
     out
 }
 
-/// The keys the xfrm backend writes states with, looked up by SPI.
-#[derive(Debug, Default)]
-pub struct KeyRing(Vec<IpsecKey>);
+/// The label of per-pair key derivation: HKDF's `info` starts with it, so the derived keys
+/// can never be those of another use of the same secret.
+pub const PAIR_KEY_LABEL: &[u8] = b"node-agent ipsec pair key v1\0";
 
-impl KeyRing {
+/// The key of the state `pair.src -> pair.dst` from `global` (key + salt, as in the file):
+/// HKDF-SHA256 (RFC 5869) with `global` as input key material, an empty salt, and as `info`
+/// [`PAIR_KEY_LABEL`], the source address (4 bytes for IPv4, 16 for IPv6), the destination
+/// address, the source's boot ID, a zero byte, and the destination's boot ID; as long as
+/// `global`. Node A's OUT state toward B and B's IN state from A derive the same key; the two
+/// directions, and every other pair, derive different ones.
+pub fn derive(global: &[u8], pair: &Pair<'_>) -> Vec<u8> {
+    struct Len(usize);
+    impl ring::hkdf::KeyType for Len {
+        fn len(&self) -> usize {
+            self.0
+        }
+    }
+    let ip = |a: &IpAddr| match a {
+        IpAddr::V4(v4) => v4.octets().to_vec(),
+        IpAddr::V6(v6) => v6.octets().to_vec(),
+    };
+    let (src, dst) = (ip(&pair.src), ip(&pair.dst));
+    let info: [&[u8]; 6] = [
+        PAIR_KEY_LABEL,
+        &src,
+        &dst,
+        pair.src_boot.as_bytes(),
+        &[0],
+        pair.dst_boot.as_bytes(),
+    ];
+    let prk = ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, &[]).extract(global);
+    let mut out = vec![0u8; global.len()];
+    // Fails only for an output longer than 255 hashes; keys are at most 36 bytes.
+    if let Ok(okm) = prk.expand(&info, Len(global.len())) {
+        let _ = okm.fill(&mut out);
+    }
+    out
+}
+
+/// The keys states are written with: the key file's, and the per-pair keys derived from them.
+///
+/// It is the planner's [`KeyTags`]: asking for a state's tag derives the state's key (once,
+/// then remembered) and files it under the tag, where the backend finds it when it writes the
+/// state. Derived keys nobody asked for during a whole plan are forgotten
+/// ([`KeyBook::next_plan`]).
+#[derive(Default)]
+pub struct KeyBook {
+    keys: Vec<IpsecKey>,
+    derived: Mutex<Derived>,
+}
+
+#[derive(Default)]
+struct Derived {
+    /// The plan being made; entries older than the previous one are dropped.
+    generation: u64,
+    by_pair: HashMap<PairKey, (KeyTag, u64)>,
+    by_tag: HashMap<(u8, KeyTag), Arc<DerivedKey>>,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PairKey {
+    spi: u8,
+    src: IpAddr,
+    dst: IpAddr,
+    src_boot: Box<str>,
+    dst_boot: Box<str>,
+}
+
+/// A derived key: secret, wiped on drop.
+pub struct DerivedKey(Vec<u8>);
+
+impl Drop for DerivedKey {
+    fn drop(&mut self) {
+        wipe(&mut self.0);
+    }
+}
+
+impl fmt::Debug for KeyBook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let derived = self.lock().by_tag.len();
+        f.debug_struct("KeyBook")
+            .field("keys", &self.keys)
+            .field("derived", &format_args!("<{derived} derived keys>"))
+            .finish()
+    }
+}
+
+/// What a state is written with: the algorithm and ICV of its key file line, and the key.
+pub struct StateKey<'a> {
+    pub key: &'a IpsecKey,
+    /// The derived key, for a per-pair key; the key file's own otherwise.
+    pub derived: Option<Arc<DerivedKey>>,
+}
+
+impl StateKey<'_> {
+    pub fn bytes(&self) -> &[u8] {
+        match &self.derived {
+            Some(d) => &d.0,
+            None => self.key.key_bytes(),
+        }
+    }
+}
+
+impl KeyBook {
     /// `keys` in file order (the last is the newest).
     pub fn new(keys: Vec<IpsecKey>) -> Self {
-        Self(keys)
+        Self {
+            keys,
+            derived: Mutex::default(),
+        }
     }
 
-    /// The key of `spi`, or why there is none.
-    pub fn get(&self, spi: u8) -> Result<&IpsecKey, String> {
-        if self.0.is_empty() {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Derived> {
+        self.derived.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn key(&self, spi: u8) -> Result<&IpsecKey, String> {
+        if self.keys.is_empty() {
             return Err("no IPsec key is configured".into());
         }
-        self.0
+        self.keys
             .iter()
             .find(|k| k.spi == spi)
             .ok_or_else(|| format!("the IPsec key file has no key with SPI {spi}"))
     }
 
+    /// The key a state of `spi` whose tag is `tag` is written with, or why there is none (no
+    /// such key; a tag no plan asked for, or the key file's key changed since).
+    pub fn state_key(&self, spi: u8, tag: KeyTag) -> Result<StateKey<'_>, String> {
+        let key = self.key(spi)?;
+        if !key.per_pair {
+            return match key.tag() == tag {
+                true => Ok(StateKey { key, derived: None }),
+                false => Err(format!(
+                    "the key file's key for SPI {spi} is {}, not the planned {tag}",
+                    key.tag()
+                )),
+            };
+        }
+        match self.lock().by_tag.get(&(spi, tag)) {
+            Some(d) => Ok(StateKey {
+                key,
+                derived: Some(d.clone()),
+            }),
+            None => Err(format!(
+                "no key derived for SPI {spi} with tag {tag}; it is not the planned one"
+            )),
+        }
+    }
+
+    /// A plan begins: derived keys the plan before last asked for, and the last did not, go.
+    pub fn next_plan(&self) {
+        let mut d = self.lock();
+        let keep_from = d.generation;
+        d.by_pair.retain(|_, (_, g)| *g >= keep_from);
+        let tags: std::collections::HashSet<(u8, KeyTag)> =
+            d.by_pair.iter().map(|(p, (t, _))| (p.spi, *t)).collect();
+        d.by_tag.retain(|k, _| tags.contains(k));
+        d.generation += 1;
+    }
+
     pub fn newest(&self) -> Option<&IpsecKey> {
-        self.0.last()
+        self.keys.last()
     }
 
     pub fn keys(&self) -> &[IpsecKey] {
-        &self.0
+        &self.keys
+    }
+}
+
+impl KeyTags for KeyBook {
+    fn tag(&self, k: &KeyInUse, pair: &Pair<'_>) -> KeyTag {
+        let Ok(key) = self.key(k.spi) else {
+            return KeyTag::default();
+        };
+        if !key.per_pair {
+            return key.tag();
+        }
+        let id = PairKey {
+            spi: k.spi,
+            src: pair.src,
+            dst: pair.dst,
+            src_boot: pair.src_boot.into(),
+            dst_boot: pair.dst_boot.into(),
+        };
+        let mut d = self.lock();
+        let generation = d.generation;
+        if let Some((tag, g)) = d.by_pair.get_mut(&id) {
+            *g = generation;
+            return *tag;
+        }
+        let derived = DerivedKey(derive(&key.key, pair));
+        let tag = tag(&key.algorithm, key.icv_bits, &derived.0);
+        d.by_tag.insert((k.spi, tag), Arc::new(derived));
+        d.by_pair.insert(id, (tag, generation));
+        tag
+    }
+
+    fn plan_begins(&self) {
+        self.next_plan();
     }
 }
 
@@ -345,7 +547,9 @@ pub struct KeyError {
 pub enum KeyErrorKind {
     #[error("expected 4 fields `<spi> <aead-algorithm> <hex-key> <icv-bits>`, found {0}")]
     FieldCount(usize),
-    #[error("SPI must be a decimal number 1..=15 (it fills the 4 SPI bits of the xfrm mark)")]
+    #[error(
+        "SPI must be a decimal number 1..=15, optionally followed by `+` for per-pair keys (it fills the 4 SPI bits of the xfrm mark)"
+    )]
     BadSpi,
     #[error("unknown AEAD algorithm `{0}`; supported: rfc4106(gcm(aes))")]
     UnknownAlgorithm(String),
@@ -478,6 +682,103 @@ mod tests {
         assert_eq!(k.tag().to_string(), TAG_OF_HEX);
         let k96 = IpsecKey::parse(&format!("5 rfc4106(gcm(aes)) {HEX} 96"), None).unwrap();
         assert_ne!(k96.tag(), k.tag(), "the ICV length is part of it");
+    }
+
+    #[test]
+    fn a_plus_after_the_spi_asks_for_per_pair_keys() {
+        let k = IpsecKey::parse(&format!("3+ rfc4106(gcm(aes)) 0x{HEX} 128"), None).unwrap();
+        assert!(k.per_pair() && k.spi() == 3);
+        assert!(
+            !IpsecKey::parse(&format!("3 rfc4106(gcm(aes)) 0x{HEX} 128"), None)
+                .unwrap()
+                .per_pair()
+        );
+        assert!(IpsecKey::parse(&format!("3++ rfc4106(gcm(aes)) 0x{HEX} 128"), None).is_err());
+    }
+
+    /// The vectors were computed independently, with Python's `hmac` and `hashlib` following
+    /// RFC 5869 step by step (extract with a zero salt, then expand).
+    #[test]
+    fn per_pair_keys_match_hkdf_vectors_computed_by_hand() {
+        let a = |s: &str| s.parse::<IpAddr>().unwrap();
+        let global = decode_hex(HEX).unwrap();
+        let v4 = Pair {
+            src: a("192.168.77.1"),
+            dst: a("192.168.77.2"),
+            src_boot: "boot-a",
+            dst_boot: "boot-b",
+        };
+        let key = derive(&global, &v4);
+        assert_eq!(hex(&key), "549e3743886fd3fa3c3c2669ad46bc7e8ec68409");
+        assert_eq!(
+            tag(RFC4106_GCM_AES, 128, &key).to_string(),
+            "b0be03304f6acab7"
+        );
+        let global36 = decode_hex(&format!("{HEX}15161718191a1b1c1d1e1f2021222324")).unwrap();
+        let v6 = Pair {
+            src: a("fd00:77::2"),
+            dst: a("fd00:77::1"),
+            src_boot: "b",
+            dst_boot: "a",
+        };
+        assert_eq!(
+            hex(&derive(&global36, &v6)),
+            "71abc7dcb75310638d05d5e1b4da958280681f2973bcb9a8938e9c71b07696c52d69204d"
+        );
+        // The other direction, and another boot, derive other keys.
+        let back = Pair {
+            src: v4.dst,
+            dst: v4.src,
+            src_boot: "boot-b",
+            dst_boot: "boot-a",
+        };
+        assert_ne!(derive(&global, &back), key);
+        assert_ne!(
+            derive(
+                &global,
+                &Pair {
+                    src_boot: "boot-a2",
+                    ..v4
+                }
+            ),
+            key
+        );
+    }
+
+    #[test]
+    fn the_key_book_derives_once_files_by_tag_and_forgets_what_no_plan_asks_for() {
+        let book =
+            KeyBook::new(parse_keys(&format!("3+ rfc4106(gcm(aes)) 0x{HEX} 128"), None).unwrap());
+        let k = KeyInUse {
+            spi: 3,
+            tag: book.keys()[0].tag(),
+        };
+        let pair = Pair {
+            src: "10.0.0.1".parse().unwrap(),
+            dst: "10.0.0.2".parse().unwrap(),
+            src_boot: "x",
+            dst_boot: "y",
+        };
+        book.next_plan();
+        let t = book.tag(&k, &pair);
+        assert_eq!(book.tag(&k, &pair), t);
+        assert_ne!(t, k.tag, "per pair, not the file's key");
+        let sk = book.state_key(3, t).unwrap();
+        assert_eq!(sk.bytes(), derive(&decode_hex(HEX).unwrap(), &pair));
+        assert!(book.state_key(3, KeyTag(1)).is_err());
+        assert!(!format!("{book:?}").contains(HEX));
+        book.next_plan();
+        assert!(book.state_key(3, t).is_ok(), "kept through the next plan");
+        book.next_plan();
+        assert!(
+            book.state_key(3, t).is_err(),
+            "forgotten once a whole plan did not ask"
+        );
+        assert_eq!(book.tag(&k, &pair), t, "derived again, the same");
+    }
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
     }
 
     #[test]

@@ -7,19 +7,22 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 use netlink_packet_xfrm::{
-    Address, AlgAead, IPPROTO_ESP, Mark, UserPolicyId, UserPolicyInfo, UserSaId, UserSaInfo,
-    UserTemplate, XFRM_MODE_TUNNEL, XFRM_POLICY_ALLOW, XFRM_POLICY_BLOCK, XFRM_POLICY_FWD,
-    XFRM_POLICY_IN, XFRM_POLICY_OUT, XfrmAttrs, XfrmMessage, policy, state as sa,
+    Address, AlgAead, IPPROTO_ESP, Mark, ReplayEsn, UserPolicyId, UserPolicyInfo, UserSaId,
+    UserSaInfo, UserTemplate, XFRM_MODE_TUNNEL, XFRM_POLICY_ALLOW, XFRM_POLICY_BLOCK,
+    XFRM_POLICY_FWD, XFRM_POLICY_IN, XFRM_POLICY_OUT, XFRM_STATE_ESN, XfrmAttrs, XfrmMessage,
+    policy, state as sa,
 };
 use state::node::Family;
 use state::objects::{GuardRole, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark};
 
-use super::keys::IpsecKey;
+use super::keys::StateKey;
 
 /// The reqid of every state and policy template we create.
 pub const REQID: u32 = 1;
-/// Anti-replay window of our states, in packets.
-const REPLAY_WINDOW: u8 = 32;
+/// Anti-replay window of our states, in packets (Cilium's). With extended sequence numbers
+/// (ESN, 64 bits) a state never runs out of sequence numbers: with 32 bits it would stop
+/// sending after 2^32 packets, a little over an hour at a million packets a second.
+pub const REPLAY_WINDOW: u32 = 1024;
 /// Priority of the guards: the lowest precedence there is (the kernel picks the lowest number),
 /// so that every node's own OUT policy (priority 0) wins over the block guard.
 pub const GUARD_PRIORITY: u32 = u32::MAX;
@@ -156,8 +159,9 @@ fn set_selector(info: &mut UserPolicyInfo, src: IpNet, dst: IpNet) {
     info.selector.family = family(&dst.addr());
 }
 
-/// An ESP tunnel-mode state with `key`'s AEAD, our reqid, replay window and mark.
-pub fn state_message(s: &XfrmState, key: &IpsecKey) -> io::Result<sa::ModifyMessage> {
+/// An ESP tunnel-mode state with `key`'s AEAD, our reqid and mark, extended sequence numbers
+/// and a [`REPLAY_WINDOW`] anti-replay window.
+pub fn state_message(s: &XfrmState, key: &StateKey<'_>) -> io::Result<sa::ModifyMessage> {
     if s.src.is_ipv4() != s.dst.is_ipv4() {
         return Err(family_mismatch("state source and destination"));
     }
@@ -169,12 +173,19 @@ pub fn state_message(s: &XfrmState, key: &IpsecKey) -> io::Result<sa::ModifyMess
     info.id.proto = IPPROTO_ESP;
     info.mode = XFRM_MODE_TUNNEL;
     info.reqid = REQID;
-    info.replay_window = REPLAY_WINDOW;
+    info.flags = XFRM_STATE_ESN;
+    let k = key.key;
     Ok(sa::ModifyMessage {
         user_sa_info: info,
         nlas: vec![
-            XfrmAttrs::EncryptionAlgAead(aead(key.algorithm(), key.key_bytes(), key.icv_bits())),
+            XfrmAttrs::EncryptionAlgAead(aead(k.algorithm(), key.bytes(), k.icv_bits())),
             XfrmAttrs::Mark(state_mark(s)),
+            XfrmAttrs::ReplayStateEsn(ReplayEsn {
+                bmp_len: REPLAY_WINDOW / 32,
+                replay_window: REPLAY_WINDOW,
+                bmp: vec![0; (REPLAY_WINDOW / 32) as usize],
+                ..ReplayEsn::default()
+            }),
         ],
     })
 }

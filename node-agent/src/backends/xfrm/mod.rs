@@ -61,7 +61,7 @@ use state::objects::{
     KernelObject, ObjectKind, Op, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark,
 };
 
-pub use self::keys::{IpsecKey, KeyFile, KeyRing};
+pub use self::keys::{IpsecKey, KeyBook, KeyFile};
 pub use self::message::REQID;
 use self::parse::{ParsedPolicy, parse_policy, parse_state};
 pub use self::probe::ProbeError;
@@ -76,7 +76,7 @@ pub const PIPELINE: usize = 128;
 /// must route ops of any of them here.
 pub struct XfrmBackend {
     handle: ConnectionHandle<XfrmMessage>,
-    keys: Arc<KeyRing>,
+    keys: Arc<KeyBook>,
     writes: Arc<AtomicU64>,
 }
 
@@ -90,14 +90,19 @@ pub struct PolicyDump {
 impl XfrmBackend {
     /// Opens an xfrm netlink socket in the current network namespace; needs a tokio runtime.
     ///
-    /// `keys` are the keys states are written with (by SPI); policies, guards, dumps and
-    /// deletes need none. Replace them with [`Self::set_keys`].
-    pub fn new(keys: KeyRing) -> io::Result<Self> {
+    /// `keys` are the keys states are written with (by SPI and tag); policies, guards, dumps
+    /// and deletes need none. Replace them with [`Self::set_keys`].
+    pub fn new(keys: KeyBook) -> io::Result<Self> {
         Ok(Self {
             handle: request::connect()?,
             keys: Arc::new(keys),
             writes: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// The key book, shared with the planner, which asks it for the tags of states.
+    pub fn book(&self) -> Arc<KeyBook> {
+        self.keys.clone()
     }
 
     /// The kinds this backend owns.
@@ -110,11 +115,11 @@ impl XfrmBackend {
     }
 
     /// Replaces the keys (after a key file reload).
-    pub fn set_keys(&mut self, keys: KeyRing) {
-        self.keys = Arc::new(keys);
+    pub fn set_keys(&mut self, keys: Arc<KeyBook>) {
+        self.keys = keys;
     }
 
-    pub fn keys(&self) -> &KeyRing {
+    pub fn keys(&self) -> &KeyBook {
         &self.keys
     }
 
@@ -263,7 +268,7 @@ fn waves(ops: &[Op]) -> Vec<&[Op]> {
 #[derive(Clone)]
 struct Ctx {
     handle: ConnectionHandle<XfrmMessage>,
-    keys: Arc<KeyRing>,
+    keys: Arc<KeyBook>,
     writes: Arc<AtomicU64>,
 }
 

@@ -6,14 +6,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 use netlink_packet_xfrm::{
-    Address, AlgAead, IPPROTO_ESP, Mark, XFRM_POLICY_IN, XFRM_POLICY_OUT, XfrmAttrs, policy,
-    state as sa,
+    Address, AlgAead, IPPROTO_ESP, Mark, XFRM_POLICY_IN, XFRM_POLICY_OUT, XFRM_STATE_ESN,
+    XfrmAttrs, policy, state as sa,
 };
 use state::node::Family;
 use state::objects::{GuardRole, KeyTag, NodeId, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark};
 
 use super::keys::tag;
-use super::message::{any_net, guard_direction, guard_mark, guard_message};
+use super::message::{REPLAY_WINDOW, any_net, guard_direction, guard_mark, guard_message};
 
 pub fn ip_of(a: &Address, family: u16) -> Option<IpAddr> {
     match i32::from(family) {
@@ -60,6 +60,14 @@ pub fn state_tag(nlas: &[XfrmAttrs]) -> KeyTag {
     })
 }
 
+/// Whether a state has the replay protection the agent writes now: ESN and [`REPLAY_WINDOW`].
+fn current_shape(m: &sa::ModifyMessage) -> bool {
+    m.user_sa_info.flags & XFRM_STATE_ESN != 0
+        && m.nlas
+            .iter()
+            .any(|a| matches!(a, XfrmAttrs::ReplayStateEsn(r) if r.replay_window == REPLAY_WINDOW))
+}
+
 pub fn parse_state(m: &sa::ModifyMessage) -> Option<XfrmState> {
     let (node_id, spi, dir) = our_mark(&m.nlas)?;
     let info = &m.user_sa_info;
@@ -78,7 +86,12 @@ pub fn parse_state(m: &sa::ModifyMessage) -> Option<XfrmState> {
         spi,
         dir,
         node_id,
-        key: state_tag(&m.nlas),
+        key: match current_shape(m) {
+            true => state_tag(&m.nlas),
+            // Written by an older agent (no ESN, another window): read as another key, so
+            // the planner replaces it.
+            false => KeyTag::default(),
+        },
     })
 }
 
@@ -179,7 +192,7 @@ fn parse_node_policy(m: &policy::ModifyMessage) -> Option<XfrmPolicy> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backends::xfrm::keys::IpsecKey;
+    use crate::backends::xfrm::keys::{IpsecKey, StateKey};
     use crate::backends::xfrm::message::{policy_message, state_message};
 
     fn pol(node: u16, dst: &str) -> XfrmPolicy {
@@ -238,8 +251,18 @@ mod tests {
             node_id: NodeId::new(7).unwrap(),
             key: key.tag(),
         };
-        let m = state_message(&s, &key).unwrap();
-        assert_eq!(parse_state(&m), Some(s));
+        let sk = StateKey {
+            key: &key,
+            derived: None,
+        };
+        let mut m = state_message(&s, &sk).unwrap();
+        assert_eq!(parse_state(&m), Some(s.clone()));
+        m.user_sa_info.flags = 0;
+        assert_eq!(
+            parse_state(&m).map(|p| p.key),
+            Some(KeyTag::default()),
+            "a state without ESN is one to replace"
+        );
     }
 
     #[test]

@@ -24,17 +24,11 @@ impl Ctx {
     /// error. So re-applying the same upserts writes nothing.
     pub(super) async fn upsert_state(&self, s: &XfrmState) -> Result<(), OpError> {
         let what = || format!("adding {}", describe(s));
-        let key = self.keys.get(s.spi).map_err(|why| invalid(what(), why))?;
-        if key.tag() != s.key {
-            let why = format!(
-                "the key file's key for SPI {} is {}, not the planned {}",
-                s.spi,
-                key.tag(),
-                s.key
-            );
-            return Err(invalid(what(), why));
-        }
-        let msg = state_message(s, key).map_err(|source| OpError::Kernel {
+        let key = self
+            .keys
+            .state_key(s.spi, s.key)
+            .map_err(|why| invalid(what(), why))?;
+        let msg = state_message(s, &key).map_err(|source| OpError::Kernel {
             what: what(),
             source,
         })?;

@@ -1,0 +1,563 @@
+//! A cluster of node namespaces on one wire, each with a pod behind a bridge and its own agent:
+//! what the IPsec proofs run on (`tests/tests/it/ipsec.rs`).
+//!
+//! The sandbox's own namespace is the switch: a bridge `wire` with one port per node. Node `i`
+//! is the namespace `node<i>` with `eth0` on the wire (192.168.77.i, fd00:77::i), a bridge
+//! `cni0` (10.244.i.1/24, fd00:244:i::1/64) and forwarding on; its pod is the namespace
+//! `pod<i>` (10.244.i.2, fd00:244:i::2, MTU 1400 to leave room for ESP). Each node's agent has
+//! its own bpffs, state directory and key file, and runs with `ip netns exec`, as a
+//! DaemonSet's pod runs in the host's network namespace.
+//!
+//! [`Capture`] counts the frames that enter the wire by what they are: ESP, or pod traffic in
+//! the clear (an IP packet with a pod address), or other (ARP, neighbour discovery).
+
+use std::fmt::Write as _;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::agent::{Daemon, TestNode, node_list, wait_for};
+use crate::{agent_bin, in_netns, ip, ip_batch, run, sysctl};
+
+/// One simulated node.
+#[derive(Clone, Debug)]
+pub struct SimNode {
+    pub name: String,
+    pub index: u8,
+    pub dir: PathBuf,
+}
+
+impl SimNode {
+    pub fn ns(&self) -> String {
+        format!("node{}", self.index)
+    }
+    pub fn pod_ns(&self) -> String {
+        format!("pod{}", self.index)
+    }
+    pub fn ip4(&self) -> String {
+        format!("192.168.77.{}", self.index)
+    }
+    pub fn ip6(&self) -> String {
+        format!("fd00:77::{}", self.index)
+    }
+    pub fn pod4(&self) -> String {
+        format!("10.244.{}.2", self.index)
+    }
+    pub fn pod6(&self) -> String {
+        format!("fd00:244:{}::2", self.index)
+    }
+    pub fn bpffs(&self) -> PathBuf {
+        self.dir.join("bpffs")
+    }
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+    pub fn key_file(&self) -> PathBuf {
+        self.dir.join("ipsec.keys")
+    }
+    pub fn log(&self) -> PathBuf {
+        self.dir.join("agent.log")
+    }
+
+    /// The node as the NodeList shows it (`uid` set by the caller when it is recycled).
+    pub fn test_node(&self) -> TestNode {
+        TestNode {
+            name: self.name.clone(),
+            ips: vec![self.ip4(), self.ip6()],
+            cidrs: vec![
+                format!("10.244.{}.0/24", self.index),
+                format!("fd00:244:{}::/64", self.index),
+            ],
+            ..TestNode::default()
+        }
+    }
+
+    /// `ip -n <node ns> ARGS`.
+    pub fn ip(&self, args: &[&str]) -> String {
+        let mut all = vec!["-n".to_string(), self.ns()];
+        all.extend(args.iter().map(|s| s.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        String::from_utf8_lossy(&ip(&all).stdout).into_owned()
+    }
+
+    /// The node's xfrm states as `(src, dst, spi)`.
+    pub fn states(&self) -> Vec<(String, String, u32)> {
+        let text = self.ip(&["xfrm", "state"]);
+        let mut out = Vec::new();
+        let mut pending: Option<(String, String)> = None;
+        for line in text.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.first() == Some(&"src") && f.len() >= 4 {
+                pending = Some((f[1].to_owned(), f[3].to_owned()));
+            } else if let (Some((src, dst)), Some(pos)) =
+                (&pending, f.iter().position(|w| *w == "spi"))
+            {
+                let spi = u32::from_str_radix(f[pos + 1].trim_start_matches("0x"), 16).unwrap();
+                out.push((src.clone(), dst.clone(), spi));
+                pending = None;
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// The SPIs of the node's states, each once.
+    pub fn spis(&self) -> Vec<u32> {
+        let mut s: Vec<u32> = self.states().iter().map(|s| s.2).collect();
+        s.sort_unstable();
+        s.dedup();
+        s
+    }
+
+    /// Bytes the node's OUT states (source = the node) have encrypted.
+    pub fn out_bytes(&self) -> u64 {
+        let text = self.ip(&["-s", "xfrm", "state"]);
+        let mut total = 0;
+        let mut out_state = false;
+        let mut lifetime = false;
+        for line in text.lines() {
+            let t = line.trim();
+            if t.starts_with("src ") {
+                let src = t.split_whitespace().nth(1).unwrap_or("");
+                out_state = src == self.ip4() || src == self.ip6();
+            } else if t.starts_with("lifetime current:") {
+                lifetime = true;
+            } else if lifetime {
+                lifetime = false;
+                if out_state && let Some(b) = t.split('(').next() {
+                    total += b.trim().parse::<u64>().unwrap_or(0);
+                }
+            }
+        }
+        total
+    }
+
+    /// A metric of the node's agent.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let text = in_netns(&self.ns(), || {
+            crate::agent::http_get("127.0.0.1:9965", "/metrics")
+        })?
+        .1;
+        crate::agent::metric(&text, series)
+    }
+
+    /// The agent's log, for failure messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(self.log()).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+/// The wire, its nodes, and the NodeList every agent reads.
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub nodes: Vec<SimNode>,
+    pub nodes_file: PathBuf,
+}
+
+impl Cluster {
+    /// The switch, in the calling thread's namespace (a sandbox).
+    pub fn new(dir: &Path) -> Self {
+        ip(&["link", "add", "wire", "type", "bridge"]);
+        ip(&["link", "set", "wire", "up"]);
+        Self {
+            dir: dir.to_owned(),
+            nodes: Vec::new(),
+            nodes_file: dir.join("nodes.yaml"),
+        }
+    }
+
+    /// Node `index` named `name`, with its pod and its own bpffs; no agent yet.
+    pub fn add_node(&mut self, name: &str, index: u8) -> SimNode {
+        let n = SimNode {
+            name: name.to_owned(),
+            index,
+            dir: self.dir.join(name),
+        };
+        std::fs::create_dir_all(n.bpffs()).unwrap();
+        run(Command::new("mount")
+            .args(["-t", "bpf", "bpf"])
+            .arg(n.bpffs()));
+        let (ns, pod) = (n.ns(), n.pod_ns());
+        let port = format!("w{index}");
+        ip(&["netns", "add", &ns]);
+        ip(&["netns", "add", &pod]);
+        ip(&[
+            "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+        ]);
+        ip(&["link", "set", &port, "master", "wire", "up"]);
+        let i = index;
+        let mut node = String::new();
+        let _ = write!(
+            node,
+            "link set lo up\n\
+             addr add 192.168.77.{i}/24 dev eth0\naddr add fd00:77::{i}/64 dev eth0 nodad\n\
+             link set eth0 up\n\
+             link add cni0 type bridge\n\
+             addr add 10.244.{i}.1/24 dev cni0\naddr add fd00:244:{i}::1/64 dev cni0 nodad\n\
+             link set cni0 up\n\
+             link add p{i} type veth peer name eth0 netns {pod}\n\
+             link set p{i} mtu 1400 master cni0 up\n"
+        );
+        ip_batch(&["-n", &ns], &node);
+        let pod_cmds = format!(
+            "link set lo up\nlink set eth0 mtu 1400 up\n\
+             addr add 10.244.{i}.2/24 dev eth0\naddr add fd00:244:{i}::2/64 dev eth0 nodad\n\
+             route add default via 10.244.{i}.1\nroute add default via fd00:244:{i}::1\n"
+        );
+        ip_batch(&["-n", &pod], &pod_cmds);
+        in_netns(&ns, || {
+            sysctl("net/ipv4/ip_forward", "1");
+            sysctl("net/ipv6/conf/all/forwarding", "1");
+        });
+        self.nodes.push(n.clone());
+        n
+    }
+
+    /// Writes the NodeList every agent reads.
+    pub fn write_nodes(&self, nodes: &[TestNode]) {
+        let tmp = self.nodes_file.with_extension("tmp");
+        std::fs::write(&tmp, node_list(nodes)).unwrap();
+        std::fs::rename(&tmp, &self.nodes_file).unwrap();
+    }
+
+    /// Starts `n`'s agent with IPsec; `extra` flags come last (delays, resync).
+    pub fn start_agent(&self, n: &SimNode, extra: &[&str]) -> Daemon {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(n.log())
+            .unwrap();
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &n.ns()])
+            .arg(agent_bin())
+            .args(["run", "--node-name", &n.name, "--nodes-file-poll", "200ms"])
+            .arg("--nodes-file")
+            .arg(&self.nodes_file)
+            .arg("--state-dir")
+            .arg(n.state_dir())
+            .arg("--bpffs")
+            .arg(n.bpffs())
+            .args(["--datapath-iface", "eth0", "--pod-iface", "cni0"])
+            .arg("--ipsec-key-file")
+            .arg(n.key_file())
+            .args(extra)
+            .env("NODE_AGENT_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log);
+        Daemon(c.spawn().unwrap())
+    }
+
+    /// Waits until `n` holds exactly `states` xfrm states, all of SPI `spi`.
+    pub fn wait_states(&self, n: &SimNode, states: usize, spi: u32, timeout: Duration) {
+        let what = format!("{}: {states} xfrm states of SPI {spi}", n.name);
+        if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for(&what, timeout, || {
+                let s = n.states();
+                s.len() == states && s.iter().all(|x| x.2 == spi)
+            })
+        })) {
+            panic!(
+                "{}\nstates now: {:?}\nagent log:\n{}",
+                e.downcast_ref::<String>().cloned().unwrap_or_default(),
+                n.states(),
+                n.log_tail(40)
+            );
+        }
+    }
+}
+
+/// Writes a key file holding `keys` (SPI and hex), mode 0600: per-pair keys (`<spi>+`), or
+/// global ones.
+pub fn write_keys(path: &Path, keys: &[(u8, &str)], per_pair: bool) {
+    use std::os::unix::fs::PermissionsExt;
+    let plus = if per_pair { "+" } else { "" };
+    let mut text = String::new();
+    for (spi, hex) in keys {
+        let _ = writeln!(text, "{spi}{plus} rfc4106(gcm(aes)) 0x{hex} 128");
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// `ping` from a pod: `(sent, received)`. Busybox's or iputils' summary line is parsed.
+pub fn ping(pod_ns: &str, dst: &str, count: u32) -> (u64, u64) {
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            pod_ns,
+            "ping",
+            "-c",
+            &count.to_string(),
+            "-W",
+            "1",
+            dst,
+        ])
+        .output()
+        .expect("starting ping");
+    parse_ping(&String::from_utf8_lossy(&out.stdout))
+        .unwrap_or_else(|| panic!("no ping summary: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// A ping that runs until stopped: `ping -i <interval>` from a pod.
+pub struct LongPing(std::process::Child);
+
+impl LongPing {
+    pub fn start(pod_ns: &str, dst: &str, interval: &str) -> Self {
+        Self(
+            Command::new("ip")
+                .args(["netns", "exec", pod_ns, "ping", "-i", interval, dst])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("starting ping"),
+        )
+    }
+
+    /// Stops it (SIGINT, so it prints its summary): `(sent, received)`.
+    pub fn stop(self) -> (u64, u64) {
+        // SAFETY: kill on a child we own.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let out = self.0.wait_with_output().unwrap();
+        parse_ping(&String::from_utf8_lossy(&out.stdout)).expect("a ping summary")
+    }
+}
+
+/// `N packets transmitted, M (packets) received`.
+pub fn parse_ping(text: &str) -> Option<(u64, u64)> {
+    let line = text.lines().find(|l| l.contains("transmitted"))?;
+    let nums: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .take(2)
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    Some((*nums.first()?, *nums.get(1)?))
+}
+
+/// Sends `bytes` over TCP from pod `from` to `to` (an address in pod `to_ns`) and returns what
+/// the receiver counted.
+pub fn tcp_transfer(from: &str, to_ns: &str, to: &str, bytes: usize) -> usize {
+    use std::io::{Read, Write};
+    let addr: std::net::SocketAddr = std::net::SocketAddr::new(to.parse().unwrap(), 5001);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            in_netns(to_ns, || {
+                let l = std::net::TcpListener::bind(addr).unwrap();
+                tx.send(()).unwrap();
+                let (mut c, _) = l.accept().unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let mut n = 0;
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    match c.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(k) => n += k,
+                        Err(e) => panic!("receiving: {e} after {n} bytes"),
+                    }
+                }
+                n
+            })
+        });
+        rx.recv().unwrap();
+        in_netns(from, || {
+            let mut c = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+                .expect("connecting");
+            let chunk = vec![0x5au8; 64 * 1024];
+            let mut left = bytes;
+            while left > 0 {
+                let k = left.min(chunk.len());
+                c.write_all(&chunk[..k]).expect("sending");
+                left -= k;
+            }
+        });
+        server.join().unwrap()
+    })
+}
+
+/// Counts of frames entering the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Seen {
+    pub esp: u64,
+    /// IP packets with a pod address in the clear: what IPsec must never let out.
+    pub clear_pod: u64,
+    /// Everything else (ARP, neighbour discovery, node-to-node traffic).
+    pub other: u64,
+}
+
+/// An `AF_PACKET` capture of every frame that enters the wire through a node's port.
+pub struct Capture {
+    stop: Arc<AtomicBool>,
+    counts: Arc<[AtomicU64; 3]>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Capture {
+    /// Starts capturing in the calling thread's namespace (the switch), on the ports named
+    /// `w<i>`.
+    pub fn start() -> Self {
+        let fd = packet_socket().expect("an AF_PACKET socket");
+        let stop = Arc::new(AtomicBool::new(false));
+        let counts: Arc<[AtomicU64; 3]> = Arc::new(Default::default());
+        let thread = {
+            let (stop, counts) = (stop.clone(), counts.clone());
+            std::thread::spawn(move || capture_loop(&fd, &stop, &counts))
+        };
+        Self {
+            stop,
+            counts,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn seen(&self) -> Seen {
+        Seen {
+            esp: self.counts[0].load(Ordering::Relaxed),
+            clear_pod: self.counts[1].load(Ordering::Relaxed),
+            other: self.counts[2].load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn packet_socket() -> io::Result<OwnedFd> {
+    let proto = (libc::ETH_P_ALL as u16).to_be() as i32;
+    // SAFETY: plain socket(2); the fd is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh, valid descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let tv = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 100_000,
+    };
+    // SAFETY: a valid fd and a properly sized option value.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&raw const tv).cast(),
+            size_of::<libc::timeval>() as u32,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+fn port_index(ifindex: i32) -> bool {
+    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: `name` has IF_NAMESIZE bytes, as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(ifindex as u32, name.as_mut_ptr()) };
+    if p.is_null() {
+        return false;
+    }
+    // SAFETY: if_indextoname wrote a NUL-terminated name.
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) };
+    name.to_bytes().starts_with(b"w") && name.to_bytes() != b"wire"
+}
+
+fn capture_loop(fd: &OwnedFd, stop: &AtomicBool, counts: &[AtomicU64; 3]) {
+    let mut buf = vec![0u8; 65536];
+    while !stop.load(Ordering::Relaxed) {
+        // SAFETY: zeroed sockaddr_ll is valid; recvfrom fills at most its size.
+        let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        let mut len = size_of::<libc::sockaddr_ll>() as u32;
+        // SAFETY: buffer and address pointers are valid for the sizes given.
+        let n = unsafe {
+            libc::recvfrom(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                0,
+                (&raw mut from).cast(),
+                &mut len,
+            )
+        };
+        if n <= 0 {
+            continue;
+        }
+        if from.sll_pkttype == libc::PACKET_OUTGOING || !port_index(from.sll_ifindex) {
+            continue;
+        }
+        let slot = classify(&buf[..n as usize]);
+        counts[slot].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// 0: ESP, 1: pod traffic in the clear, 2: anything else.
+pub fn classify(frame: &[u8]) -> usize {
+    let is_pod = |a: &[u8]| match a.len() {
+        4 => a[0] == 10 && a[1] == 244,
+        _ => a[..4] == [0xfd, 0x00, 0x02, 0x44],
+    };
+    let Some(ethertype) = frame.get(12..14) else {
+        return 2;
+    };
+    let (proto, src, dst) = match ethertype {
+        [0x08, 0x00] if frame.len() >= 34 => (frame[23], &frame[26..30], &frame[30..34]),
+        [0x86, 0xdd] if frame.len() >= 54 => (frame[20], &frame[22..38], &frame[38..54]),
+        _ => return 2,
+    };
+    if proto == 50 {
+        0
+    } else if is_pod(src) || is_pod(dst) {
+        1
+    } else {
+        2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_told_apart() {
+        let mut v4 = vec![0u8; 34];
+        v4[12..14].copy_from_slice(&[0x08, 0x00]);
+        v4[23] = 1;
+        v4[26..30].copy_from_slice(&[10, 244, 1, 2]);
+        v4[30..34].copy_from_slice(&[10, 244, 2, 2]);
+        assert_eq!(classify(&v4), 1, "ICMP between pods in the clear");
+        v4[23] = 50;
+        assert_eq!(classify(&v4), 0);
+        let mut v6 = vec![0u8; 54];
+        v6[12..14].copy_from_slice(&[0x86, 0xdd]);
+        v6[20] = 58;
+        v6[22..26].copy_from_slice(&[0xfd, 0x00, 0x00, 0x77]);
+        assert_eq!(classify(&v6), 2, "node to node");
+        v6[38..42].copy_from_slice(&[0xfd, 0x00, 0x02, 0x44]);
+        assert_eq!(classify(&v6), 1);
+        assert_eq!(classify(&[0u8; 20]), 2);
+    }
+
+    #[test]
+    fn ping_summaries_of_busybox_and_iputils() {
+        let bb = "--- 10.244.2.2 ping statistics ---\n5 packets transmitted, 4 packets received, 20% packet loss\n";
+        assert_eq!(parse_ping(bb), Some((5, 4)));
+        let iputils = "5 packets transmitted, 5 received, 0% packet loss, time 4005ms\n";
+        assert_eq!(parse_ping(iputils), Some((5, 5)));
+    }
+}

@@ -1,0 +1,333 @@
+//! VM tier: IPsec that encrypts, between node namespaces on one wire, each with its own agent
+//! (`node_agent_tests::cluster`). The host kernel of the development machines has no ESP: there
+//! each test prints why it skipped; in the guest (`NODE_AGENT_VM=1`) a missing ESP fails.
+//!
+//! Every test captures the wire and requires that no pod packet ever crosses it in the clear,
+//! and prints what it saw.
+
+use std::time::Duration;
+
+use node_agent::backends::xfrm::{KeyBook, XfrmBackend};
+use node_agent_tests::agent::{TestNode, wait_for};
+use node_agent_tests::cluster::{
+    Capture, Cluster, LongPing, SimNode, ping, tcp_transfer, write_keys,
+};
+use node_agent_tests::{can_sandbox, report, runtime, sandbox, skip};
+
+const KEY3: &str = "0102030405060708090a0b0c0d0e0f1011121314";
+const KEY4: &str = "a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4";
+/// Per node and peer: an IN and an OUT state for each family.
+const STATES_PER_PEER: usize = 4;
+
+/// Why this kernel cannot run the test, or `None` when it has ESP. In the guest, a kernel
+/// without ESP is a failure.
+fn esp_missing(name: &str) -> bool {
+    let why = runtime().block_on(async {
+        let x = XfrmBackend::new(KeyBook::default()).ok()?;
+        x.probe_esp().await.err().map(|e| e.to_string())
+    });
+    match why {
+        None => false,
+        Some(why) if std::env::var("NODE_AGENT_VM").as_deref() == Ok("1") => {
+            panic!("{name}: the VM tier must have ESP, but: {why}")
+        }
+        Some(why) => {
+            report(&format!("SKIPPED {name}: {why}"));
+            true
+        }
+    }
+}
+
+/// Runs `body` in a sandbox where ESP works; skips where it cannot.
+fn with_cluster(name: &str, body: impl FnOnce(&mut Cluster) + Send) {
+    if let Err(why) = can_sandbox() {
+        skip(name, &why);
+        return;
+    }
+    sandbox(|sb| {
+        if esp_missing(name) {
+            return;
+        }
+        let dir = sb.bpffs.parent().unwrap().join("cluster");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = Cluster::new(&dir);
+        body(&mut c);
+    });
+}
+
+fn assert_no_clear_pod_traffic(what: &str, cap: &Capture) {
+    let seen = cap.seen();
+    report(&format!(
+        "ipsec: {what}: the wire saw {} ESP frames, {} pod frames in the clear, {} other frames",
+        seen.esp, seen.clear_pod, seen.other
+    ));
+    assert_eq!(
+        seen.clear_pod, 0,
+        "{what}: pod traffic crossed the wire in the clear"
+    );
+}
+
+/// The mark of the node's state toward `dst` (`ip xfrm state` prints it as `mark V/M`).
+fn out_state_mark(n: &SimNode, dst: &str) -> String {
+    let text = n.ip(&["xfrm", "state"]);
+    let mut inside = false;
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with("src ") {
+            inside = t.split_whitespace().nth(3) == Some(dst);
+        } else if inside && let Some(m) = t.strip_prefix("mark ") {
+            return m.to_owned();
+        }
+    }
+    panic!("{}: no state toward {dst}:\n{text}", n.name)
+}
+
+fn all_up(c: &Cluster, nodes: &[&SimNode], peers: usize, spi: u32) {
+    for n in nodes {
+        c.wait_states(n, peers * STATES_PER_PEER, spi, Duration::from_secs(30));
+    }
+}
+
+#[test]
+fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
+    const NAME: &str = "pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it";
+    with_cluster(NAME, |c| {
+        let a = c.add_node("node-a", 1);
+        let b = c.add_node("node-b", 2);
+        for n in [&a, &b] {
+            write_keys(&n.key_file(), &[(3, KEY3)], true);
+        }
+        c.write_nodes(&[a.test_node(), b.test_node()]);
+        let flags = [
+            "--resync-interval",
+            "2s",
+            "--ipsec-key-propagation-delay",
+            "2s",
+            "--ipsec-key-rotation-delay",
+            "4s",
+        ];
+        let _agents = [&a, &b].map(|n| c.start_agent(n, &flags));
+        all_up(c, &[&a, &b], 1, 3);
+
+        let cap = Capture::start();
+        assert_eq!(ping(&a.pod_ns(), &b.pod4(), 5), (5, 5), "IPv4 ping");
+        assert_eq!(ping(&a.pod_ns(), &b.pod6(), 5), (5, 5), "IPv6 ping");
+        let mib = 1 << 20;
+        let got = tcp_transfer(&a.pod_ns(), &b.pod_ns(), &b.pod4(), mib);
+        assert_eq!(got, mib, "1 MiB over TCP");
+        let encrypted = a.out_bytes();
+        report(&format!(
+            "ipsec: node-a's OUT states encrypted {encrypted} bytes"
+        ));
+        assert!(encrypted as usize > mib, "the state byte counters grow");
+        assert!(cap.seen().esp > 0);
+        assert_no_clear_pod_traffic("ping and 1 MiB of TCP", &cap);
+
+        // node-b's OUT state on node-a deleted by hand: node-a's packets toward node-b's pods
+        // are dropped, never sent in the clear, until the resync repairs the state.
+        let mark = out_state_mark(&a, &b.ip4());
+        let (value, mask) = mark.split_once('/').unwrap();
+        a.ip(&[
+            "xfrm",
+            "state",
+            "delete",
+            "src",
+            &a.ip4(),
+            "dst",
+            &b.ip4(),
+            "proto",
+            "esp",
+            "spi",
+            "3",
+            "mark",
+            value,
+            "mask",
+            mask,
+        ]);
+        let (sent, received) = ping(&a.pod_ns(), &b.pod4(), 2);
+        report(&format!(
+            "ipsec: without node-a's OUT state, {received} of {sent} pings got through"
+        ));
+        assert_eq!(received, 0, "no OUT state: dropped");
+        assert_no_clear_pod_traffic("the OUT state deleted", &cap);
+        c.wait_states(&a, STATES_PER_PEER, 3, Duration::from_secs(15));
+        let repaired = a.metric("node_agent_drift_repaired_total{kind=\"xfrm_state\"}");
+        assert!(repaired >= Some(1.0), "counted as drift: {repaired:?}");
+        assert!(
+            std::fs::read_to_string(a.log())
+                .unwrap()
+                .contains("until the IPsec key is rotated"),
+            "the repair tells the operator to rotate the key:\n{}",
+            a.log_tail(20)
+        );
+        // Written back under the same key, the state's sequence numbers start over, and
+        // node-b's anti-replay window drops them; a key rotation gives both sides fresh states.
+        let (sent, received) = ping(&a.pod_ns(), &b.pod4(), 2);
+        report(&format!(
+            "ipsec: after the repair, before a key rotation: {received} of {sent} pings got through"
+        ));
+        for n in [&a, &b] {
+            write_keys(&n.key_file(), &[(3, KEY3), (4, KEY4)], true);
+        }
+        for n in [&a, &b] {
+            c.wait_states(n, STATES_PER_PEER, 4, Duration::from_secs(30));
+        }
+        assert_eq!(
+            ping(&a.pod_ns(), &b.pod4(), 3),
+            (3, 3),
+            "traffic again on the new key"
+        );
+        assert_no_clear_pod_traffic("after the repair and the rotation", &cap);
+    });
+}
+
+#[test]
+fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_key() {
+    const NAME: &str =
+        "a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_key";
+    with_cluster(NAME, |c| {
+        let a = c.add_node("node-a", 1);
+        let b = c.add_node("node-b", 2);
+        for n in [&a, &b] {
+            write_keys(&n.key_file(), &[(3, KEY3)], true);
+        }
+        c.write_nodes(&[a.test_node(), b.test_node()]);
+        let delays = [
+            "--ipsec-key-propagation-delay",
+            "3s",
+            "--ipsec-key-rotation-delay",
+            "6s",
+        ];
+        let mut agent_a = c.start_agent(&a, &delays);
+        let _agent_b = c.start_agent(&b, &delays);
+        all_up(c, &[&a, &b], 1, 3);
+
+        let cap = Capture::start();
+        let pings = LongPing::start(&a.pod_ns(), &b.pod4(), "0.1");
+        std::thread::sleep(Duration::from_secs(1));
+        // The Secret reaches the two nodes a second apart.
+        write_keys(&a.key_file(), &[(3, KEY3), (4, KEY4)], true);
+        std::thread::sleep(Duration::from_secs(1));
+        write_keys(&b.key_file(), &[(3, KEY3), (4, KEY4)], true);
+        wait_for(
+            "node-a receiving both keys",
+            Duration::from_secs(10),
+            || a.spis() == [3, 4],
+        );
+        assert_eq!(
+            a.states().len(),
+            2 * STATES_PER_PEER,
+            "4 states per family while rotating"
+        );
+        // node-a is killed in the middle of the rotation and comes back.
+        agent_a.kill().unwrap();
+        agent_a.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let _agent_a = c.start_agent(&a, &delays);
+        all_up(c, &[&a, &b], 1, 4);
+        let (sent, received) = pings.stop();
+        let lost = sent - received;
+        report(&format!(
+            "ipsec: key rotation 3 -> 4 with node-a killed half-way: {lost} of {sent} pings lost"
+        ));
+        assert!(sent >= 50, "the ping ran ({sent} sent)");
+        assert!(
+            lost <= 3,
+            "a rotation loses no more than a few packets: {lost} of {sent}"
+        );
+        assert_no_clear_pod_traffic("a key rotation", &cap);
+        assert_eq!(
+            ping(&a.pod_ns(), &b.pod6(), 3),
+            (3, 3),
+            "IPv6 on the new key"
+        );
+        for n in [&a, &b] {
+            assert_eq!(n.metric("node_agent_ipsec_send_spi"), Some(4.0));
+            assert_eq!(n.metric("node_agent_ipsec_keys_in_use"), Some(1.0));
+        }
+    });
+}
+
+#[test]
+fn a_node_deleted_while_the_agent_is_down_and_its_ip_recycled_leaves_nothing_behind() {
+    const NAME: &str =
+        "a_node_deleted_while_the_agent_is_down_and_its_ip_recycled_leaves_nothing_behind";
+    with_cluster(NAME, |c| {
+        let a = c.add_node("node-a", 1);
+        let b = c.add_node("node-b", 2);
+        // node-c exists only in the list; node-d later gets its addresses and CIDRs.
+        let node_c = TestNode {
+            name: "node-c".into(),
+            ips: vec!["192.168.77.3".into(), "fd00:77::3".into()],
+            cidrs: vec!["10.244.3.0/24".into(), "fd00:244:3::/64".into()],
+            ..TestNode::default()
+        };
+        // Global keys here (the other tests use per-pair keys): a recycled address must not
+        // let node-d inherit anything of node-c's either way.
+        for n in [&a, &b] {
+            write_keys(&n.key_file(), &[(3, KEY3)], false);
+        }
+        c.write_nodes(&[a.test_node(), b.test_node(), node_c]);
+        // Removing one of two remote nodes is half the cluster: above the brake's ratio.
+        let ratio = ["--max-prune-ratio", "0.6"];
+        let mut agent_a = c.start_agent(&a, &ratio);
+        let _agent_b = c.start_agent(&b, &ratio);
+        all_up(c, &[&a, &b], 2, 3);
+        let c_mark = out_state_mark(&a, "192.168.77.3");
+
+        let cap = Capture::start();
+        let pings = LongPing::start(&a.pod_ns(), &b.pod4(), "0.1");
+        agent_a.kill().unwrap();
+        agent_a.wait().unwrap();
+        // While node-a's agent is down: node-c goes, node-d comes up on its addresses.
+        let d = c.add_node("node-d", 3);
+        write_keys(&d.key_file(), &[(3, KEY3)], false);
+        let mut node_d = d.test_node();
+        node_d.uid = Some("uid-node-d-recycled".into());
+        c.write_nodes(&[a.test_node(), b.test_node(), node_d]);
+        let _agent_d = c.start_agent(&d, &ratio);
+        c.wait_states(&d, 2 * STATES_PER_PEER, 3, Duration::from_secs(30));
+        let _agent_a = c.start_agent(&a, &ratio);
+        let toward_d = || {
+            a.states().len() == 2 * STATES_PER_PEER && out_state_mark(&a, "192.168.77.3") != c_mark
+        };
+        let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for(
+                "node-a's states toward node-d",
+                Duration::from_secs(30),
+                toward_d,
+            )
+        }));
+        assert!(
+            waited.is_ok(),
+            "node-a never programmed node-d: states {:?}\nagent log:\n{}",
+            a.states(),
+            a.log_tail(40)
+        );
+        let d_mark = out_state_mark(&a, "192.168.77.3");
+        report(&format!(
+            "ipsec: node-c's states had mark {c_mark}, node-d's have {d_mark}"
+        ));
+        let policies = a.ip(&["xfrm", "policy"]);
+        let c_value = c_mark.split('/').next().unwrap();
+        assert!(
+            !policies.contains(c_value),
+            "a policy of node-c is left:\n{policies}"
+        );
+        assert_eq!(
+            ping(&a.pod_ns(), &d.pod4(), 3),
+            (3, 3),
+            "node-a reaches node-d's pod"
+        );
+        assert_eq!(ping(&a.pod_ns(), &d.pod6(), 3), (3, 3));
+        let (sent, received) = pings.stop();
+        report(&format!(
+            "ipsec: node-a -> node-b across the restart: {received} of {sent} pings answered"
+        ));
+        assert!(
+            received + 3 >= sent,
+            "the kernel kept encrypting while the agent was down"
+        );
+        assert_no_clear_pod_traffic("a restart with churn", &cap);
+    });
+}
