@@ -153,6 +153,23 @@ impl Backends {
         let cidr_pin = pod_cidrs_pin(bpffs);
         let freed_pin = freed_ids::pin(bpffs);
         let ipsec = config.ipsec_key_file.is_some();
+        // IPsec's prerequisites first (a valid key file, a kernel with ESP): a start-up that
+        // fails on them changes nothing.
+        let (xfrm, key_file) = match &config.ipsec_key_file {
+            None => (None, None),
+            Some(path) => {
+                let file = KeyFile::load(path)?;
+                warn_about(&file);
+                let mut state = KeyFileState::new(path.clone(), &file);
+                let backend = xfrm::XfrmBackend::new(KeyBook::new(file.keys))
+                    .map_err(OpenError::XfrmSocket)?;
+                state.book = backend.book();
+                if !dry_run {
+                    backend.probe_esp().await?;
+                }
+                (Some(backend), Some(state))
+            }
+        };
         let datapath = match dry_run {
             true => None,
             false => Some(Datapath::load(&config.datapath)?),
@@ -174,21 +191,6 @@ impl Backends {
         };
         let routes = routes::RouteBackend::new(config.route_protocol, config.route_table)
             .map_err(OpenError::Netlink)?;
-        let (xfrm, key_file) = match &config.ipsec_key_file {
-            None => (None, None),
-            Some(path) => {
-                let file = KeyFile::load(path)?;
-                warn_about(&file);
-                let mut state = KeyFileState::new(path.clone(), &file);
-                let backend = xfrm::XfrmBackend::new(KeyBook::new(file.keys))
-                    .map_err(OpenError::XfrmSocket)?;
-                state.book = backend.book();
-                if !dry_run {
-                    backend.probe_esp().await?;
-                }
-                (Some(backend), Some(state))
-            }
-        };
         Ok(Self {
             map,
             pod_cidrs,

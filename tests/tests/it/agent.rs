@@ -426,10 +426,13 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
         let key_arg = key.to_str().unwrap();
         let nodes = cluster(6);
         env.write_nodes(&nodes);
+        // The bridge pod traffic enters through: IPsec refuses to start without one.
+        ip(&["link", "add", "cni0", "type", "bridge"]);
+        let ipsec = ["--ipsec-key-file", key_arg, "--pod-iface", "cni0"];
 
         if !kernel_has_esp() {
             let out = env
-                .command(&["--once", "--ipsec-key-file", key_arg])
+                .command(&["--once", ipsec[0], ipsec[1], ipsec[2], ipsec[3]])
                 .output()
                 .unwrap();
             let err = String::from_utf8_lossy(&out.stderr);
@@ -452,7 +455,7 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
             return;
         }
 
-        let (code, _, err) = env.once(&["--ipsec-key-file", key_arg]);
+        let (code, _, err) = env.once(&ipsec);
         assert_eq!(code, 0, "{err}");
         assert_exact(&env, &nodes);
         assert_eq!(xfrm_objects(), expected_xfrm(&env, &nodes));
@@ -467,7 +470,7 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
             TestNode::dual("node-0002", 102);
         after.push(TestNode::dual("node-0111", 111));
         env.write_nodes(&after);
-        let (code, report, err) = env.once(&["--ipsec-key-file", key_arg]);
+        let (code, report, err) = env.once(&ipsec);
         assert_eq!(code, 0, "{err}");
         assert!(
             report["failed_ops"].as_array().unwrap().is_empty(),
@@ -480,7 +483,7 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
             "states and policies of exactly the live nodes"
         );
         assert_eq!(ids_of(&env, &after)["node-0002"], ids_before["node-0002"]);
-        let (_, report, _) = env.once(&["--ipsec-key-file", key_arg]);
+        let (_, report, _) = env.once(&ipsec);
         assert_eq!(report["kernel_writes"], 0, "{report}");
     });
 }
