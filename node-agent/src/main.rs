@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use node_agent::cli::{
-    Cli, Command, LogFormat, MapCommand, PruneCommand, StateCommand, map_dump, prune, run,
-    state_show,
+    Cli, Command, IpsecCommand, LogFormat, MapCommand, PruneCommand, StateCommand, ipsec_status,
+    map_dump, prune, run, state_show,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -28,6 +28,9 @@ fn main() -> ExitCode {
         Command::Prune {
             command: PruneCommand::Confirm(args),
         } => prune::confirm(args, &mut out).map(|()| 0),
+        Command::Ipsec {
+            command: IpsecCommand::Status(args),
+        } => ipsec_status::run(args, &mut out).map(|()| 0),
     };
     match result {
         Ok(code) => ExitCode::from(code),

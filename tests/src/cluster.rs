@@ -145,6 +145,21 @@ impl SimNode {
         crate::agent::metric(&text, series)
     }
 
+    /// `node-agent ipsec status --output json` in the node's namespace.
+    pub fn ipsec_status(&self) -> serde_json::Value {
+        let out = run(Command::new("ip")
+            .args(["netns", "exec", &self.ns()])
+            .arg(agent_bin())
+            .args(["ipsec", "status", "--output", "json"])
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--bpffs")
+            .arg(self.bpffs())
+            .arg("--ipsec-key-file")
+            .arg(self.key_file()));
+        serde_json::from_slice(&out.stdout).expect("ipsec status JSON")
+    }
+
     /// The agent's log, for failure messages.
     pub fn log_tail(&self, lines: usize) -> String {
         let log = std::fs::read_to_string(self.log()).unwrap_or_default();

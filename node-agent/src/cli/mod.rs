@@ -1,5 +1,6 @@
 //! The command line: argument definitions and one module per subcommand.
 
+pub mod ipsec_status;
 pub mod map_dump;
 pub mod prune;
 pub mod run;
@@ -43,6 +44,18 @@ pub enum Command {
         #[command(subcommand)]
         command: PruneCommand,
     },
+    /// IPsec on this node.
+    Ipsec {
+        #[command(subcommand)]
+        command: IpsecCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum IpsecCommand {
+    /// The keys and the SPI sent with, each remote node's states and policies, the nodes
+    /// missing a state, the guards, and the kernel's xfrm error counters.
+    Status(ipsec_status::Args),
 }
 
 #[derive(Debug, Subcommand)]

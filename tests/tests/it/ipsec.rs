@@ -98,9 +98,10 @@ fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
             write_keys(&n.key_file(), &[(3, KEY3)], true);
         }
         c.write_nodes(&[a.test_node(), b.test_node()]);
+        // The resync that repairs a deleted state comes after the checks that it is missing.
         let flags = [
             "--resync-interval",
-            "2s",
+            "8s",
             "--ipsec-key-propagation-delay",
             "2s",
             "--ipsec-key-rotation-delay",
@@ -108,6 +109,34 @@ fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
         ];
         let _agents = [&a, &b].map(|n| c.start_agent(n, &flags));
         all_up(c, &[&a, &b], 1, 3);
+
+        let status = a.ipsec_status();
+        assert_eq!(status["send_spi"], 3, "{status:#}");
+        assert_eq!(status["keys"][0]["per_pair"], true, "{status:#}");
+        assert_eq!(status["guards"].as_array().unwrap().len(), 4, "{status:#}");
+        assert_eq!(status["nodes"][0]["name"], "node-b", "{status:#}");
+        assert!(
+            status["nodes_missing_states"]
+                .as_array()
+                .unwrap()
+                .is_empty()
+        );
+        let text = String::from_utf8_lossy(
+            &node_agent_tests::run(
+                std::process::Command::new("ip")
+                    .args(["netns", "exec", &a.ns()])
+                    .arg(node_agent_tests::agent_bin())
+                    .args(["ipsec", "status", "--state-dir"])
+                    .arg(a.state_dir())
+                    .arg("--bpffs")
+                    .arg(a.bpffs()),
+            )
+            .stdout,
+        )
+        .into_owned();
+        report(&format!(
+            "ipsec: `node-agent ipsec status` on node-a:\n{text}"
+        ));
 
         let cap = Capture::start();
         assert_eq!(ping(&a.pod_ns(), &b.pod4(), 5), (5, 5), "IPv4 ping");
@@ -150,7 +179,14 @@ fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
         ));
         assert_eq!(received, 0, "no OUT state: dropped");
         assert_no_clear_pod_traffic("the OUT state deleted", &cap);
-        c.wait_states(&a, STATES_PER_PEER, 3, Duration::from_secs(15));
+        let status = a.ipsec_status();
+        assert_eq!(status["nodes_missing_states"][0], "node-b", "{status:#}");
+        assert_eq!(status["nodes"][0]["missing"][0], "out ipv4", "{status:#}");
+        assert!(
+            status["xfrm_stat"]["XfrmOutNoStates"].as_u64() > Some(0),
+            "the drops are counted: {status:#}"
+        );
+        c.wait_states(&a, STATES_PER_PEER, 3, Duration::from_secs(20));
         let repaired = a.metric("node_agent_drift_repaired_total{kind=\"xfrm_state\"}");
         assert!(repaired >= Some(1.0), "counted as drift: {repaired:?}");
         assert!(

@@ -1,0 +1,303 @@
+//! `node-agent ipsec status`: what IPsec looks like on this node, from the kernel and the
+//! checkpoint: the keys and the SPI sent with, each remote node's states and policies, the
+//! nodes missing a state, the guards, and the kernel's xfrm error counters. Operators know it
+//! from `cilium-dbg encrypt status`. It reads only: nothing is locked or changed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde::Serialize;
+use state::checkpoint::{self, Checkpoint};
+use state::node::Family;
+use state::objects::{GuardRole, NodeId, XfrmDir, XfrmState};
+
+use super::{BpffsArg, Output};
+use crate::backends::xfrm::{KeyBook, KeyFile, XfrmBackend, stats};
+use crate::datapath::pod_cidrs_pin;
+use crate::pod_cidr_map::PodCidrMap;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The agent's state directory (its checkpoint names the nodes).
+    #[arg(long, env = "NODE_AGENT_STATE_DIR", default_value = "/run/node-agent")]
+    pub state_dir: PathBuf,
+    #[command(flatten)]
+    pub bpffs: BpffsArg,
+    /// The key file, to show its keys (never their material).
+    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_FILE")]
+    pub ipsec_key_file: Option<PathBuf>,
+    #[arg(long, env = "NODE_AGENT_OUTPUT", value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Status {
+    /// The SPI the pod-CIDR map marks traffic with; `None` without entries.
+    pub send_spi: Option<u8>,
+    pub keys: Vec<KeyStatus>,
+    pub guards: Vec<String>,
+    pub nodes: Vec<NodeStatus>,
+    /// Nodes of the checkpoint missing an OUT or IN state of the SPI sent with.
+    pub nodes_missing_states: Vec<String>,
+    /// The kernel's xfrm counters; empty where it keeps none.
+    pub xfrm_stat: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KeyStatus {
+    pub spi: u8,
+    pub per_pair: bool,
+    /// The key's fingerprint (see `docs/ipsec.md`), never the key.
+    pub tag: String,
+    /// When this node first saw it, from the checkpoint.
+    pub first_seen_unix: Option<u64>,
+    /// Our states holding a key of this SPI.
+    pub states: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct NodeStatus {
+    pub name: String,
+    pub node_id: Option<u16>,
+    pub states: Vec<StateStatus>,
+    pub policies: usize,
+    /// What it lacks for the SPI sent with: `out ipv4`, `in ipv6`...
+    pub missing: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct StateStatus {
+    pub dir: &'static str,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub spi: u8,
+    pub key: String,
+}
+
+pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
+    let status = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a runtime")?
+        .block_on(gather(args))?;
+    match args.output {
+        Output::Json => writeln!(out, "{}", serde_json::to_string_pretty(&status)?)?,
+        Output::Text => print_text(&status, out)?,
+    }
+    out.flush().context("writing the status")
+}
+
+async fn gather(args: &Args) -> anyhow::Result<Status> {
+    let x = XfrmBackend::new(KeyBook::default()).context("opening the xfrm netlink socket")?;
+    let states = x.dump_states().await?;
+    let policies = x.dump_policies().await?;
+    let cp = read_checkpoint(&args.state_dir)?;
+    let mut status = Status {
+        send_spi: send_spi(&pod_cidrs_pin(&args.bpffs.bpffs))?,
+        guards: policies
+            .guards
+            .iter()
+            .map(|g| {
+                let role = match g.role {
+                    GuardRole::Block => "block",
+                    GuardRole::AcceptDecrypted => "accept-decrypted",
+                };
+                let broken = if g.intact {
+                    ""
+                } else {
+                    " (changed by someone)"
+                };
+                format!("{role} {}{broken}", family_name(g.family))
+            })
+            .collect(),
+        xfrm_stat: stats::read()?.unwrap_or_default().into_iter().collect(),
+        ..Status::default()
+    };
+    if let Some(path) = &args.ipsec_key_file {
+        let file = KeyFile::load(path)?;
+        for k in &file.keys {
+            status.keys.push(KeyStatus {
+                spi: k.spi(),
+                per_pair: k.per_pair(),
+                tag: k.tag().to_string(),
+                first_seen_unix: cp.as_ref().and_then(|c| {
+                    c.ipsec_keys
+                        .iter()
+                        .find(|s| s.spi == k.spi())
+                        .map(|s| s.first_seen.as_secs())
+                }),
+                states: states.iter().filter(|s| s.spi == k.spi()).count(),
+            });
+        }
+    }
+    let by_node = per_node(&states, &policies.policies);
+    // The agent keeps guards in every family this node has an xfrm endpoint in: there, every
+    // node should have its states.
+    let families: BTreeSet<Family> = policies.guards.iter().map(|g| g.family).collect();
+    for n in cp.iter().flat_map(|c| c.nodes.iter()) {
+        let (st, pol) = n
+            .node_id
+            .and_then(|id| by_node.get(&id))
+            .cloned()
+            .unwrap_or_default();
+        let mut missing = Vec::new();
+        if let Some(spi) = status.send_spi {
+            for f in &families {
+                for dir in [XfrmDir::Out, XfrmDir::In] {
+                    let has = st
+                        .iter()
+                        .any(|s| s.spi == spi && s.dir == dir && Family::of(&s.src) == *f);
+                    if !has {
+                        missing.push(format!("{} {}", dir_name(dir), family_name(*f)));
+                    }
+                }
+            }
+        }
+        if !missing.is_empty() {
+            status.nodes_missing_states.push(n.name.clone());
+        }
+        status.nodes.push(NodeStatus {
+            name: n.name.clone(),
+            node_id: n.node_id.map(NodeId::get),
+            states: st
+                .iter()
+                .map(|s| StateStatus {
+                    dir: dir_name(s.dir),
+                    src: s.src,
+                    dst: s.dst,
+                    spi: s.spi,
+                    key: s.key.to_string(),
+                })
+                .collect(),
+            policies: pol,
+            missing,
+        });
+    }
+    Ok(status)
+}
+
+fn read_checkpoint(dir: &std::path::Path) -> anyhow::Result<Option<Checkpoint>> {
+    let path = dir.join("nodes.ckpt");
+    match std::fs::read(&path) {
+        Ok(bytes) => Ok(Some(
+            checkpoint::decode(&bytes).with_context(|| format!("decoding {}", path.display()))?,
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// The SPI most of the pod-CIDR map's entries carry.
+fn send_spi(pin: &std::path::Path) -> anyhow::Result<Option<u8>> {
+    if !pin.exists() {
+        return Ok(None);
+    }
+    let dump = PodCidrMap::open(pin)?.dump()?;
+    let mut count: BTreeMap<u8, usize> = BTreeMap::new();
+    for e in dump.entries.iter().filter(|e| e.spi != 0) {
+        *count.entry(e.spi).or_default() += 1;
+    }
+    Ok(count
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(spi, _)| spi))
+}
+
+type NodeObjects = (Vec<XfrmState>, usize);
+
+fn per_node(
+    states: &[XfrmState],
+    policies: &[state::objects::XfrmPolicy],
+) -> BTreeMap<NodeId, NodeObjects> {
+    let mut out: BTreeMap<NodeId, NodeObjects> = BTreeMap::new();
+    for s in states {
+        out.entry(s.node_id).or_default().0.push(s.clone());
+    }
+    for p in policies {
+        out.entry(p.node_id).or_default().1 += 1;
+    }
+    out
+}
+
+fn dir_name(d: XfrmDir) -> &'static str {
+    match d {
+        XfrmDir::Out => "out",
+        XfrmDir::In => "in",
+    }
+}
+
+fn family_name(f: Family) -> &'static str {
+    match f {
+        Family::V4 => "ipv4",
+        Family::V6 => "ipv6",
+    }
+}
+
+/// The counters worth a look first; the JSON output has them all.
+const KEY_COUNTERS: &[&str] = &[
+    "XfrmOutPolBlock",
+    "XfrmOutNoStates",
+    "XfrmInNoStates",
+    "XfrmInStateProtoError",
+    "XfrmInStateSeqError",
+    "XfrmInNoPols",
+];
+
+fn print_text(s: &Status, out: &mut impl Write) -> std::io::Result<()> {
+    match s.send_spi {
+        Some(spi) => writeln!(out, "sending with SPI {spi}")?,
+        None => writeln!(out, "not sending encrypted: the pod-CIDR map has no entry")?,
+    }
+    for k in &s.keys {
+        let kind = if k.per_pair { "per-pair" } else { "global" };
+        writeln!(
+            out,
+            "key SPI {} ({kind}, tag {}): {} states",
+            k.spi, k.tag, k.states
+        )?;
+    }
+    writeln!(out, "guards: {}", join_or_none(&s.guards))?;
+    writeln!(
+        out,
+        "{:<24} {:>7} {:>10} {:>8}  MISSING",
+        "NODE", "NODE_ID", "STATES", "POLICIES"
+    )?;
+    for n in &s.nodes {
+        let id = n.node_id.map_or_else(|| "-".into(), |i| i.to_string());
+        writeln!(
+            out,
+            "{:<24} {:>7} {:>10} {:>8}  {}",
+            n.name,
+            id,
+            n.states.len(),
+            n.policies,
+            join_or_none(&n.missing)
+        )?;
+    }
+    writeln!(
+        out,
+        "{} nodes, {} missing a state",
+        s.nodes.len(),
+        s.nodes_missing_states.len()
+    )?;
+    if s.xfrm_stat.is_empty() {
+        writeln!(out, "xfrm counters: this kernel keeps none")
+    } else {
+        let shown: Vec<String> = KEY_COUNTERS
+            .iter()
+            .map(|n| format!("{n} {}", s.xfrm_stat.get(*n).copied().unwrap_or(0)))
+            .collect();
+        writeln!(out, "xfrm counters: {}", shown.join(", "))
+    }
+}
+
+fn join_or_none(v: &[String]) -> String {
+    if v.is_empty() {
+        "-".into()
+    } else {
+        v.join(", ")
+    }
+}
