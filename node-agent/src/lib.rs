@@ -5,6 +5,7 @@
 
 pub mod agent;
 pub mod backends;
+pub mod caps;
 pub mod cli;
 pub mod datapath;
 pub mod freed_ids;

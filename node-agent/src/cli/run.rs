@@ -284,6 +284,9 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// Returns the process exit status.
 pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
+    if !args.dry_run {
+        crate::caps::check()?;
+    }
     runtime()?.block_on(async {
         let source = spawn_source(&args.source).await?;
         if args.once || args.dry_run {

@@ -51,6 +51,9 @@ struct Kustomization {
     config_map_generator: Vec<ConfigMapGenerator>,
     #[serde(default)]
     images: Vec<Image>,
+    /// Patches of an overlay, checked by the overlay's own test.
+    #[serde(default)]
+    patches: Vec<serde_yaml::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -429,10 +432,16 @@ fn every_manifest_parses_into_its_kubernetes_type() {
 
 /// Sub-folders of `deploy/` with a kustomization of their own, kept out of the default one
 /// because applying them needs what not every cluster has.
-const OPTIONAL: &[(&str, &str)] = &[(
-    "monitoring",
-    "the PrometheusRule needs the Prometheus operator's CRD",
-)];
+const OPTIONAL: &[(&str, &str)] = &[
+    (
+        "monitoring",
+        "the PrometheusRule needs the Prometheus operator's CRD",
+    ),
+    (
+        "privileged",
+        "an alternative to deploy/ (a privileged agent container), applied instead of it",
+    ),
+];
 
 /// Files in `deploy/` that no kustomization lists, and what they are.
 const NOT_RESOURCES: &[(&str, &str)] = &[
@@ -458,7 +467,13 @@ fn kustomization_in(dir: &str) -> Kustomization {
 /// list, entries that do not exist, sub-folders that are not optional kustomizations.
 fn unaccounted(dir: &str) -> Vec<String> {
     let k = kustomization_in(dir);
-    let mut listed: BTreeSet<String> = k.resources.iter().cloned().collect();
+    // `../` and the like are other kustomizations (an overlay's base), not files of this one.
+    let mut listed: BTreeSet<String> = k
+        .resources
+        .iter()
+        .filter(|r| !r.starts_with("../"))
+        .cloned()
+        .collect();
     listed.extend(k.config_map_generator.iter().flat_map(|g| g.envs.clone()));
     listed.insert("kustomization.yaml".into());
     listed.extend(
@@ -522,21 +537,97 @@ fn kustomization_lists_every_file_in_deploy() {
     assert_eq!(agent(&ds).image.as_deref(), Some("node-agent"));
 }
 
+/// The capabilities the agent container adds, each with a comment right above it saying what
+/// needs it (the manifest is read as text for the comments).
+const AGENT_CAPS: &[&str] = &["BPF", "PERFMON", "NET_ADMIN"];
+
 #[test]
-fn daemonset_runs_privileged_on_the_host_network() {
+fn only_the_init_container_is_privileged_and_the_agent_has_only_what_it_needs() {
     let ds = daemonset();
     let p = pod(&ds);
     assert_eq!(p.host_network, Some(true));
     let sa: ServiceAccount = resource("ServiceAccount");
     assert_eq!(p.service_account_name, sa.metadata.name);
-    for c in p
-        .containers
-        .iter()
-        .chain(p.init_containers.iter().flatten())
-    {
+    for c in p.init_containers.iter().flatten() {
         let sc = c.security_context.as_ref().expect("a securityContext");
-        assert_eq!(sc.privileged, Some(true), "{} is privileged", c.name);
+        assert_eq!(
+            sc.privileged,
+            Some(true),
+            "{}: mounts the bpffs Bidirectional",
+            c.name
+        );
     }
+    let c = agent(&ds);
+    let sc = c.security_context.as_ref().expect("a securityContext");
+    assert_eq!(sc.privileged, Some(false));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(
+        sc.run_as_user,
+        Some(0),
+        "root: the host's bpffs is 0700, old pins root's"
+    );
+    assert_eq!(
+        sc.seccomp_profile.as_ref().map(|s| s.type_.as_str()),
+        Some("RuntimeDefault")
+    );
+    let caps = sc.capabilities.as_ref().expect("capabilities");
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    let added: Vec<&str> = caps.add.iter().flatten().map(String::as_str).collect();
+    assert_eq!(
+        added, AGENT_CAPS,
+        "exactly what tests/tests/it/caps.rs proves enough"
+    );
+    let text = read("deploy/daemonset.yaml");
+    let lines: Vec<&str> = text.lines().collect();
+    for cap in AGENT_CAPS {
+        let at = lines
+            .iter()
+            .position(|l| l.trim() == format!("- {cap}"))
+            .unwrap_or_else(|| panic!("- {cap} in deploy/daemonset.yaml"));
+        assert!(
+            lines[at - 1].trim_start().starts_with('#'),
+            "{cap}: say in a comment above it what needs it"
+        );
+    }
+    // Bidirectional propagation needs a privileged container.
+    for m in c.volume_mounts.iter().flatten() {
+        assert_ne!(
+            m.mount_propagation.as_deref(),
+            Some("Bidirectional"),
+            "{}: the agent is not privileged",
+            m.name
+        );
+    }
+}
+
+#[test]
+fn the_privileged_overlay_makes_only_the_agent_container_privileged() {
+    let k = kustomization_in("privileged/");
+    assert_eq!(k.resources, ["../"]);
+    assert_eq!(k.patches.len(), 1);
+    let patch = &k.patches[0];
+    assert_eq!(patch["target"]["kind"].as_str(), Some("DaemonSet"));
+    assert_eq!(patch["target"]["name"].as_str(), Some("node-agent"));
+    let ops: serde_json::Value =
+        serde_yaml::from_str(patch["patch"].as_str().expect("an inline JSON patch")).unwrap();
+    // Applied to the real DaemonSet: the agent container, and nothing else, turns privileged.
+    let mut ds = serde_json::to_value(daemonset()).unwrap();
+    for op in ops.as_array().unwrap() {
+        assert_eq!(op["op"], "replace");
+        let at = ds
+            .pointer_mut(op["path"].as_str().unwrap())
+            .unwrap_or_else(|| panic!("{} is not in the DaemonSet", op["path"]));
+        *at = op["value"].clone();
+    }
+    let containers = &ds["spec"]["template"]["spec"]["containers"];
+    assert_eq!(containers[0]["name"], "node-agent");
+    assert_eq!(containers[0]["securityContext"]["privileged"], true);
+    let install = read("docs/install.md");
+    assert!(
+        install.contains("deploy/privileged/"),
+        "docs/install.md says when to use the overlay"
+    );
 }
 
 #[test]
@@ -578,20 +669,21 @@ fn bpffs_and_state_dir_are_host_paths_with_the_right_propagation() {
             .unwrap_or_else(|| panic!("{} does not mount {vol}", c.name))
             .clone()
     };
-    // The bpffs: the host's, Bidirectional, where --bpffs says, in the agent and the init
-    // container that mounts one when the host has none.
+    // The bpffs: the host's, where --bpffs says; Bidirectional in the (privileged) init
+    // container that mounts one when the host has none, so the mount reaches the host;
+    // HostToContainer in the agent, which sees it and is not privileged.
     let bpffs = volume(p, "bpffs").host_path.as_ref().expect("hostPath");
     assert_eq!(bpffs.path, "/sys/fs/bpf");
     let init = p
         .init_containers
         .as_ref()
         .expect("the bpffs init container");
-    for c in [c].into_iter().chain(init) {
+    for (c, propagation) in [(c, "HostToContainer"), (&init[0], "Bidirectional")] {
         let m = mount(c, "bpffs");
         assert_eq!(m.mount_path, "/sys/fs/bpf");
         assert_eq!(
             m.mount_propagation.as_deref(),
-            Some("Bidirectional"),
+            Some(propagation),
             "{}",
             c.name
         );

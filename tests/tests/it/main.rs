@@ -7,6 +7,7 @@
 //! | `backends` | kernel | map, routes, xfrm policies against the real kernel |
 //! | `xfrm` | kernel (VM for states) | xfrm states and policies |
 //! | `ipsec` | VM | pod traffic between node namespaces, encrypted: the wire sees only ESP; rotation; restart with churn |
+//! | `caps` | kernel (VM for IPsec) | the agent under exactly the manifest's capabilities, and one line naming each missing one |
 //! | `agent` | end to end | the real binary against NodeList files: restarts, the brake, crashes |
 //! | `rules` | end to end | one test per rule of `docs/design.md`, through the CLI only |
 //! | `invariants` | end to end | random histories, every invariant checked after every step |
@@ -22,6 +23,7 @@ mod agent;
 mod apiserver;
 mod backends;
 mod bench;
+mod caps;
 mod datapath;
 mod deploy;
 mod docs;

@@ -72,6 +72,7 @@ pub const KERNEL_TIER: &[&str] = &[
     "backends::",
     "xfrm::",
     "ipsec::",
+    "caps::",
     "agent::",
     "rules::",
     "faults::",
