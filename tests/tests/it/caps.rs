@@ -7,7 +7,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use node_agent_tests::agent::{AgentEnv, Daemon, assert_exact, cluster, wait_for};
+use node_agent_tests::agent::{AgentEnv, Daemon, assert_exact, cluster};
 use node_agent_tests::{ip, report, require_sandbox, sandbox};
 
 /// The agent container's user and added capabilities, from the manifest.
