@@ -36,8 +36,13 @@ pub const POD_CIDRS_PIN: &str = "pod_cidrs";
 /// uses it; it keeps a freed ID's cool-down when the checkpoint is lost.
 pub const FREED_IDS_PIN: &str = "freed_ids";
 
-/// Capacity of `NODE_IDS` unless the agent asks for another at first creation.
-pub const DEFAULT_NODE_MAP_MAX: u32 = 16384;
+/// Capacity of `NODE_IDS` (and `POD_CIDRS`) when the agent creates them without being told
+/// another: a dual-stack cluster of 65,536 nodes (one entry per address). The maps allocate an
+/// entry when it is written (`BPF_F_NO_PREALLOC`), so a small cluster does not pay for it.
+pub const DEFAULT_NODE_MAP_MAX: u32 = 131_072;
+/// The largest capacity the agent accepts: entries, not IDs (an ID is 16 bits; a node has one
+/// entry per mapped address).
+pub const MAX_NODE_MAP_MAX: u32 = 1 << 22;
 /// `NODE_STATS` is indexed by node ID, so it has one slot per possible ID.
 pub const NODE_STATS_ENTRIES: u32 = 1 << 16;
 

@@ -22,7 +22,7 @@ mod log;
 
 use aya_ebpf::{
     Global,
-    bindings::TC_ACT_UNSPEC,
+    bindings::{BPF_F_NO_PREALLOC, TC_ACT_UNSPEC},
     btf_maps::{HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
     macros::{btf_map, classifier},
     programs::TcContext,
@@ -32,9 +32,15 @@ use node_agent_common::{
     POD_CIDR_FULL_BITS, xfrm_mark,
 };
 
-/// Remote node addresses to node IDs. The agent sets the capacity when it first creates the pin.
+/// Remote node addresses to node IDs. The agent sets the capacity when it first creates the pin;
+/// entries are allocated when written, so the capacity costs nothing until it is used.
 #[btf_map]
-static NODE_IDS: HashMap<NodeKey, NodeValue, { DEFAULT_NODE_MAP_MAX as usize }> = HashMap::new();
+static NODE_IDS: HashMap<
+    NodeKey,
+    NodeValue,
+    { DEFAULT_NODE_MAP_MAX as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 /// Per-CPU packet and byte counters, indexed by node ID.
 #[btf_map]

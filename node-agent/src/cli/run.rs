@@ -64,9 +64,11 @@ pub struct AgentArgs {
         value_delimiter = ','
     )]
     pub pod_ifaces: Vec<String>,
-    /// Capacity of the node-ID map when it is first created; an existing pin must match.
-    #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX", default_value_t = node_agent_common::DEFAULT_NODE_MAP_MAX)]
-    pub node_map_max: u32,
+    /// Capacity of the node-ID and pod-CIDR maps, in entries (one per mapped address or pod
+    /// CIDR), when they are first created; an existing pin must match it. Default: the
+    /// existing map's capacity, or 131072 (a dual-stack cluster of 65,536 nodes) for a new one.
+    #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX")]
+    pub node_map_max: Option<u32>,
     /// skb->mark bits that carry the node ID on ingress (one run of at least 16 bits).
     #[arg(long, env = "NODE_AGENT_MARK_MASK", default_value = "0xffff0000", value_parser = parse_u32)]
     pub mark_mask: u32,
@@ -219,7 +221,8 @@ impl AgentArgs {
             propagation: self.ipsec_key_propagation_delay,
             retirement: self.ipsec_key_rotation_delay,
         };
-        c.datapath.node_map_max = self.node_map_max;
+        c.datapath.node_map_max =
+            crate::datapath::resolve_capacity(self.node_map_max, &self.bpffs.bpffs)?;
         c.datapath.mark_mask = self.mark_mask;
         c.route_protocol = self.route_protocol;
         c.route_table = self.route_table;

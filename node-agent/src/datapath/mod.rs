@@ -54,7 +54,7 @@ pub enum DatapathError {
         found: MapLayout,
         expected: MapLayout,
     },
-    #[error("node-ID map capacity must be 1..=65535 entries, got {0}")]
+    #[error("node-ID map capacity must be 1..={max} entries, got {0}", max = abi::MAX_NODE_MAP_MAX)]
     BadCapacity(u32),
     #[error("mark mask {0:#010x} must be one contiguous run of at least 16 bits")]
     BadMarkMask(u32),
@@ -122,6 +122,23 @@ impl DatapathConfig {
     }
 }
 
+/// The node-ID map's capacity to use: the one asked for; else the existing pin's, so that an
+/// agent started without `--node-map-max` keeps a map an earlier release created at another
+/// default; else [`abi::DEFAULT_NODE_MAP_MAX`] for a new map.
+pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, DatapathError> {
+    if let Some(c) = requested {
+        return Ok(c);
+    }
+    let pin = node_ids_pin(bpffs);
+    match MapLayout::of_pin(&pin).map_err(|source| DatapathError::PinInfo {
+        pin: pin.clone(),
+        source,
+    })? {
+        Some(layout) => Ok(layout.max_entries),
+        None => Ok(abi::DEFAULT_NODE_MAP_MAX),
+    }
+}
+
 /// `<bpffs>/node-agent`.
 pub fn pin_dir(bpffs: &Path) -> PathBuf {
     bpffs.join(abi::PIN_DIR)
@@ -159,7 +176,7 @@ impl Datapath {
     }
 
     fn load_object(bytes: &[u8], config: &DatapathConfig) -> Result<Self, DatapathError> {
-        if config.node_map_max == 0 || config.node_map_max > u32::from(u16::MAX) {
+        if config.node_map_max == 0 || config.node_map_max > abi::MAX_NODE_MAP_MAX {
             return Err(DatapathError::BadCapacity(config.node_map_max));
         }
         let mask = config.mark_mask;

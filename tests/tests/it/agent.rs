@@ -487,3 +487,58 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
         assert_eq!(report["kernel_writes"], 0, "{report}");
     });
 }
+
+#[test]
+fn a_map_an_earlier_release_created_keeps_its_capacity_and_new_maps_hold_more_than_65535() {
+    use node_agent::datapath::{node_ids_pin, pins::MapLayout};
+    require_sandbox!(
+        "a_map_an_earlier_release_created_keeps_its_capacity_and_new_maps_hold_more_than_65535"
+    );
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        let capacity = || {
+            MapLayout::of_pin(&node_ids_pin(&env.bpffs))
+                .unwrap()
+                .unwrap()
+                .max_entries
+        };
+        // The previous release's default was 16384 entries.
+        let (code, _, err) = env.once(&["--node-map-max", "16384"]);
+        assert_eq!(code, 0, "{err}");
+        // Without the flag, the existing map is kept as it is.
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+        assert_eq!(capacity(), 16384);
+        assert_exact(&env, &nodes);
+        // Asking for another size is refused, naming both, and changes nothing.
+        let out = env
+            .command(&["--once", "--node-map-max", "262144"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("16384 entries") && err.contains("262144 entries"),
+            "{err}"
+        );
+        assert_eq!(capacity(), 16384);
+    });
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        env.write_nodes(&cluster(2));
+        let (code, _, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        let layout = MapLayout::of_pin(&node_ids_pin(&env.bpffs))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            layout.max_entries,
+            node_agent_common::DEFAULT_NODE_MAP_MAX,
+            "a new map holds a dual-stack cluster of 65,536 nodes"
+        );
+        assert!(layout.max_entries > 65_535);
+    });
+}
