@@ -26,6 +26,7 @@ use rtnetlink::{Handle, RouteMessageBuilder};
 use state::inventory::Inventory;
 use state::objects::{KernelObject, ObjectId, ObjectKind, Op, Route};
 
+use super::netlink::{KernelError, outcome};
 use super::{Backend, DumpError, OpError};
 
 /// Route protocol number marking our routes unless configured otherwise.
@@ -154,34 +155,28 @@ impl RouteBackend {
         let result = match &op {
             Op::Create(_) => handle.route().add(msg).execute().await,
             Op::Replace(_) => handle.route().add(msg).replace().execute().await,
-            Op::Delete(_) => match handle.route().del(msg).execute().await {
-                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ESRCH => Ok(()),
-                other => other,
-            },
+            Op::Delete(_) => handle.route().del(msg).execute().await,
         };
-        result.map_err(|e| {
-            let source = match &e {
+        let answer = result.map_err(|e| KernelError {
+            source: match &e {
                 rtnetlink::Error::NetlinkError(m) => m.to_io(),
                 other => std::io::Error::other(other.to_string()),
-            };
-            let errno = source.raw_os_error();
-            let upsert = !matches!(op, Op::Delete(_));
-            if upsert && matches!(errno, Some(libc::ENETUNREACH) | Some(libc::EHOSTUNREACH)) {
-                OpError::GatewayUnreachable {
-                    dst: route.dst,
-                    gateway: route.gateway,
-                    source,
-                }
-            } else if matches!(op, Op::Create(_)) && errno == Some(libc::EEXIST) {
-                OpError::Occupied {
-                    what: format!("route {} metric {}", route.dst, route.metric),
-                }
-            } else {
-                OpError::Kernel {
-                    what: format!("{} {}", op.verb(), KernelObject::Route(route.clone())),
-                    source,
-                }
-            }
+            },
+            message: None,
+        });
+        // An unreachable gateway is the one answer that means something of its own here.
+        if let Err(e) = &answer
+            && !matches!(op, Op::Delete(_))
+            && matches!(e.errno(), Some(libc::ENETUNREACH | libc::EHOSTUNREACH))
+        {
+            return Err(OpError::GatewayUnreachable {
+                dst: route.dst,
+                gateway: route.gateway,
+                source: std::io::Error::from_raw_os_error(e.errno().unwrap_or(libc::EHOSTUNREACH)),
+            });
+        }
+        outcome(&op, answer, || {
+            KernelObject::Route(route.clone()).to_string()
         })
     }
 }
