@@ -515,12 +515,21 @@ impl<K: Kernel> Reconciler<K> {
         m.conflicts.set(conflicts as i64);
         m.node_input_errors
             .set((plan.errors.len() - conflicts + self.live.errors().len()) as i64);
-        m.id_exhausted.set(
-            plan.errors
-                .iter()
-                .filter(|e| matches!(e.problem, state::plan::InputProblem::Ids(_)))
-                .count() as i64,
-        );
+        let no_id: Vec<&str> = plan
+            .errors
+            .iter()
+            .filter(|e| matches!(e.problem, state::plan::InputProblem::Ids(_)))
+            .map(|e| e.node.as_str())
+            .collect();
+        m.id_exhausted.set(no_id.len() as i64);
+        self.telemetry.set_ids_exhausted(match no_id.as_slice() {
+            [] => None,
+            [first, ..] => Some(format!(
+                "{} nodes held with no node ID free (every ID in use or cooling down), {first} \
+                 among them",
+                no_id.len()
+            )),
+        });
         m.reconcile_duration
             .observe(started.elapsed().as_secs_f64());
         self.record_objects(inventory);

@@ -31,6 +31,9 @@ struct Status {
     /// The IPsec key file as it is now cannot be used; the keys read before stay in use, so
     /// the agent stays ready and says so.
     key_file: Option<String>,
+    /// New nodes wait for a node ID: the programmed ones are right, so the agent stays ready
+    /// and says so.
+    ids: Option<String>,
 }
 
 #[derive(Debug)]
@@ -53,6 +56,7 @@ impl Telemetry {
                 source: None,
                 checkpoint: None,
                 key_file: None,
+                ids: None,
             }),
             stall_after,
         }
@@ -91,6 +95,10 @@ impl Telemetry {
 
     pub fn set_checkpoint_failing(&self, why: Option<String>) {
         self.status().checkpoint = why;
+    }
+
+    pub fn set_ids_exhausted(&self, why: Option<String>) {
+        self.status().ids = why;
     }
 
     pub fn set_key_file_error(&self, why: Option<String>) {
@@ -140,6 +148,7 @@ impl Telemetry {
             s.key_file.as_ref().map(|why| {
                 format!("IPsec key file unusable, the keys read before stay in use: {why}")
             }),
+            s.ids.clone(),
         ]
         .into_iter()
         .flatten()

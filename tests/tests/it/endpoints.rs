@@ -57,7 +57,10 @@ fn metrics_match_the_kernel_and_readiness_follows_sync_and_the_brake() {
             m("node_agent_plan_operations_total{kind=\"route\",op=\"upsert\",result=\"ok\"}"),
             kernel_routes
         );
-        assert_eq!(m("node_agent_node_map_fill_ratio"), kernel_map / 16384.0);
+        assert_eq!(
+            m("node_agent_node_map_fill_ratio"),
+            kernel_map / f64::from(node_agent_common::DEFAULT_NODE_MAP_MAX)
+        );
         assert!(m("node_agent_checkpoint_writes_total{result=\"ok\"}") >= 1.0);
         assert!(m("node_agent_source_relists_total") >= 1.0);
         assert!(m("node_agent_reconcile_duration_seconds_count") >= 1.0);
@@ -91,5 +94,47 @@ fn metrics_match_the_kernel_and_readiness_follows_sync_and_the_brake() {
         assert_eq!(get("/nope").0, 404);
         child.kill().unwrap();
         child.wait().unwrap();
+    });
+}
+
+#[test]
+fn with_every_node_id_taken_a_new_node_is_held_counted_and_named_in_readiness() {
+    require_sandbox!("with_every_node_id_taken_a_new_node_is_held_counted_and_named_in_readiness");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        // This test's ID space holds 3 IDs (a test-only setting; the benchmark uses 65,535).
+        let _daemon = env.spawn(&["--metrics-addr", ADDR, "--max-node-id", "3"]);
+        env.wait("readiness", TIMEOUT, || get("/readyz").0 == 200);
+        let mut more = nodes.clone();
+        more.push(TestNode::dual("node-0004", 4));
+        env.write_nodes(&more);
+        env.wait("the exhaustion metric", TIMEOUT, || {
+            metric(&get("/metrics").1, "node_agent_node_ids_exhausted") == Some(1.0)
+        });
+        let (code, body) = get("/readyz");
+        assert_eq!(code, 200, "the programmed nodes are right: {body}");
+        assert!(
+            body.contains("no node ID free") && body.contains("node-0004"),
+            "{body}"
+        );
+        assert!(
+            !env.map().contains_key(&more[3].ips[0]),
+            "held, not programmed"
+        );
+        assert_eq!(env.map().len(), 6, "the three others keep theirs");
+        let log = std::fs::read_to_string(env.log()).unwrap();
+        assert!(
+            log.contains("node-0004") && log.contains("cooling down"),
+            "{log}"
+        );
+        // A node goes: its ID cools down, and the newcomer still waits for it.
+        env.write_nodes(&more[1..]);
+        std::thread::sleep(Duration::from_secs(2));
+        assert!(
+            !env.map().contains_key(&more[3].ips[0]),
+            "the freed ID is cooling down"
+        );
     });
 }
