@@ -38,6 +38,10 @@ pub trait Kernel {
     /// The IPsec keys states are written with, read again from the key file (the kernel side
     /// holds the key material; the planner sees SPIs and tags only); `None` without IPsec.
     fn ipsec_keys(&mut self) -> Option<KeyRead>;
+
+    /// Attaches the pod classifier to pod interfaces that appeared since the datapath loaded;
+    /// returns those that still do not exist.
+    fn attach_pending(&mut self) -> Vec<String>;
 }
 
 /// The IPsec keys, as the planner sees them.
@@ -88,6 +92,8 @@ pub mod fake {
         pub applied: Vec<Op>,
         /// What [`Kernel::ipsec_keys`] answers.
         pub keys: Option<KeyRead>,
+        /// What [`Kernel::attach_pending`] answers.
+        pub pending: Vec<String>,
     }
 
     fn busy(what: &str) -> OpError {
@@ -170,6 +176,10 @@ pub mod fake {
 
         fn ipsec_keys(&mut self) -> Option<KeyRead> {
             self.keys.clone()
+        }
+
+        fn attach_pending(&mut self) -> Vec<String> {
+            self.pending.clone()
         }
     }
 }

@@ -77,6 +77,8 @@ pub struct Reconciler<K: Kernel> {
 /// What the last plan made of the IPsec key file.
 struct KeysUsed {
     digest: [u8; 32],
+    /// The file as it was then could not be used.
+    unusable: bool,
     /// Since the Unix epoch.
     next_change: Option<Duration>,
     /// The abrupt switch was already reported for this file.
@@ -247,16 +249,21 @@ impl<K: Kernel> Reconciler<K> {
         m.ipsec_keys_in_use.set(r.ipsec.keys.len() as i64);
         self.keys = Some(KeysUsed {
             digest: read.digest,
+            unusable: read.error.is_some(),
             next_change: r.next_change,
             abrupt_reported: r.abrupt || reported,
         });
         self.plan_config.ipsec = Some(r.ipsec);
     }
 
-    /// Whether the IPsec key file changed since the last plan (read again now).
+    /// Whether the IPsec key file changed since the last plan (read again now): new keys, or
+    /// a file that became unusable or usable again (readiness says so at the next reconcile).
     pub fn keys_changed(&mut self) -> bool {
-        let digest = self.kernel.ipsec_keys().map(|r| r.digest);
-        digest != self.keys.as_ref().map(|k| k.digest)
+        let now = self
+            .kernel
+            .ipsec_keys()
+            .map(|r| (r.digest, r.error.is_some()));
+        now != self.keys.as_ref().map(|k| (k.digest, k.unusable))
     }
 
     /// When the IPsec key rotation moves on by itself (since the Unix epoch), if it will.
@@ -836,6 +843,7 @@ mod tests {
         let mut bad = keys(&[3], 1);
         bad.error = Some("IPsec key file /k line 2: SPI must be a decimal number 1..=15".into());
         rec.kernel().keys = Some(bad);
+        assert!(rec.keys_changed(), "a file gone bad is news for readiness");
         let outcome = rec.reconcile().await.unwrap();
         assert!(outcome.plan.is_empty(), "nothing changes");
         assert_eq!(metric(&rec, "node_agent_ipsec_key_file_error"), Some(1.0));

@@ -249,6 +249,7 @@ pub async fn run(
     if ipsec {
         daemon.schedule.watch_keys(Instant::now(), KEY_FILE_POLL);
     }
+    daemon.look_for_pod_ifaces();
     loop {
         daemon.turn(&relist).await;
         let wake = daemon.schedule.next_wake(Instant::now());
@@ -306,11 +307,23 @@ impl<K: Kernel> Daemon<K> {
             let changed = self.rec.keys_changed();
             self.schedule.keys_checked(Instant::now(), changed);
         }
+        if due.attach {
+            self.look_for_pod_ifaces();
+        }
         if self.schedule.due(Instant::now()).checkpoint {
             self.write_checkpoint();
         }
         let stale = self.stale_since.map_or(0.0, |t| t.elapsed().as_secs_f64());
         self.telemetry.metrics.checkpoint_stale_seconds.set(stale);
+    }
+
+    /// Attaches the pod classifier to pod interfaces that appeared; keeps looking (and says so
+    /// in readiness) while any is missing.
+    fn look_for_pod_ifaces(&mut self) {
+        let missing = self.rec.kernel().attach_pending();
+        self.schedule
+            .pod_ifaces_pending(Instant::now(), !missing.is_empty());
+        self.telemetry.set_pod_ifaces_missing(&missing);
     }
 
     fn take_confirmation(&mut self) {

@@ -55,6 +55,8 @@ pub struct Due {
     pub relist: bool,
     /// Look at the IPsec key file again.
     pub keys: bool,
+    /// Look for pod interfaces that did not exist yet.
+    pub attach: bool,
 }
 
 /// How a reconcile went, as far as timing is concerned.
@@ -85,6 +87,8 @@ pub struct Schedule {
     keys_at: Option<(Instant, Duration)>,
     /// When the IPsec key rotation moves on by itself (a switch, a retirement).
     rotation_at: Option<Instant>,
+    /// While a pod interface does not exist yet: when to look for it again.
+    attach_at: Option<Instant>,
 }
 
 impl Schedule {
@@ -104,7 +108,17 @@ impl Schedule {
             relist_at: None,
             keys_at: None,
             rotation_at: None,
+            attach_at: None,
         }
+    }
+
+    /// How often a missing pod interface is looked for: its classifier must be attached before
+    /// pods send much through it.
+    pub const ATTACH_POLL: Duration = Duration::from_millis(200);
+
+    /// Some pod interfaces do not exist yet (`true`): look again soon; or none is missing.
+    pub fn pod_ifaces_pending(&mut self, now: Instant, pending: bool) {
+        self.attach_at = pending.then(|| now + Self::ATTACH_POLL);
     }
 
     /// Look at the IPsec key file every `every`, starting `every` from `now`.
@@ -161,6 +175,7 @@ impl Schedule {
             checkpoint: self.checkpoint_at().is_some_and(|t| t <= now),
             relist: self.relist_at.is_some_and(|t| t <= now),
             keys: self.keys_at.is_some_and(|(t, _)| t <= now),
+            attach: self.attach_at.is_some_and(|t| t <= now),
         }
     }
 
@@ -173,6 +188,7 @@ impl Schedule {
             self.relist_at,
             self.keys_at.map(|(t, _)| t),
             self.rotation_at,
+            self.attach_at,
         ]
         .into_iter()
         .flatten()

@@ -374,6 +374,13 @@ impl Kernel for Backends {
     fn ipsec_keys(&mut self) -> Option<KeyRead> {
         self.reload_keys()
     }
+
+    fn attach_pending(&mut self) -> Vec<String> {
+        self.datapath
+            .as_mut()
+            .map(|d| d.attach_pending().to_vec())
+            .unwrap_or_default()
+    }
 }
 
 fn freed_error(e: FreedIdsError) -> OpError {

@@ -38,6 +38,8 @@ pub enum AttachError {
     Tc(#[from] tc::TcError),
     #[error("removing the stale link pin {path}: {source}")]
     Unpin { path: PathBuf, source: io::Error },
+    #[error("no such interface")]
+    Missing,
 }
 
 /// How the program ended up attached.

@@ -165,6 +165,9 @@ pub struct Datapath {
     ebpf: Ebpf,
     _logs: Option<LogForwarder>,
     attachments: Vec<(String, TcAttachType, Attachment)>,
+    /// Pod interfaces that did not exist yet (see [`Datapath::attach_pending`]).
+    pending: Vec<String>,
+    link_dir: PathBuf,
 }
 
 impl Datapath {
@@ -242,6 +245,7 @@ impl Datapath {
         };
 
         let mut attachments = Vec::new();
+        let mut pending = Vec::new();
         let roles = [
             (abi::INGRESS_PROG, TcAttachType::Ingress, &config.ifaces),
             (abi::EGRESS_PROG, TcAttachType::Egress, &config.ifaces),
@@ -259,6 +263,17 @@ impl Datapath {
                 .map_err(prog_err)?;
             prog.load().map_err(prog_err)?;
             for iface in ifaces {
+                if name == abi::POD_PROG && !iface_exists(iface) {
+                    // The CNI creates its bridge with the node's first pod: until then no pod
+                    // traffic passes it, and it is attached the moment it appears.
+                    tracing::warn!(
+                        iface,
+                        "pod interface does not exist yet; its classifier is attached as soon \
+                         as it appears"
+                    );
+                    pending.push(iface.clone());
+                    continue;
+                }
                 let outcome = attach::attach(prog, name, iface, dir, &link_dir)?;
                 tracing::info!(
                     iface,
@@ -274,7 +289,66 @@ impl Datapath {
             ebpf,
             _logs: logs,
             attachments,
+            pending,
+            link_dir,
         })
+    }
+
+    /// Pod interfaces not attached yet because they did not exist.
+    pub fn pending(&self) -> &[String] {
+        &self.pending
+    }
+
+    /// Attaches the pod classifier to the pending interfaces that exist now; returns those
+    /// still pending. An interface that exists but refuses the attachment stays pending, and
+    /// the error is logged.
+    pub fn attach_pending(&mut self) -> &[String] {
+        let waiting = std::mem::take(&mut self.pending);
+        for iface in waiting {
+            match self.attach_pod(&iface) {
+                Ok(outcome) => {
+                    tracing::info!(
+                        iface,
+                        ?outcome,
+                        "pod interface appeared; classifier attached"
+                    );
+                    self.attachments
+                        .push((iface, TcAttachType::Ingress, outcome));
+                }
+                Err(e) => {
+                    if iface_exists(&iface) {
+                        tracing::warn!(iface, "attaching the pod classifier: {e}");
+                    }
+                    self.pending.push(iface);
+                }
+            }
+        }
+        &self.pending
+    }
+
+    fn attach_pod(&mut self, iface: &str) -> Result<Attachment, DatapathError> {
+        if !iface_exists(iface) {
+            return Err(DatapathError::Attach {
+                iface: iface.to_owned(),
+                direction: "ingress",
+                source: attach::AttachError::Missing,
+            });
+        }
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(abi::POD_PROG)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(DatapathError::Program {
+                name: abi::POD_PROG,
+                source: Box::new(aya::programs::ProgramError::NotLoaded),
+            })?;
+        attach::attach(
+            prog,
+            abi::POD_PROG,
+            iface,
+            TcAttachType::Ingress,
+            &self.link_dir,
+        )
     }
 
     /// Each interface and direction we attached to, and whether we took it over.
@@ -286,6 +360,14 @@ impl Datapath {
     pub fn ebpf(&self) -> &Ebpf {
         &self.ebpf
     }
+}
+
+fn iface_exists(name: &str) -> bool {
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated string.
+    unsafe { libc::if_nametoindex(c.as_ptr()) != 0 }
 }
 
 fn check_bpffs(path: &Path) -> Result<(), DatapathError> {

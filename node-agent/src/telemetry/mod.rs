@@ -34,6 +34,8 @@ struct Status {
     /// New nodes wait for a node ID: the programmed ones are right, so the agent stays ready
     /// and says so.
     ids: Option<String>,
+    /// Pod interfaces that do not exist yet (no pod traffic passes them): ready, and said.
+    pod_ifaces: Option<String>,
 }
 
 #[derive(Debug)]
@@ -57,6 +59,7 @@ impl Telemetry {
                 checkpoint: None,
                 key_file: None,
                 ids: None,
+                pod_ifaces: None,
             }),
             stall_after,
         }
@@ -95,6 +98,15 @@ impl Telemetry {
 
     pub fn set_checkpoint_failing(&self, why: Option<String>) {
         self.status().checkpoint = why;
+    }
+
+    pub fn set_pod_ifaces_missing(&self, missing: &[String]) {
+        self.status().pod_ifaces = (!missing.is_empty()).then(|| {
+            format!(
+                "pod interface {} does not exist yet; its classifier is attached when it appears",
+                missing.join(", ")
+            )
+        });
     }
 
     pub fn set_ids_exhausted(&self, why: Option<String>) {
@@ -149,6 +161,7 @@ impl Telemetry {
                 format!("IPsec key file unusable, the keys read before stay in use: {why}")
             }),
             s.ids.clone(),
+            s.pod_ifaces.clone(),
         ]
         .into_iter()
         .flatten()

@@ -579,3 +579,23 @@ fn pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it()
         );
     });
 }
+
+#[test]
+fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
+    require_sandbox!("a_pod_interface_that_appears_later_gets_its_classifier_then");
+    sandbox(|sb| {
+        let mut config = DatapathConfig::new(&sb.bpffs);
+        config.pod_ifaces = vec!["cni7".into()];
+        let mut dp = Datapath::load(&config).expect("loads without the bridge");
+        assert_eq!(dp.pending(), ["cni7"]);
+        assert_eq!(dp.attach_pending(), ["cni7"], "still missing");
+        ip(&["link", "add", "cni7", "type", "bridge"]);
+        assert!(dp.attach_pending().is_empty());
+        assert_eq!(attached("cni7", TcAttachType::Ingress), 1);
+        assert!(
+            dp.attachments()
+                .iter()
+                .any(|(i, d, _)| i == "cni7" && *d == TcAttachType::Ingress)
+        );
+    });
+}

@@ -138,3 +138,35 @@ fn with_every_node_id_taken_a_new_node_is_held_counted_and_named_in_readiness() 
         );
     });
 }
+
+#[test]
+fn a_missing_pod_interface_is_waited_for_named_in_readiness_and_attached_when_it_appears() {
+    require_sandbox!(
+        "a_missing_pod_interface_is_waited_for_named_in_readiness_and_attached_when_it_appears"
+    );
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        env.write_nodes(&cluster(2));
+        let _daemon = env.spawn(&["--metrics-addr", ADDR, "--pod-iface", "cni7"]);
+        env.wait("readiness", TIMEOUT, || get("/readyz").0 == 200);
+        let body = get("/readyz").1;
+        assert!(
+            body.contains("pod interface cni7 does not exist yet"),
+            "{body}"
+        );
+        node_agent_tests::ip(&["link", "add", "cni7", "type", "bridge"]);
+        env.wait(
+            "the classifier on the new bridge",
+            Duration::from_secs(5),
+            || node_agent_tests::attached("cni7", aya::programs::TcAttachType::Ingress) == 1,
+        );
+        let waited = std::panic::catch_unwind(|| {
+            node_agent_tests::agent::wait_for(
+                "readiness without the detail",
+                Duration::from_secs(5),
+                || get("/readyz").1.trim() == "ready",
+            )
+        });
+        assert!(waited.is_ok(), "{}", get("/readyz").1);
+    });
+}
