@@ -15,6 +15,7 @@
 pub mod model;
 pub mod oracle;
 
+use std::io::Write as _;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -89,7 +90,11 @@ pub fn check(name: &str, budget: Budget) {
         let mut rng = Rng::new(budget.seed.wrapping_add(h as u64));
         let steps = model::history(&mut rng, budget.profile, budget.steps);
         let list_seed = rng.next_u64();
-        let outcome = run_history(&steps, list_seed, budget.profile);
+        let evidence = std::env::temp_dir().join(format!(
+            "node-agent-check-{name}-{}-{h}",
+            budget.seed
+        ));
+        let outcome = run_history(&steps, list_seed, budget.profile, Some(&evidence));
         total.steps += outcome.steps;
         total.rounds += outcome.rounds;
         total.leaked += outcome.leaked;
@@ -99,13 +104,19 @@ pub fn check(name: &str, budget: Budget) {
             *t += k;
         }
         if let Some((at, broke)) = outcome.failure {
-            let shrunk = shrink(&steps, list_seed, budget.profile);
+            // Shrinking replays the history up to 40 times; NODE_AGENT_CHECK_SHRINK=0 skips it.
+            let shrunk = if std::env::var("NODE_AGENT_CHECK_SHRINK").as_deref() == Ok("0") {
+                "  (not shrunk: NODE_AGENT_CHECK_SHRINK=0)".to_owned()
+            } else {
+                listing(&shrink(&steps, list_seed, budget.profile))
+            };
             panic!(
-                "{name}: seed {} history {h} broke invariants at step {at}:\n  {}\nhistory:\n{}\nshrunk to:\n{}",
+                "{name}: seed {} history {h} broke invariants at step {at}:\n  {}\nevidence (agent log, records, kernel before and after): {}\nhistory:\n{}\nshrunk to:\n{}",
                 budget.seed,
                 broke.join("\n  "),
+                evidence.display(),
                 listing(&steps),
-                listing(&shrunk)
+                shrunk
             );
         }
     }
@@ -147,7 +158,7 @@ fn shrink(steps: &[Step], list_seed: u64, profile: Profile) -> Vec<Step> {
         let mut candidate = current.clone();
         candidate.remove(i);
         replays += 1;
-        if run_history(&candidate, list_seed, profile)
+        if run_history(&candidate, list_seed, profile, None)
             .failure
             .is_some()
         {
@@ -183,12 +194,22 @@ fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
 /// Runs the agent as `action` says, with `args`; the exit status, or `None` for a killed
 /// daemon.
 fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
+    // A one-shot run's log joins the daemons' in the agent log: the evidence of a failure.
+    let once = |args: &[&str]| {
+        let (code, _, stderr) = env.once(args);
+        let _ = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(env.log())
+            .and_then(|mut f| std::io::Write::write_all(&mut f, stderr.as_bytes()));
+        Some(code)
+    };
     match action {
-        Action::Once => Some(env.once(args).0),
-        Action::OnceForced => Some(env.once(&[args, &["--force-prune"]].concat()).0),
+        Action::Once => once(args),
+        Action::OnceForced => once(&[args, &["--force-prune"]].concat()),
         Action::LoseCheckpoint => {
             let _ = std::fs::remove_file(env.checkpoint());
-            Some(env.once(args).0)
+            once(args)
         }
         Action::CorruptCheckpoint { at } => {
             if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
@@ -198,7 +219,7 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
                 }
                 let _ = std::fs::write(env.checkpoint(), bytes);
             }
-            Some(env.once(args).0)
+            once(args)
         }
         Action::KilledDaemon { ms } => {
             let mut d = env.spawn(args);
@@ -229,8 +250,35 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
     }
 }
 
-/// Runs one history in a fresh sandbox; stops at the first step that breaks an invariant.
-pub fn run_history(steps: &[Step], list_seed: u64, profile: Profile) -> Outcome {
+/// Keeps what a failing step leaves for a post-mortem in `dir`: the agent's log (every run's,
+/// steps marked), the record before the step, and the kernel before and after it.
+fn keep_evidence(dir: &std::path::Path, env: &AgentEnv, facts: &StepFacts<'_>) {
+    let _ = std::fs::remove_dir_all(dir);
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let _ = std::fs::copy(env.log(), dir.join("agent.log"));
+    let records: String = facts
+        .record_before
+        .unwrap_or_default()
+        .iter()
+        .map(|r| format!("{r:?}\n"))
+        .collect();
+    let _ = std::fs::write(dir.join("record-before.txt"), records);
+    let _ = std::fs::write(dir.join("kernel-before.txt"), format!("{:#?}", facts.before));
+    let _ = std::fs::write(dir.join("kernel-after.txt"), format!("{:#?}", facts.after));
+    let list: String = facts.list.iter().map(|n| format!("{n:?}\n")).collect();
+    let _ = std::fs::write(dir.join("list.txt"), list);
+}
+
+/// Runs one history in a fresh sandbox; stops at the first step that breaks an invariant, and
+/// keeps its evidence in `keep` if given.
+pub fn run_history(
+    steps: &[Step],
+    list_seed: u64,
+    profile: Profile,
+    keep: Option<&std::path::Path>,
+) -> Outcome {
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let mut rng = Rng::new(list_seed);
@@ -252,6 +300,11 @@ pub fn run_history(steps: &[Step], list_seed: u64, profile: Profile) -> Outcome 
             let list = truth.list(&step.view, &mut rng);
             env.write_list(&list);
             let record_before = oracle::record(&env);
+            let _ = std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .open(env.log())
+                .and_then(|mut f| writeln!(f, "=== step {i}: {step}"));
             let exit = act(&env, &step.action, profile.agent_args);
             let after = Snapshot::take(&env);
             if exit.is_none() {
@@ -299,6 +352,9 @@ pub fn run_history(steps: &[Step], list_seed: u64, profile: Profile) -> Outcome 
             window.push((now, nodes, objects));
             outcome.steps += 1;
             if !broke.is_empty() {
+                if let Some(dir) = keep {
+                    keep_evidence(dir, &env, &facts);
+                }
                 outcome.failure = Some((i, broke));
                 return outcome;
             }

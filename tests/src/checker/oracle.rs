@@ -165,6 +165,22 @@ pub fn clean<'a>(list: &'a [TestNode], record: Option<&'a [Recorded]>) -> Vec<&'
         .collect()
 }
 
+/// Whether a map entry carrying `id` at one of `n`'s addresses is `n`'s own. A node's ID is the
+/// one its record gives it; a node without a record (one a killed agent programmed but never
+/// recorded) owns an entry unless another recorded node's ID is on it. An entry that is not the
+/// node's is a leftover at an address the node took over (a recycled IP whose previous owner was
+/// never cleaned up because the agent was killed first), and the agent rightly rewrites it under
+/// the node's own ID (invariant 5: an ID belongs to a node, not to an address).
+fn is_nodes_entry(record: Option<&[Recorded]>, n: &TestNode, id: u16) -> bool {
+    let record = record.unwrap_or_default();
+    match record.iter().find(|r| same_node(r, n)).and_then(|r| r.id) {
+        Some(own) => own == id,
+        None => !record
+            .iter()
+            .any(|r| r.id == Some(id) && !same_node(r, n)),
+    }
+}
+
 /// What one step saw and did, for judging it.
 pub struct StepFacts<'a> {
     pub list: &'a [TestNode],
@@ -268,6 +284,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
         }
         for ip in &n.ips {
             if let Some(id) = f.before.map.get(ip)
+                && is_nodes_entry(f.record_before, n, *id)
                 && f.after.map.get(ip) != Some(id)
             {
                 v.push(format!(
