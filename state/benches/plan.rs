@@ -1,9 +1,11 @@
-//! `cargo bench -p state`: planner and checkpoint figures for a 5,000-node cluster.
+//! `cargo bench -p state`: planner and checkpoint figures at 5,000 and 65,000 nodes
+//! (`NODE_AGENT_BENCH_SIZES=5000,65000` by default).
 //!
-//! Scenario: 5,000 remote nodes, each with an IPv4 and an IPv6 InternalIP and two pod CIDRs,
-//! converged (20,000 map entries and routes in the inventory, IPsec off); then 10% churn while
-//! the agent was down: 250 nodes deleted, 250 readdressed, 250 added (half on recycled IPs).
-//! Prints `bench: <name> <value> <unit>` lines, with the targets next to them (not asserted).
+//! Scenario at N nodes: N remote nodes, each with an IPv4 and an IPv6 InternalIP and two pod
+//! CIDRs, converged (4N map entries and routes in the inventory, IPsec off); then 10% churn while
+//! the agent was down: N/20 nodes deleted, N/20 readdressed, N/20 added (half on recycled IPs).
+//! Prints `bench: <name>_<N> <value> <unit>` lines, with the targets next to them (not
+//! asserted), and how each figure scales from the smallest size to the largest.
 
 use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -14,8 +16,6 @@ use state::inventory::Inventory;
 use state::node::RawNode;
 use state::node::{AddressKind, Node, NodeAddress};
 use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan};
-
-const NODES: usize = 5_000;
 
 fn node(i: usize, slot: usize) -> Node {
     let v4 = Ipv4Addr::new(10, (slot >> 16) as u8 | 0x80, (slot >> 8) as u8, slot as u8);
@@ -34,10 +34,13 @@ fn node(i: usize, slot: usize) -> Node {
             },
         ],
         pod_cidrs: vec![
-            format!("10.{}.{}.0/24", 64 + (slot >> 8), slot & 0xff)
+            // A /26 each in 10.0.0.0/9: room for 131,072 slots.
+            ipnet::Ipv4Net::new(Ipv4Addr::from(0x0a00_0000 + ((slot as u32) << 6)), 26)
+                .unwrap()
+                .into(),
+            format!("fd01:{:x}:{:x}::/64", slot >> 16, slot & 0xffff)
                 .parse()
                 .unwrap(),
-            format!("fd01:0:{:x}::/64", slot).parse().unwrap(),
         ],
         boot_id: format!("{:08x}-aaaa-bbbb-cccc-{:012x}", i * 31, i),
         node_id: None,
@@ -73,7 +76,41 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The figures of one size, for the scaling lines.
+struct Figures {
+    nodes: usize,
+    plan_churn: Duration,
+    plan_unchanged: Duration,
+    codec: Duration,
+    json_codec: Duration,
+    size: usize,
+}
+
 fn main() {
+    let sizes: Vec<usize> = std::env::var("NODE_AGENT_BENCH_SIZES")
+        .ok()
+        .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![5_000, 65_000]);
+    let figures: Vec<Figures> = sizes.iter().map(|&n| run(n)).collect();
+    if let (Some(a), Some(b)) = (figures.first(), figures.last())
+        && b.nodes > a.nodes
+    {
+        let nodes = b.nodes as f64 / a.nodes as f64;
+        let grow = |x: Duration, y: Duration| y.as_secs_f64() / x.as_secs_f64();
+        println!(
+            "bench: scaling {} -> {} nodes ({nodes:.1}x): plan_churn {:.1}x, plan_unchanged {:.1}x, checkpoint_encode_decode {:.1}x, json {:.1}x, checkpoint_size {:.1}x",
+            a.nodes,
+            b.nodes,
+            grow(a.plan_churn, b.plan_churn),
+            grow(a.plan_unchanged, b.plan_unchanged),
+            grow(a.codec, b.codec),
+            grow(a.json_codec, b.json_codec),
+            b.size as f64 / a.size as f64
+        );
+    }
+}
+
+fn run(nodes: usize) -> Figures {
     let cfg = PlanConfig {
         local_node: "local".into(),
         local_addresses: vec!["192.168.0.1".parse().unwrap()],
@@ -82,7 +119,7 @@ fn main() {
     };
     let now = Duration::from_secs(1_750_000_000);
     // Converge once on the original cluster.
-    let before: Vec<Node> = (0..NODES).map(|i| node(i, i)).collect();
+    let before: Vec<Node> = (0..nodes).map(|i| node(i, i)).collect();
     let with_local = |mut nodes: Vec<Node>| {
         nodes.push(local());
         LiveView {
@@ -106,13 +143,15 @@ fn main() {
     let inventory: Inventory = first.ops().iter().map(|op| op.object().clone()).collect();
     let restored = first.checkpoint.clone();
 
-    // Churn while down: 0..250 deleted, 250..500 readdressed, 250 new (125 on deleted IPs).
-    let mut live: Vec<Node> = before[500..].to_vec();
-    live.extend((250..500).map(|i| node(i, NODES + i)));
-    live.extend((0..250).map(|k| {
+    // Churn while down: the first 5% deleted, the next 5% readdressed, 5% new (half of them on
+    // deleted IPs).
+    let five = nodes / 20;
+    let mut live: Vec<Node> = before[2 * five..].to_vec();
+    live.extend((five..2 * five).map(|i| node(i, nodes + i)));
+    live.extend((0..five).map(|k| {
         node(
-            NODES + 1000 + k,
-            if k % 2 == 0 { k } else { NODES + 2000 + k },
+            nodes + 2 * five + k,
+            if k % 2 == 0 { k } else { nodes + 2 * five + k },
         )
     }));
     let live = with_local(live);
@@ -127,51 +166,96 @@ fn main() {
         config: &cfg,
     };
     let p = plan(&input);
-    let plan_time = time(21, || plan(&input));
+    let runs = if nodes > 20_000 { 5 } else { 21 };
+    let plan_time = time(runs, || plan(&input));
+    // Every source event re-plans the whole cluster today: the cost of a plan with nothing to do.
+    let settled = p.checkpoint.clone();
+    let mut settled_inventory = inventory.clone();
+    for op in p.ops() {
+        settled_inventory.apply(&op);
+    }
+    let unchanged = PlanInput {
+        record: Some(&settled),
+        inventory: &settled_inventory,
+        allocator: &settled.ids,
+        ..input
+    };
+    assert!(
+        plan(&unchanged).ops().is_empty(),
+        "a settled cluster plans no work"
+    );
+    let plan_unchanged = time(runs, || plan(&unchanged));
 
     let cp: Checkpoint = p.checkpoint.clone();
     let bytes = encode(&cp).unwrap();
-    let enc = time(51, || encode(&cp).unwrap());
-    let dec = time(51, || decode(&bytes).unwrap());
+    let runs = if nodes > 20_000 { 7 } else { 51 };
+    let enc = time(runs, || encode(&cp).unwrap());
+    let dec = time(runs, || decode(&bytes).unwrap());
     let dir = tempfile::tempdir().unwrap();
     let store = CheckpointStore::open(dir.path().join("state")).unwrap();
     let write = time(11, || store.write(&cp).unwrap());
     let json = serde_json::to_vec(&cp).unwrap();
-    let jenc = time(21, || serde_json::to_vec(&cp).unwrap());
-    let jdec = time(21, || serde_json::from_slice::<Checkpoint>(&json).unwrap());
+    let jenc = time(runs, || serde_json::to_vec(&cp).unwrap());
+    let jdec = time(runs, || {
+        serde_json::from_slice::<Checkpoint>(&json).unwrap()
+    });
 
     let codec = enc + dec;
     let jcodec = jenc + jdec;
-    println!("bench: inventory_objects {} objects", inventory.len());
-    println!(
-        "bench: plan_ops {} ops ({} deletes, {} upserts, {} allocations)",
-        p.ops().len(),
-        p.deletes.len(),
-        p.upserts.len(),
-        p.allocations.len()
+    let out = |name: &str, value: String, unit: &str| {
+        println!("bench: {name}_{nodes} {value} {unit}");
+    };
+    let plan_target = if nodes > 20_000 { 120 } else { 10 };
+    out("inventory_objects", inventory.len().to_string(), "objects");
+    out(
+        "plan_ops",
+        p.ops().len().to_string(),
+        &format!(
+            "ops ({} deletes, {} upserts, {} allocations)",
+            p.deletes.len(),
+            p.upserts.len(),
+            p.allocations.len()
+        ),
     );
-    println!("bench: plan_time {:.3} ms (target < 20 ms)", ms(plan_time));
-    println!("bench: checkpoint_encode {:.3} ms", ms(enc));
-    println!("bench: checkpoint_decode {:.3} ms", ms(dec));
-    println!(
-        "bench: checkpoint_encode_decode {:.3} ms (target < 5 ms)",
-        ms(codec)
+    out(
+        "plan_churn",
+        format!("{:.3}", ms(plan_time)),
+        &format!("ms (target < {plan_target} ms)"),
     );
-    println!("bench: checkpoint_write_fsync {:.3} ms", ms(write));
-    println!(
-        "bench: checkpoint_size {} bytes (target < 1048576 bytes)",
-        bytes.len()
+    out(
+        "plan_unchanged",
+        format!("{:.3}", ms(plan_unchanged)),
+        &format!("ms (target < {plan_target} ms)"),
     );
-    println!("bench: json_encode {:.3} ms", ms(jenc));
-    println!("bench: json_decode {:.3} ms", ms(jdec));
-    println!("bench: json_encode_decode {:.3} ms", ms(jcodec));
-    println!("bench: json_size {} bytes", json.len());
-    println!(
-        "bench: speedup_vs_json {:.1} x (target >= 5 x)",
-        jcodec.as_secs_f64() / codec.as_secs_f64()
+    out("checkpoint_encode", format!("{:.3}", ms(enc)), "ms");
+    out("checkpoint_decode", format!("{:.3}", ms(dec)), "ms");
+    out(
+        "checkpoint_encode_decode",
+        format!("{:.3}", ms(codec)),
+        "ms",
     );
-    println!(
-        "bench: size_ratio_vs_json {:.1} x (target >= 3 x)",
-        json.len() as f64 / bytes.len() as f64
+    out("checkpoint_write_fsync", format!("{:.3}", ms(write)), "ms");
+    out("checkpoint_size", bytes.len().to_string(), "bytes");
+    out("json_encode", format!("{:.3}", ms(jenc)), "ms");
+    out("json_decode", format!("{:.3}", ms(jdec)), "ms");
+    out("json_encode_decode", format!("{:.3}", ms(jcodec)), "ms");
+    out("json_size", json.len().to_string(), "bytes");
+    out(
+        "speedup_vs_json",
+        format!("{:.1}", jcodec.as_secs_f64() / codec.as_secs_f64()),
+        "x (target >= 5 x)",
     );
+    out(
+        "size_ratio_vs_json",
+        format!("{:.1}", json.len() as f64 / bytes.len() as f64),
+        "x (target >= 3 x)",
+    );
+    Figures {
+        nodes,
+        plan_churn: plan_time,
+        plan_unchanged,
+        codec,
+        json_codec: jcodec,
+        size: bytes.len(),
+    }
 }

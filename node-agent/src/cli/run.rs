@@ -119,6 +119,10 @@ pub struct AgentArgs {
     /// final write always happens on SIGTERM).
     #[arg(long, env = "NODE_AGENT_CHECKPOINT_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub checkpoint_interval: Duration,
+    /// How long the daemon waits after a node change before it reconciles, so that a burst of
+    /// changes (a rolling upgrade, a relist) is planned and applied once. 0 reconciles at once.
+    #[arg(long, env = "NODE_AGENT_DEBOUNCE", default_value = "100ms", value_parser = parse_duration)]
+    pub debounce: Duration,
     /// With --once or --dry-run: how long to wait for the first full list of nodes.
     #[arg(long, env = "NODE_AGENT_SYNC_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub sync_timeout: Duration,
@@ -235,6 +239,7 @@ impl AgentArgs {
         c.max_node_id = self.max_node_id;
         c.sync_timeout = self.sync_timeout;
         c.checkpoint_interval = self.checkpoint_interval;
+        c.debounce = self.debounce;
         c.ipsec_key_file = self.ipsec_key_file.clone();
         Ok(c)
     }

@@ -90,10 +90,8 @@ pub fn check(name: &str, budget: Budget) {
         let mut rng = Rng::new(budget.seed.wrapping_add(h as u64));
         let steps = model::history(&mut rng, budget.profile, budget.steps);
         let list_seed = rng.next_u64();
-        let evidence = std::env::temp_dir().join(format!(
-            "node-agent-check-{name}-{}-{h}",
-            budget.seed
-        ));
+        let evidence =
+            std::env::temp_dir().join(format!("node-agent-check-{name}-{}-{h}", budget.seed));
         let outcome = run_history(&steps, list_seed, budget.profile, Some(&evidence));
         total.steps += outcome.steps;
         total.rounds += outcome.rounds;
@@ -265,7 +263,10 @@ fn keep_evidence(dir: &std::path::Path, env: &AgentEnv, facts: &StepFacts<'_>) {
         .map(|r| format!("{r:?}\n"))
         .collect();
     let _ = std::fs::write(dir.join("record-before.txt"), records);
-    let _ = std::fs::write(dir.join("kernel-before.txt"), format!("{:#?}", facts.before));
+    let _ = std::fs::write(
+        dir.join("kernel-before.txt"),
+        format!("{:#?}", facts.before),
+    );
     let _ = std::fs::write(dir.join("kernel-after.txt"), format!("{:#?}", facts.after));
     let list: String = facts.list.iter().map(|n| format!("{n:?}\n")).collect();
     let _ = std::fs::write(dir.join("list.txt"), list);

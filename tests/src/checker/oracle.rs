@@ -175,9 +175,7 @@ fn is_nodes_entry(record: Option<&[Recorded]>, n: &TestNode, id: u16) -> bool {
     let record = record.unwrap_or_default();
     match record.iter().find(|r| same_node(r, n)).and_then(|r| r.id) {
         Some(own) => own == id,
-        None => !record
-            .iter()
-            .any(|r| r.id == Some(id) && !same_node(r, n)),
+        None => !record.iter().any(|r| r.id == Some(id) && !same_node(r, n)),
     }
 }
 

@@ -1,0 +1,535 @@
+//! The agent at scale: dual-stack nodes with two pod CIDRs each, at every size of
+//! `NODE_AGENT_BENCH_SIZES` (5,000 and 65,000 by default: 130,000 map entries and 130,000
+//! routes at the larger). Each figure is printed beside the kernel floor for the same objects,
+//! measured in the same sandbox in the same run, and the last lines say how each figure grew
+//! from the smallest size to the largest:
+//!
+//! - cold start to converged, against raw `bpf(2)` map writes plus `ip -batch` adding the same
+//!   routes, both with an inline gateway per route (what the agent writes today) and through
+//!   nexthop objects (the better floor);
+//! - unchanged restart, against dumping the same objects (a raw map walk, `ip route show`) plus
+//!   reading the checkpoint;
+//! - restart with 10% churn, against the unchanged restart plus the churned objects' write floor;
+//! - peak RSS of each run;
+//! - the daemon on the API-server stand-in with no debounce (`--debounce 0`): how long one node
+//!   added, removed or readdressed takes from the watch event to the map entry, and the CPU each
+//!   event costs; then its idle CPU.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use node_agent::datapath::node_ids_pin;
+use node_agent_common::{NodeKey, NodeValue};
+use node_agent_tests::agent::{AgentEnv, TestNode, http_get, k8s_node, local_node};
+use node_agent_tests::apiserver::ApiServer;
+use node_agent_tests::{ip, ip_batch, report, sandbox};
+
+use super::{bench, cpu_ticks, elem, enabled, ms, obj_get, timed_once};
+
+fn sizes() -> Vec<u32> {
+    std::env::var("NODE_AGENT_BENCH_SIZES")
+        .ok()
+        .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![5_000, 65_000])
+}
+
+/// Node `i` of a large cluster: IPv4 in 100.64.0.0/10 and IPv6 in fd00:88::/64 (both on-link on
+/// the sandbox's `gw0`), a /26 pod CIDR in 10.128.0.0/9 and a /64 in fd00:244::/32.
+fn node(name: &str, i: u32) -> TestNode {
+    let v4 = Ipv4Addr::from(0x6440_0000 + i + 2);
+    let v4_cidr = Ipv4Addr::from(0x0a80_0000 + (i << 6));
+    TestNode {
+        name: name.into(),
+        ips: vec![
+            v4.to_string(),
+            format!("fd00:88::{:x}:{:x}", (i >> 16) + 1, i & 0xffff),
+        ],
+        cidrs: vec![
+            format!("{v4_cidr}/26"),
+            format!("fd00:244:{:x}:{:x}::/64", i >> 16, i & 0xffff),
+        ],
+        ..TestNode::default()
+    }
+}
+
+fn cluster(n: u32) -> Vec<TestNode> {
+    (0..n).map(|i| node(&format!("node-{i:05}"), i)).collect()
+}
+
+/// Makes the stand-in hold `nodes` (and the local node) instead of `before`, and gives each node
+/// the UID the stand-in assigned it: the NodeList file is then what `kubectl get nodes -o yaml`
+/// would print of the same cluster, and the daemon that later watches the stand-in sees the
+/// nodes the one-shot runs recorded.
+fn serve(server: &ApiServer, before: &[TestNode], nodes: &mut [TestNode]) {
+    let keep: std::collections::HashSet<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+    for gone in before.iter().filter(|n| !keep.contains(n.name.as_str())) {
+        server.delete(&gone.name);
+    }
+    server.apply(k8s_node(&local_node()));
+    for n in nodes.iter_mut() {
+        server.apply(k8s_node(n));
+        n.uid = server.node(&n.name).and_then(|o| o.metadata.uid);
+    }
+}
+
+/// 10% churn while the agent is down: every twentieth node deleted, every twentieth
+/// readdressed (new addresses and CIDRs), as many new nodes added.
+fn churned(nodes: &[TestNode]) -> (Vec<TestNode>, usize) {
+    let n = nodes.len() as u32;
+    let mut out = Vec::with_capacity(nodes.len());
+    let mut changed = 0;
+    for (k, node_) in nodes.iter().enumerate() {
+        match k % 20 {
+            0 => changed += 1,
+            1 => {
+                out.push(node(&node_.name, n + k as u32));
+                changed += 1;
+            }
+            _ => out.push(node_.clone()),
+        }
+    }
+    let deleted = nodes.len() - out.len();
+    for k in 0..deleted as u32 {
+        out.push(node(&format!("new-{k:05}"), 2 * n + k));
+        changed += 1;
+    }
+    (out, changed)
+}
+
+/// One route line per pod CIDR, through the node's address of the same family.
+fn routes_of(nodes: &[TestNode]) -> Vec<(String, String)> {
+    let mut out = Vec::with_capacity(2 * nodes.len());
+    for n in nodes {
+        for c in &n.cidrs {
+            let v6 = c.contains(':');
+            let gw = n.ips.iter().find(|ip| ip.contains(':') == v6).unwrap();
+            out.push((c.clone(), gw.clone()));
+        }
+    }
+    out
+}
+
+/// Floors for the objects of `nodes`, measured in this sandbox with the agent's map pinned and
+/// empty; everything written is removed again.
+struct Floors {
+    map_add: Duration,
+    map_walk: Duration,
+    routes_inline_add: Duration,
+    routes_dump: Duration,
+    routes_inline_delete: Duration,
+    nexthop_add: Duration,
+    nexthop_delete: Duration,
+    objects: usize,
+}
+
+impl Floors {
+    fn measure(env: &AgentEnv, nodes: &[TestNode]) -> Self {
+        let fd = obj_get(&node_ids_pin(&env.bpffs));
+        let entries: Vec<NodeKey> = nodes
+            .iter()
+            .flat_map(|n| n.ips.iter())
+            .map(|ip| node_agent::node_map::encode_key(ip.parse().unwrap()))
+            .collect();
+        let value = NodeValue {
+            id: 1,
+            spi: 0,
+            flags: 0,
+        };
+        let t = Instant::now();
+        for k in &entries {
+            elem(&fd, 2, k, Some(&value));
+        }
+        let map_add = t.elapsed();
+        let t = Instant::now();
+        let walked = walk(&fd);
+        let map_walk = t.elapsed();
+        assert_eq!(walked, entries.len());
+        for k in &entries {
+            elem(&fd, 3, k, None);
+        }
+
+        let routes = routes_of(nodes);
+        let lines = |verb: &str| -> String {
+            routes
+                .iter()
+                .map(|(c, gw)| format!("route {verb} {c} via {gw} proto 201\n"))
+                .collect()
+        };
+        let t = Instant::now();
+        ip_batch(&[], &lines("add"));
+        let routes_inline_add = t.elapsed();
+        let t = Instant::now();
+        let shown = ip(&["route", "show", "proto", "201"]).stdout.len()
+            + ip(&["-6", "route", "show", "proto", "201"]).stdout.len();
+        let routes_dump = t.elapsed();
+        assert!(shown > 0);
+        let t = Instant::now();
+        ip_batch(&[], &lines("del"));
+        let routes_inline_delete = t.elapsed();
+
+        // Nexthop objects: one per route's gateway, then the routes through them; removed
+        // routes first, so that no nexthop delete walks the routes that use it.
+        let mut add = String::new();
+        let mut del_routes = String::new();
+        for (k, (c, gw)) in routes.iter().enumerate() {
+            let id = k + 1;
+            add.push_str(&format!(
+                "nexthop add id {id} via {gw} dev gw0 proto 201\nroute add {c} nhid {id} proto 201\n"
+            ));
+            del_routes.push_str(&format!("route del {c} nhid {id} proto 201\n"));
+        }
+        let t = Instant::now();
+        ip_batch(&[], &add);
+        let nexthop_add = t.elapsed();
+        let t = Instant::now();
+        ip_batch(&[], &del_routes);
+        ip(&["nexthop", "flush", "proto", "201"]);
+        let nexthop_delete = t.elapsed();
+        Self {
+            map_add,
+            map_walk,
+            routes_inline_add,
+            routes_dump,
+            routes_inline_delete,
+            nexthop_add,
+            nexthop_delete,
+            objects: entries.len() + routes.len(),
+        }
+    }
+
+    /// Writing all the objects the best way the kernel allows.
+    fn cold(&self) -> Duration {
+        self.map_add + self.routes_inline_add.min(self.nexthop_add)
+    }
+
+    /// Writing them as the agent does today: one route per CIDR with its own gateway.
+    fn cold_inline(&self) -> Duration {
+        self.map_add + self.routes_inline_add
+    }
+
+    /// Writing (adding or deleting) `objects` of them, at the inline floor's rate.
+    fn write(&self, objects: usize) -> Duration {
+        let per = (self.map_add + self.routes_inline_add + self.routes_inline_delete)
+            .div_f64(self.objects as f64 * 1.5);
+        per.mul_f64(objects as f64)
+    }
+}
+
+const EMPTY: NodeValue = NodeValue {
+    id: 0,
+    spi: 0,
+    flags: 0,
+};
+
+/// Walks the map with `BPF_MAP_GET_NEXT_KEY` and `BPF_MAP_LOOKUP_ELEM`: how many entries.
+fn walk(fd: &OwnedFd) -> usize {
+    let mut key = NodeKey::v4([0; 4]);
+    let mut next = key;
+    let mut value = EMPTY;
+    let mut first = true;
+    let mut n = 0;
+    loop {
+        let mut attr = [0u64; 16];
+        attr[0] = fd.as_raw_fd() as u64;
+        attr[1] = if first {
+            0
+        } else {
+            &key as *const NodeKey as u64
+        };
+        attr[2] = &mut next as *mut NodeKey as u64;
+        // SAFETY: a bpf_attr for BPF_MAP_GET_NEXT_KEY (4); key and next outlive the call.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, 4, attr.as_mut_ptr(), 128) };
+        if rc != 0 {
+            return n;
+        }
+        first = false;
+        key = next;
+        let mut attr = [0u64; 16];
+        attr[0] = fd.as_raw_fd() as u64;
+        attr[1] = &key as *const NodeKey as u64;
+        attr[2] = &mut value as *mut NodeValue as u64;
+        // SAFETY: a bpf_attr for BPF_MAP_LOOKUP_ELEM (1); key and value outlive the call.
+        unsafe { libc::syscall(libc::SYS_bpf, 1, attr.as_mut_ptr(), 128) };
+        n += 1;
+    }
+}
+
+/// The node ID the map holds for `ip`, looked up with one `bpf(2)` call.
+fn lookup(fd: &OwnedFd, ip: IpAddr) -> Option<u16> {
+    let key = node_agent::node_map::encode_key(ip);
+    let mut value = EMPTY;
+    let mut attr = [0u64; 16];
+    attr[0] = fd.as_raw_fd() as u64;
+    attr[1] = &key as *const NodeKey as u64;
+    attr[2] = &mut value as *mut NodeValue as u64;
+    // SAFETY: a bpf_attr for BPF_MAP_LOOKUP_ELEM (1); key and value outlive the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 1, attr.as_mut_ptr(), 128) };
+    (rc == 0).then_some(value.id)
+}
+
+/// What one size measured, for the scaling lines.
+#[derive(Clone, Copy, Default)]
+struct Figures {
+    nodes: u32,
+    cold: f64,
+    unchanged: f64,
+    churn: f64,
+    event_ms: f64,
+    event_cpu_ms: f64,
+    rss_mib: f64,
+    idle_cpu: f64,
+}
+
+fn ratio(a: Duration, b: Duration) -> f64 {
+    a.as_secs_f64() / b.as_secs_f64()
+}
+
+#[test]
+fn bench_agent_at_scale() {
+    if !enabled("bench_agent_at_scale") {
+        return;
+    }
+    let figures: Vec<Figures> = sizes().into_iter().map(at_size).collect();
+    if let (Some(a), Some(b)) = (figures.first(), figures.last())
+        && b.nodes > a.nodes
+    {
+        let grow = |x: f64, y: f64| y / x;
+        report(&format!(
+            "bench: scaling {} -> {} nodes ({:.1}x the nodes): cold start {:.1}x, unchanged restart {:.1}x, churn restart {:.1}x, event latency {:.1}x, CPU per event {:.1}x, peak RSS {:.1}x, idle CPU {:.1}x",
+            a.nodes,
+            b.nodes,
+            f64::from(b.nodes) / f64::from(a.nodes),
+            grow(a.cold, b.cold),
+            grow(a.unchanged, b.unchanged),
+            grow(a.churn, b.churn),
+            grow(a.event_ms, b.event_ms),
+            grow(a.event_cpu_ms, b.event_cpu_ms),
+            grow(a.rss_mib, b.rss_mib),
+            grow(a.idle_cpu.max(0.01), b.idle_cpu.max(0.01)),
+        ));
+    }
+}
+
+fn at_size(n: u32) -> Figures {
+    let mut f = Figures {
+        nodes: n,
+        ..Figures::default()
+    };
+    let name = |what: &str| format!("{what}_{n}");
+    sandbox(|sb| {
+        let mut env = AgentEnv::new(&sb.bpffs);
+        ip(&["addr", "add", "100.64.0.1/10", "dev", "gw0"]);
+        // Pins first: the datapath and an empty map, for the floors.
+        env.write_nodes(&[]);
+        timed_once(&env, &[]);
+        // The fixed cost of any run (process, datapath takeover, source sync), with no nodes.
+        let (startup, code, _, rep) = timed_once(&env, &[]);
+        assert_eq!(code, 0, "{rep}");
+        bench(
+            &name("agent_run_without_nodes"),
+            ms(startup),
+            "ms (the fixed cost of a run)",
+        );
+        let server = ApiServer::start().unwrap();
+        let mut nodes = cluster(n);
+        serve(&server, &[], &mut nodes);
+        let floors = Floors::measure(&env, &nodes);
+        bench(
+            &name("floor_map_add"),
+            ms(floors.map_add),
+            "ms (raw bpf(2) updates)",
+        );
+        bench(&name("floor_map_walk"), ms(floors.map_walk), "ms");
+        bench(
+            &name("floor_routes_inline_gateway_add"),
+            ms(floors.routes_inline_add),
+            "ms (ip -batch)",
+        );
+        bench(
+            &name("floor_routes_inline_gateway_delete"),
+            ms(floors.routes_inline_delete),
+            "ms",
+        );
+        bench(
+            &name("floor_routes_nexthop_add"),
+            ms(floors.nexthop_add),
+            "ms (ip -batch: a nexthop object per route, then the route)",
+        );
+        bench(
+            &name("floor_routes_nexthop_delete"),
+            ms(floors.nexthop_delete),
+            "ms (routes first, then the nexthops)",
+        );
+        bench(
+            &name("floor_routes_dump"),
+            ms(floors.routes_dump),
+            "ms (ip route show, both families)",
+        );
+
+        env.write_nodes(&nodes);
+        let (cold, code, rss_cold, rep) = timed_once(&env, &[]);
+        assert_eq!(code, 0, "{rep}");
+        f.cold = ms(cold);
+        bench(&name("agent_cold_start"), ms(cold), "ms");
+        bench(
+            &name("agent_cold_start_kernel_writes"),
+            rep["kernel_writes"].as_f64().unwrap_or(-1.0),
+            "writes",
+        );
+        bench(
+            &name("agent_cold_start_vs_best_floor"),
+            ratio(cold, floors.cold()),
+            "x (target <= 1.3; floor: map writes + the faster of inline and nexthop routes)",
+        );
+        bench(
+            &name("agent_cold_start_vs_inline_floor"),
+            ratio(cold, floors.cold_inline()),
+            "x (floor: map writes + routes with inline gateways, what the agent writes)",
+        );
+
+        let t = Instant::now();
+        let ckpt = std::fs::read(env.checkpoint()).unwrap();
+        let read = t.elapsed();
+        let (same, code, rss_same, rep) = timed_once(&env, &[]);
+        assert_eq!(code, 0, "{rep}");
+        f.unchanged = ms(same);
+        let dump_floor = floors.map_walk + floors.routes_dump + read;
+        bench(&name("agent_unchanged_restart"), ms(same), "ms");
+        bench(
+            &name("agent_unchanged_restart_kernel_writes"),
+            rep["kernel_writes"].as_f64().unwrap_or(-1.0),
+            "writes (target 0)",
+        );
+        bench(
+            &name("agent_unchanged_restart_vs_floor"),
+            ratio(same, dump_floor),
+            &format!(
+                "x (target <= 1.5; floor {:.1} ms: map walk + ip route show + reading the {} byte checkpoint)",
+                ms(dump_floor),
+                ckpt.len()
+            ),
+        );
+        bench(
+            &name("agent_unchanged_restart_beyond_fixed_cost_vs_floor"),
+            ratio(same.saturating_sub(startup), dump_floor),
+            "x (the same, less the run without nodes)",
+        );
+
+        let (mut after, changed) = churned(&nodes);
+        serve(&server, &nodes, &mut after);
+        env.write_nodes(&after);
+        let (churn, code, rss_churn, rep) = timed_once(&env, &[]);
+        assert_eq!(code, 0, "{rep}");
+        f.churn = ms(churn);
+        let writes = rep["kernel_writes"].as_u64().unwrap_or(0) as usize;
+        let churn_floor = same + floors.write(writes);
+        bench(
+            &name("agent_churn_restart"),
+            ms(churn),
+            &format!("ms ({changed} nodes changed)"),
+        );
+        bench(
+            &name("agent_churn_restart_kernel_writes"),
+            writes as f64,
+            "writes",
+        );
+        bench(
+            &name("agent_churn_restart_vs_floor"),
+            ratio(churn, churn_floor),
+            &format!(
+                "x (target <= 1.5; floor {:.1} ms: the unchanged restart + {writes} writes at the floor's rate)",
+                ms(churn_floor)
+            ),
+        );
+        f.rss_mib = rss_cold.max(rss_same).max(rss_churn) as f64 / 1024.0;
+        bench(
+            &name("agent_peak_rss"),
+            f.rss_mib,
+            &format!("MiB (target < {} MiB)", if n > 20_000 { 256 } else { 48 }),
+        );
+
+        // The daemon on the API server stand-in, which holds the cluster the last run converged on.
+        env.kubeconfig = Some(server.kubeconfig(env.state_dir.parent().unwrap()).unwrap());
+        let mut child = env.spawn(&["--metrics-addr", "127.0.0.1:9965", "--debounce", "0"]);
+        env.wait(
+            "the daemon's first reconcile",
+            Duration::from_secs(600),
+            || http_get("127.0.0.1:9965", "/readyz").is_some_and(|(c, _)| c == 200),
+        );
+        // Let the start-up checkpoint write and the first reconcile settle.
+        std::thread::sleep(Duration::from_secs(3));
+        let (event_ms, cpu_ms) = events(&env, &server, &after, child.id());
+        f.event_ms = event_ms;
+        f.event_cpu_ms = cpu_ms;
+        bench(
+            &name("daemon_event_to_kernel_median"),
+            event_ms,
+            "ms (add, remove, readdress one node; --debounce 0; target <= 20 ms)",
+        );
+        bench(&name("daemon_cpu_per_event"), cpu_ms, "ms of CPU");
+        let idle: u64 = std::env::var("NODE_AGENT_BENCH_IDLE_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(30);
+        f.idle_cpu = super::cpu_over(child.id(), idle);
+        bench(
+            &name(&format!("daemon_idle_cpu_over_{idle}s")),
+            f.idle_cpu,
+            &format!(
+                "% of one core (target < {})",
+                if n > 20_000 { 0.5 } else { 0.1 }
+            ),
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+    });
+    f
+}
+
+/// Ten each of: a node added, a node removed, a node readdressed, through the stand-in's watch;
+/// each timed from the change until the map holds what it asks for. The median latency and the
+/// daemon's CPU per event.
+fn events(env: &AgentEnv, server: &ApiServer, nodes: &[TestNode], pid: u32) -> (f64, f64) {
+    let fd = obj_get(&node_ids_pin(&env.bpffs));
+    let n = nodes.len() as u32;
+    let mut latencies = Vec::new();
+    let cpu_before = cpu_ticks(pid);
+    let wait = |what: &str, ip: &str, present: bool| -> Duration {
+        let ip: IpAddr = ip.parse().unwrap();
+        let t = Instant::now();
+        while lookup(&fd, ip).is_some() != present {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{what}: the map never followed"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        t.elapsed()
+    };
+    for k in 0..10u32 {
+        let added = node(&format!("event-{k:02}"), 3 * n + k);
+        let t = Instant::now();
+        server.apply(k8s_node(&added));
+        latencies.push(t.elapsed() + wait("an added node", &added.ips[0], true));
+
+        let gone = &nodes[k as usize * 7];
+        let t = Instant::now();
+        server.delete(&gone.name);
+        latencies.push(t.elapsed() + wait("a removed node", &gone.ips[0], false));
+
+        let moved = &nodes[k as usize * 7 + 3];
+        let readdressed = node(&moved.name, 4 * n + k);
+        let t = Instant::now();
+        server.apply(k8s_node(&readdressed));
+        latencies.push(t.elapsed() + wait("a readdressed node", &readdressed.ips[0], true));
+    }
+    let cpu = cpu_ticks(pid) - cpu_before;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    latencies.sort();
+    (
+        ms(latencies[latencies.len() / 2]),
+        cpu as f64 / hz * 1000.0 / latencies.len() as f64,
+    )
+}
