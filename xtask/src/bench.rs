@@ -27,7 +27,9 @@ pub fn run() -> anyhow::Result<()> {
         "-p",
         "node-agent",
     ]))?;
-    step("bench: backends against their floors, the agent at 5,000 and 65,000 nodes (NODE_AGENT_BENCH_SIZES), the daemon while it waits");
+    step(
+        "bench: backends against their floors, the agent at 5,000 and 65,000 nodes (NODE_AGENT_BENCH_SIZES), the daemon while it waits",
+    );
     cmd::run(
         Command::new("cargo")
             .current_dir(root())

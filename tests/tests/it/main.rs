@@ -17,7 +17,7 @@
 //! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
 //! | `deploy`, `docs` | none | manifests, Dockerfile, alert rules (promtool), every command the docs show |
 //! | `image` | end to end | the container image, built with podman, its binaries run from its filesystem |
-//! | `bench` | kernel | benchmarks, run by `cargo xtask bench` |
+//! | `bench` | kernel | benchmarks, run by `cargo xtask bench`: backends against their floors, the agent at 5,000 and 65,000 nodes, the daemon while it waits |
 
 mod agent;
 mod apiserver;
