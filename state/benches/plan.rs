@@ -115,6 +115,8 @@ fn run(nodes: usize) -> Figures {
         local_node: "local".into(),
         local_addresses: vec!["192.168.0.1".parse().unwrap()],
         agent_version: "bench".into(),
+        // The agent's default for a new map: a dual-stack cluster of 65,536 nodes.
+        map_capacity: 131_072,
         ..PlanConfig::default()
     };
     let now = Duration::from_secs(1_750_000_000);

@@ -81,6 +81,36 @@ pub fn node_list(nodes: &[TestNode]) -> String {
     s
 }
 
+/// The same NodeList as [`node_list`], in the JSON `kubectl get nodes -o json` writes.
+pub fn node_list_json(nodes: &[TestNode]) -> String {
+    let items: Vec<serde_json::Value> = nodes
+        .iter()
+        .map(|n| {
+            let addresses: Vec<serde_json::Value> = n
+                .ips
+                .iter()
+                .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip}))
+                .chain(
+                    n.external
+                        .iter()
+                        .map(|ip| serde_json::json!({"type": "ExternalIP", "address": ip})),
+                )
+                .collect();
+            serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": n.name, "uid": n.uid()},
+                "spec": {"podCIDRs": n.cidrs},
+                "status": {
+                    "addresses": addresses,
+                    "nodeInfo": {"bootID": format!("boot-{}", n.name)},
+                },
+            })
+        })
+        .collect();
+    serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
+}
+
 /// The local node every test cluster has.
 pub fn local_node() -> TestNode {
     TestNode {
@@ -126,8 +156,19 @@ impl AgentEnv {
 
     /// Writes the nodes file with exactly `all` (a list without the local node, say).
     pub fn write_list(&self, all: &[TestNode]) {
+        self.write_text(&node_list(all));
+    }
+
+    /// Writes the nodes file as JSON: the local node and `remote`.
+    pub fn write_nodes_json(&self, remote: &[TestNode]) {
+        let mut all = vec![local_node()];
+        all.extend_from_slice(remote);
+        self.write_text(&node_list_json(&all));
+    }
+
+    fn write_text(&self, text: &str) {
         let tmp = self.nodes_file.with_extension("tmp");
-        std::fs::write(&tmp, node_list(all)).unwrap();
+        std::fs::write(&tmp, text).unwrap();
         std::fs::rename(&tmp, &self.nodes_file).unwrap();
     }
 

@@ -574,6 +574,7 @@ impl<K: Kernel> Reconciler<K> {
             errors: report::node_errors(plan, &self.live),
             failed_ops: report::failed_ops(failed),
             brake: report::brake(plan),
+            peak_rss_kib: report::peak_rss_kib(),
         }
     }
 }

@@ -74,6 +74,18 @@ pub struct RunReport {
     /// Kernel operations that still failed when the run ended.
     pub failed_ops: Vec<FailedOpReport>,
     pub brake: Option<BrakeReport>,
+    /// The agent's peak resident memory so far (`VmHWM`), in KiB: what to size its memory limit
+    /// by. `None` where `/proc` does not say.
+    pub peak_rss_kib: Option<u64>,
+}
+
+/// This process's peak resident memory (`VmHWM` of `/proc/self/status`), in KiB.
+pub fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 pub fn node_errors(plan: &Plan, live: &LiveState) -> Vec<NodeErrorReport> {

@@ -41,36 +41,92 @@ pub enum ParseError {
 struct NodeListDoc {
     #[serde(default)]
     kind: Option<String>,
-    items: Vec<Node>,
+    #[serde(deserialize_with = "raw_items")]
+    items: Vec<RawNode>,
 }
 
-/// Parses a NodeList document (JSON if it starts with `{`, YAML otherwise).
-pub fn parse(path: &Path, text: &str) -> Result<Vec<RawNode>, ParseError> {
-    let syntax = |line, column, message: String| ParseError::Syntax {
+/// The items, each turned into a [`RawNode`] as soon as it is parsed and its Node object
+/// dropped: a real Node carries managed fields, images and conditions, many times the size of
+/// what the agent keeps, and 65,000 of them at once would not fit the agent's memory budget.
+fn raw_items<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<RawNode>, D::Error> {
+    struct Items;
+    impl<'de> serde::de::Visitor<'de> for Items {
+        type Value = Vec<RawNode>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of Nodes")
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Vec<RawNode>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(node) = seq.next_element::<Node>()? {
+                out.push(raw_node(&node));
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Items)
+}
+
+impl NodeListDoc {
+    fn into_nodes(self, path: &Path) -> Result<Vec<RawNode>, ParseError> {
+        match self.kind.as_deref() {
+            Some(kind) if kind != "List" && kind != "NodeList" => Err(ParseError::Syntax {
+                path: path.to_owned(),
+                line: 1,
+                column: 1,
+                message: format!("kind is {kind:?}, expected NodeList or List"),
+            }),
+            _ => Ok(self.items),
+        }
+    }
+}
+
+fn syntax(path: &Path, line: usize, column: usize, message: String) -> ParseError {
+    ParseError::Syntax {
         path: path.to_owned(),
         line,
         column,
         message,
-    };
-    let doc: NodeListDoc = if text.trim_start().starts_with('{') {
-        serde_json::from_str(text).map_err(|e| syntax(e.line(), e.column(), e.to_string()))?
-    } else {
-        serde_yaml::from_str(text).map_err(|e| {
-            let (line, column) = e.location().map_or((0, 0), |l| (l.line(), l.column()));
-            syntax(line, column, e.to_string())
-        })?
-    };
-    if let Some(kind) = doc.kind.as_deref()
-        && kind != "List"
-        && kind != "NodeList"
-    {
-        return Err(syntax(
-            1,
-            1,
-            format!("kind is {kind:?}, expected NodeList or List"),
-        ));
     }
-    Ok(doc.items.iter().map(raw_node).collect())
+}
+
+fn parse_yaml(path: &Path, text: &str) -> Result<NodeListDoc, ParseError> {
+    serde_yaml::from_str(text).map_err(|e| {
+        let (line, column) = e.location().map_or((0, 0), |l| (l.line(), l.column()));
+        syntax(path, line, column, e.to_string())
+    })
+}
+
+/// Reads and parses the NodeList file at `path` (JSON if it starts with `{`, YAML otherwise).
+/// JSON is parsed as it is read, never held whole
+/// (`kubectl get nodes -o json` of a large cluster runs to hundreds of megabytes); YAML is read
+/// into memory first, because the YAML parser works on a whole document.
+pub fn parse_file(path: &Path) -> Result<Vec<RawNode>, ParseError> {
+    use std::io::{BufRead, Read};
+    let read = |source| ParseError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = std::io::BufReader::new(std::fs::File::open(path).map_err(read)?);
+    let json = file
+        .fill_buf()
+        .map_err(read)?
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        == Some(&b'{');
+    let doc = if json {
+        serde_json::from_reader(file)
+            .map_err(|e| syntax(path, e.line(), e.column(), e.to_string()))?
+    } else {
+        let mut text = String::new();
+        file.read_to_string(&mut text).map_err(read)?;
+        parse_yaml(path, &text)?
+    };
+    doc.into_nodes(path)
 }
 
 /// What identifies one version of the file without reading it.
@@ -127,7 +183,7 @@ impl FileSource {
                     missing_logged = false;
                     last = Some(sig);
                     last_read = Instant::now();
-                    for ev in self.read() {
+                    for ev in self.read().await {
                         if tx.send(ev).await.is_err() {
                             return;
                         }
@@ -145,15 +201,18 @@ impl FileSource {
         }
     }
 
-    /// One read of the file: a full list, or the error.
-    fn read(&self) -> Vec<SourceEvent> {
-        let parsed = match std::fs::read_to_string(&self.path) {
-            Ok(text) => parse(&self.path, &text),
-            Err(source) => Err(ParseError::Read {
-                path: self.path.clone(),
-                source,
-            }),
-        };
+    /// One read of the file, off the async threads (a large list takes a while to parse): a
+    /// full list, or the error.
+    async fn read(&self) -> Vec<SourceEvent> {
+        let path = self.path.clone();
+        let parsed = tokio::task::spawn_blocking(move || parse_file(&path))
+            .await
+            .unwrap_or_else(|e| {
+                Err(ParseError::Read {
+                    path: self.path.clone(),
+                    source: std::io::Error::other(e),
+                })
+            });
         match parsed {
             Ok(nodes) => std::iter::once(SourceEvent::Init)
                 .chain(nodes.into_iter().map(SourceEvent::InitApply))
@@ -171,32 +230,80 @@ impl FileSource {
 mod tests {
     use super::*;
 
+    /// Parses `text` as the file `nodes.yaml` would be.
+    fn parse(text: &str) -> Result<Vec<RawNode>, ParseError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        std::fs::write(&path, text).unwrap();
+        parse_file(&path).map_err(|e| match e {
+            ParseError::Syntax {
+                line,
+                column,
+                message,
+                ..
+            } => syntax(Path::new("nodes.yaml"), line, column, message),
+            e => e,
+        })
+    }
+
     const YAML: &str = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Node\n  metadata: {name: n1}\n  status:\n    addresses: [{type: InternalIP, address: 10.0.0.1}]\n";
 
     #[test]
     fn parses_kubectl_yaml_and_json() {
-        let p = Path::new("nodes.yaml");
-        assert_eq!(parse(p, YAML).unwrap()[0].name, "n1");
+        assert_eq!(parse(YAML).unwrap()[0].name, "n1");
         let json = r#"{"apiVersion":"v1","kind":"NodeList","items":[{"apiVersion":"v1","kind":"Node","metadata":{"name":"n2"}}]}"#;
-        assert_eq!(parse(p, json).unwrap()[0].name, "n2");
+        assert_eq!(parse(json).unwrap()[0].name, "n2");
     }
 
     #[test]
     fn syntax_errors_carry_line_and_column() {
-        let p = Path::new("nodes.yaml");
-        let err = parse(p, "apiVersion: v1\nitems:\n- metadata: {name: [\n").unwrap_err();
+        let err = parse("apiVersion: v1\nitems:\n- metadata: {name: [\n").unwrap_err();
         let ParseError::Syntax { line, .. } = &err else {
             panic!("{err}")
         };
         assert!(*line >= 3, "{err}");
         assert!(err.to_string().starts_with("nodes.yaml:"), "{err}");
-        let err = parse(p, "{\"items\": [1,]}").unwrap_err();
+        let err = parse("{\"items\": [1,]}").unwrap_err();
         assert!(err.to_string().starts_with("nodes.yaml:1:"), "{err}");
     }
 
     #[test]
     fn other_kinds_are_refused() {
-        let err = parse(Path::new("f"), "kind: PodList\nitems: []\n").unwrap_err();
+        let err = parse("kind: PodList\nitems: []\n").unwrap_err();
         assert!(err.to_string().contains("PodList"), "{err}");
+    }
+
+    #[test]
+    fn json_with_leading_blank_lines_is_json_and_big_nodes_are_dropped_as_parsed() {
+        // A Node as the API server writes it, with the bulk the agent does not keep.
+        let images: Vec<String> = (0..50)
+            .map(|i| format!(r#"{{"names":["registry.example/image-{i}:v1"],"sizeBytes":{i}}}"#))
+            .collect();
+        let node = |i: usize| {
+            format!(
+                r#"{{"metadata":{{"name":"n{i}","uid":"u{i}","managedFields":[{{"manager":"kubelet"}}]}},"spec":{{"podCIDR":"10.244.{i}.0/24"}},"status":{{"addresses":[{{"type":"InternalIP","address":"10.0.0.{i}"}}],"images":[{}]}}}}"#,
+                images.join(",")
+            )
+        };
+        let items: Vec<String> = (1..=3).map(node).collect();
+        let json = format!(
+            "\n\n  {{\"kind\":\"List\",\"items\":[{}]}}",
+            items.join(",")
+        );
+        let nodes = parse(&json).unwrap();
+        assert_eq!(
+            nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(),
+            ["n1", "n2", "n3"]
+        );
+        assert_eq!(nodes[2].pod_cidrs, ["10.244.3.0/24"]);
+        let err = parse("\n\n{\"items\": [1,]}").unwrap_err();
+        assert!(err.to_string().starts_with("nodes.yaml:3:"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_file_is_a_read_error_naming_it() {
+        let err = parse_file(Path::new("/nonexistent/nodes.yaml")).unwrap_err();
+        assert!(matches!(err, ParseError::Read { .. }), "{err}");
+        assert!(err.to_string().contains("/nonexistent/nodes.yaml"), "{err}");
     }
 }

@@ -9,9 +9,7 @@ use foldhash::{HashMap, HashMapExt, HashSet};
 use smallvec::SmallVec;
 
 use super::brake::{Brake, is_local_entry};
-use super::claims::{
-    Blocker, ClaimedAnywhere, Claims, ConflictWhy, Holder, Resource, mapped_ips, resources,
-};
+use super::claims::{Blocker, Claims, ConflictWhy, Holder, Resource, mapped_ips, resources};
 use super::classify::{HeldWhy, Live, LiveClass};
 use super::records::Record;
 use super::{Allocation, InputError, InputProblem, Local, PlanInput, err};
@@ -156,12 +154,10 @@ pub(super) fn admit(
     live: &mut [Live<'_>],
     records: &[Record<'_>],
     brake: &Brake,
-    claimed_anywhere: &ClaimedAnywhere,
     local: &Local,
     errors: &mut Vec<InputError>,
 ) -> Admitted {
     let cfg = input.config;
-    let _ = claimed_anywhere;
     let mut claims = Claims::with_capacity(2 * (live.len() + records.len()));
     for ip in &local.ips {
         claims.fix(Resource::Address(*ip), Holder::Local);

@@ -494,15 +494,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     let brake = brake::Brake::new(cfg, input, &records, &claimed, &local);
 
     // 4. Conflicts, map room and IDs, candidate by candidate.
-    let admitted = assign::admit(
-        input,
-        &mut live,
-        &records,
-        &brake,
-        &claimed,
-        &local,
-        &mut errors,
-    );
+    let admitted = assign::admit(input, &mut live, &records, &brake, &local, &mut errors);
 
     // 5. Desired objects of programmed nodes, and the upserts they need.
     let mut desired: HashSet<ObjectId> = HashSet::with_capacity(input.inventory.len() + 64);

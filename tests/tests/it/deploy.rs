@@ -783,13 +783,15 @@ fn resources_fit_the_agents_targets() {
     let requests = r.requests.expect("requests");
     let limits = r.limits.expect("limits");
     assert!(requests.contains_key("cpu"), "{requests:?}");
-    // The target is RSS under 64 MiB at 5,000 nodes: request that, limit with headroom.
+    // RSS is about 40 MiB at 5,000 nodes: request that with room. The limit must clear the peak
+    // `cargo xtask bench` measures at 65,000 nodes (about 410 MiB, the cold start) with headroom,
+    // or the agent is OOM-killed on the largest clusters it supports.
     let req = mib(&requests["memory"].0);
     let lim = mib(&limits["memory"].0);
     assert!(req >= 64, "memory request {req} Mi");
     assert!(
-        lim >= 2 * req,
-        "memory limit {lim} Mi leaves no headroom over {req} Mi"
+        lim >= 512,
+        "memory limit {lim} Mi is under the 65,000-node peak with headroom"
     );
     assert!(
         !limits.contains_key("cpu"),
