@@ -73,6 +73,12 @@ fn restart_with_churn_leaves_exactly_the_live_nodes() {
         assert_eq!(code, 0, "{err}");
         assert_eq!(report["kernel_writes"], 0, "{report}");
         assert_exact(&env, &after);
+        // The report says what the run cost in memory: the agent's own peak, for sizing limits.
+        let peak = report["peak_rss_kib"].as_u64().unwrap_or(0);
+        assert!(
+            (1024..1024 * 1024).contains(&peak),
+            "peak RSS {peak} KiB: {report}"
+        );
     });
 }
 
