@@ -101,7 +101,18 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
             timeout: Duration::from_secs(args.timeout),
             bzimage: args.bzimage,
         };
-        let result = qemu::run(&boot);
+        let mut result = qemu::run(&boot);
+        // A guest that died while booting ran nothing of ours: boot it once more, and say so.
+        if let Err(e) = &result
+            && let Some(crash) = e.downcast_ref::<qemu::BootCrashed>()
+        {
+            let first = crash.0.lines().next().unwrap_or_default().to_owned();
+            step(&format!(
+                "vm-test: {} died while booting, before any test ran ({first}); booting it again",
+                k.series
+            ));
+            result = qemu::run(&boot);
+        }
         let line = match &result {
             Ok(_) => format!("{} ok", k.series),
             Err(e) => format!("{} FAILED: {e:#}", k.series),
