@@ -343,10 +343,19 @@ pub(super) fn decide(
             .iter()
             .filter(|r| matches!(r, Removal::Node { .. }))
             .count();
+        let orphans = released.len() - nodes;
+        // Orphans swept without a record were counted as nodes too, by the IDs their map entries
+        // carry; the window remembers them as nodes, so that a later plan with a record counts
+        // them with its own removals (rounded up where only some of them went).
+        let orphan_nodes = if asked_orphans == 0 {
+            0
+        } else {
+            (counts.orphan_nodes * orphans).div_ceil(asked_orphans)
+        };
         window.push(RecentRemovals {
             at: now,
-            nodes: nodes as u32,
-            objects: (released.len() - nodes) as u32,
+            nodes: (nodes + orphan_nodes) as u32,
+            objects: orphans as u32,
         });
     }
     let hold = (!held.is_empty()).then(|| {
@@ -578,6 +587,41 @@ mod tests {
         assert!(d.hold.is_none());
         assert_eq!(d.memory.window.len(), 1);
         assert_eq!(d.memory.window[0].nodes, 5);
+    }
+
+    #[test]
+    fn nodes_swept_as_orphans_without_a_record_count_as_nodes_in_the_window() {
+        // A lost checkpoint: two nodes' objects (4 of 10 objects, 2 of 4 node IDs) go as orphans.
+        let orphans: BTreeSet<Removal> = (1..=4u8)
+            .map(|i| {
+                Removal::Orphan(ObjectId::MapEntry {
+                    ip: std::net::IpAddr::from([10, 0, 0, i]),
+                })
+            })
+            .collect();
+        let lost = Ask {
+            orphan_nodes: 2,
+            ..Ask::known(4, 10)
+        };
+        let c = cfg(true);
+        let first = decide(&orphans, lost, &BrakeMemory::default(), 1, None, MIN, &c);
+        assert_eq!(first.released.len(), 4, "2 of 4 nodes, 4 of 10 objects");
+        assert_eq!(first.memory.window[0].nodes, 2);
+        // With a record again, one more of the two remaining nodes is 3 of 4 within the window.
+        let later = MIN + Duration::from_secs(5);
+        let second = decide(
+            &ask(&["c"]),
+            Ask::known(2, 6),
+            &first.memory,
+            2,
+            None,
+            later,
+            &c,
+        );
+        assert!(
+            second.released.is_empty(),
+            "the split mass deletion is seen whole"
+        );
     }
 
     #[test]
