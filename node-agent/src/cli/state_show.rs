@@ -32,6 +32,16 @@ struct Shown<'a> {
     local_node: &'a str,
     nodes: &'a [Node],
     pending_deletes: Vec<Pending<'a>>,
+    /// Removals the brake let through within its window (`--prune-confirm-delay`), oldest
+    /// first: what the next removals are counted with.
+    recent_removals: Vec<Recent>,
+}
+
+#[derive(Serialize)]
+struct Recent {
+    at_unix: u64,
+    nodes: u32,
+    objects: u32,
 }
 
 #[derive(Serialize)]
@@ -64,6 +74,15 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
             .map(|p| Pending {
                 node: &p.node,
                 attempts: p.attempts,
+            })
+            .collect(),
+        recent_removals: cp
+            .removals
+            .iter()
+            .map(|r| Recent {
+                at_unix: r.at.as_secs(),
+                nodes: r.nodes,
+                objects: r.objects,
             })
             .collect(),
     };

@@ -318,6 +318,11 @@ fn removals_split_over_runs_are_counted_together() {
         assert_eq!(env.once(&[]).0, 0);
         env.write_nodes(&nodes[4..]);
         assert_eq!(env.once(&[]).0, 0, "four of ten is fine");
+        // The checkpoint remembers them for the window, and `state show` says so.
+        let (code, shown, err) = env.cli(&["state", "show", "--output", "json"]);
+        assert_eq!(code, 0, "{err}");
+        let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        assert_eq!(shown["recent_removals"][0]["nodes"], 4, "{shown}");
         env.write_nodes(&nodes[6..]);
         let (code, report, _) = env.once(&[]);
         assert_eq!(code, 3, "six of ten within the window: {report}");
