@@ -9,7 +9,8 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::node::{AddressKind, Family, Node};
 use crate::objects::{
-    KernelObject, MapEntry, NodeId, PodCidrEntry, Route, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
+    KernelObject, MapEntry, Nexthop, NexthopId, NodeId, PodCidrEntry, Route, Via, XfrmDir,
+    XfrmGuard, XfrmPolicy, XfrmState,
 };
 use crate::plan::{InputProblem, Pair, PlanConfig};
 
@@ -49,6 +50,51 @@ pub fn global_objects(config: &PlanConfig) -> Vec<KernelObject> {
         .collect()
 }
 
+/// Appends `node`'s routes to `out`, one per pod CIDR via the node's InternalIP of the CIDR's
+/// family; with `nexthops`, through one nexthop object per family, pushed before the routes
+/// that use it.
+fn routes(
+    node: &Node,
+    id: NodeId,
+    nexthops: bool,
+    out: &mut Vec<KernelObject>,
+    problems: &mut Vec<InputProblem>,
+) {
+    for family in [Family::V4, Family::V6] {
+        let mut cidrs = node
+            .pod_cidrs
+            .iter()
+            .filter(|c| Family::of_net(c) == family)
+            .peekable();
+        if cidrs.peek().is_none() {
+            continue;
+        }
+        let Some(gateway) = node.internal_ip(family) else {
+            problems.extend(cidrs.map(|cidr| InputProblem::NoGateway {
+                cidr: *cidr,
+                family,
+            }));
+            continue;
+        };
+        let via = if nexthops {
+            out.push(KernelObject::Nexthop(Nexthop {
+                node_id: id,
+                gateway,
+            }));
+            Via::Nexthop(NexthopId::of(id, family))
+        } else {
+            Via::Gateway(gateway)
+        };
+        for cidr in cidrs {
+            out.push(KernelObject::Route(Route {
+                dst: *cidr,
+                via,
+                metric: Route::default_metric(cidr),
+            }));
+        }
+    }
+}
+
 /// Appends the objects `node` should have under `id` to `out`, and the problems that kept some
 /// from being derived (a pod CIDR without an InternalIP of its family) to `problems`.
 ///
@@ -72,20 +118,7 @@ pub fn desired_objects(
             }));
         }
     }
-    for cidr in &node.pod_cidrs {
-        let family = Family::of_net(cidr);
-        match node.internal_ip(family) {
-            Some(gateway) => out.push(KernelObject::Route(Route {
-                dst: *cidr,
-                gateway,
-                metric: Route::default_metric(cidr),
-            })),
-            None => problems.push(InputProblem::NoGateway {
-                cidr: *cidr,
-                family,
-            }),
-        }
-    }
+    routes(node, id, config.route_nexthops, out, problems);
     let Some(ipsec) = &config.ipsec else {
         return;
     };

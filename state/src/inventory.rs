@@ -14,6 +14,9 @@ pub struct Inventory {
     ours: HashMap<ObjectId, KernelObject>,
     /// Identity -> what the foreign object is, in words (`route 10.1.0.0/24 proto static`).
     foreign: HashMap<ObjectId, String>,
+    /// Identity of ours -> a foreign object that uses it (a route of someone else's through one
+    /// of our nexthops), in words: deleting ours would take that along.
+    used_by: HashMap<ObjectId, String>,
 }
 
 impl Inventory {
@@ -25,6 +28,7 @@ impl Inventory {
         Self {
             ours: HashMap::with_capacity(objects),
             foreign: HashMap::new(),
+            used_by: HashMap::new(),
         }
     }
 
@@ -36,6 +40,16 @@ impl Inventory {
     /// Records that an object that is not ours sits at `id`.
     pub fn occupy(&mut self, id: ObjectId, what: impl Into<String>) {
         self.foreign.insert(id, what.into());
+    }
+
+    /// Records that a foreign object, `what`, uses the object at `id`.
+    pub fn use_by_foreign(&mut self, id: ObjectId, what: impl Into<String>) {
+        self.used_by.insert(id, what.into());
+    }
+
+    /// A foreign object that uses ours at `id`, if any.
+    pub fn foreign_user(&self, id: &ObjectId) -> Option<&str> {
+        self.used_by.get(id).map(String::as_str)
     }
 
     pub fn get(&self, id: &ObjectId) -> Option<&KernelObject> {

@@ -99,16 +99,97 @@ pub struct PodCidrEntry {
     pub spi: u8,
 }
 
-/// A route to a remote pod CIDR via the node's internal address. Table and protocol are the
-/// agent's configuration, the same for every route, so they are not part of the object.
+/// A route to a remote pod CIDR, through the node's nexthop or its address. Table and protocol are
+/// the agent's configuration, the same for every route, so they are not part of the object.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Route {
     pub dst: IpNet,
-    pub gateway: IpAddr,
+    pub via: Via,
     /// The route's priority. Part of the kernel's identity of a route: a replace matches table,
     /// destination, TOS and metric. The agent writes [`Route::DEFAULT_METRIC_V4`] or
     /// [`Route::DEFAULT_METRIC_V6`], the metrics `ip route add` gives a route without one.
     pub metric: u32,
+}
+
+/// How a route reaches its node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Via {
+    /// Through the node's nexthop object (`nhid`): the agent's way on kernels that have them.
+    Nexthop(NexthopId),
+    /// Through a gateway written into the route itself: the fallback for kernels without
+    /// nexthop objects (before 5.3) or with `--route-nexthops=off`, and what the versions
+    /// before nexthops wrote (such a route is replaced in place by one through the nexthop).
+    Gateway(IpAddr),
+}
+
+impl fmt::Display for Via {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Nexthop(id) => write!(f, "nhid {id}"),
+            Self::Gateway(gw) => write!(f, "via {gw}"),
+        }
+    }
+}
+
+/// The kernel ID of one of our nexthop objects. Nexthop IDs are global in a network namespace,
+/// so ours live in a fixed range that reads in decimal: `2014NNNNN` for a node's IPv4 nexthop
+/// and `2016NNNNN` for its IPv6 one, where `NNNNN` is the node ID (`ip nexthop show id
+/// 201400042` is node 42's IPv4 nexthop). An ID in the range is still ours only if the nexthop
+/// carries our route protocol; anything else there is foreign and left alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct NexthopId(pub u32);
+
+impl NexthopId {
+    const BASE_V4: u32 = 201_400_000;
+    const BASE_V6: u32 = 201_600_000;
+
+    /// The ID of `node`'s nexthop of `family`.
+    pub const fn of(node: NodeId, family: Family) -> Self {
+        Self(
+            match family {
+                Family::V4 => Self::BASE_V4,
+                Family::V6 => Self::BASE_V6,
+            } + node.get() as u32,
+        )
+    }
+
+    /// The node and family an ID of our range stands for; `None` outside it.
+    pub fn decode(self) -> Option<(NodeId, Family)> {
+        let (base, family) = match self.0 {
+            v if (Self::BASE_V4..Self::BASE_V4 + 65_536).contains(&v) => {
+                (Self::BASE_V4, Family::V4)
+            }
+            v if (Self::BASE_V6..Self::BASE_V6 + 65_536).contains(&v) => {
+                (Self::BASE_V6, Family::V6)
+            }
+            _ => return None,
+        };
+        Some((NodeId::new((self.0 - base) as u16)?, family))
+    }
+}
+
+impl fmt::Display for NexthopId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A remote node's nexthop object of one family: its InternalIP of that family as the gateway.
+/// Every route to the node's pod CIDRs of the family goes through it, so readdressing a node
+/// rewrites one nexthop, not every route, and the kernel inserts a route through a nexthop in
+/// constant time where one with its own gateway costs more the more routes there are. Marked
+/// ours by the route protocol, like the routes; the device is the kernel's answer for the
+/// gateway at write time, not part of the object.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Nexthop {
+    pub node_id: NodeId,
+    pub gateway: IpAddr,
+}
+
+impl Nexthop {
+    pub fn id(&self) -> NexthopId {
+        NexthopId::of(self.node_id, Family::of(&self.gateway))
+    }
 }
 
 impl Route {
@@ -209,6 +290,7 @@ pub struct XfrmPolicy {
 pub enum KernelObject {
     MapEntry(MapEntry),
     PodCidrEntry(PodCidrEntry),
+    Nexthop(Nexthop),
     Route(Route),
     XfrmState(XfrmState),
     XfrmPolicy(XfrmPolicy),
@@ -223,6 +305,9 @@ pub enum ObjectId {
     },
     PodCidrEntry {
         cidr: IpNet,
+    },
+    Nexthop {
+        id: NexthopId,
     },
     Route {
         dst: IpNet,
@@ -253,6 +338,7 @@ pub enum ObjectId {
 pub enum ObjectKind {
     MapEntry,
     PodCidrEntry,
+    Nexthop,
     Route,
     XfrmState,
     XfrmPolicy,
@@ -260,21 +346,23 @@ pub enum ObjectKind {
 }
 
 impl ObjectKind {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::MapEntry,
         Self::PodCidrEntry,
+        Self::Nexthop,
         Self::Route,
         Self::XfrmState,
         Self::XfrmPolicy,
         Self::XfrmGuard,
     ];
 
-    /// The name metrics and reports use: `map_entry`, `pod_cidr_entry`, `route`, `xfrm_state`,
-    /// `xfrm_policy`, `xfrm_guard`.
+    /// The name metrics and reports use: `map_entry`, `pod_cidr_entry`, `nexthop`, `route`,
+    /// `xfrm_state`, `xfrm_policy`, `xfrm_guard`.
     pub const fn name(self) -> &'static str {
         match self {
             Self::MapEntry => "map_entry",
             Self::PodCidrEntry => "pod_cidr_entry",
+            Self::Nexthop => "nexthop",
             Self::Route => "route",
             Self::XfrmState => "xfrm_state",
             Self::XfrmPolicy => "xfrm_policy",
@@ -284,19 +372,29 @@ impl ObjectKind {
 
     /// Where the kind's changes go in a plan: an object is created after what it uses and
     /// deleted before it. The guards come first (so traffic marked for encryption is never
-    /// without its block policy), then the datapath's entries, routes, states, and the policies
-    /// that select the states. A node's pod-CIDR entry goes in before its route and xfrm
-    /// objects: traffic marked before its policy exists is dropped by the guard, never sent in
-    /// the clear; on removal the policy and state go first, and the mark last.
+    /// without its block policy), then the datapath's entries, nexthops, the routes through
+    /// them, states, and the policies that select the states. A node's pod-CIDR entry goes in
+    /// before its route and xfrm objects: traffic marked before its policy exists is dropped by
+    /// the guard, never sent in the clear; on removal the policy and state go first, and the
+    /// mark last. Nexthops are the exception on removal: see [`ObjectKind::deleted_last`].
     pub const fn rank(self) -> u8 {
         match self {
             Self::XfrmGuard => 0,
             Self::MapEntry => 1,
             Self::PodCidrEntry => 2,
-            Self::Route => 3,
-            Self::XfrmState => 4,
-            Self::XfrmPolicy => 5,
+            Self::Nexthop => 3,
+            Self::Route => 4,
+            Self::XfrmState => 5,
+            Self::XfrmPolicy => 6,
         }
+    }
+
+    /// Kinds whose deletes run after the plan's upserts. Deleting a nexthop deletes every
+    /// route still through it, and makes the kernel walk them: a node whose nexthop changes
+    /// (a new node ID) has its routes moved to the new nexthop first, so the old one goes with
+    /// no route through it, and no route of a live node is ever missing.
+    pub const fn deleted_last(self) -> bool {
+        matches!(self, Self::Nexthop)
     }
 
     /// The kinds written into the datapath's maps: a node gets nothing else until all of its
@@ -311,6 +409,7 @@ impl KernelObject {
         match self {
             Self::MapEntry(e) => ObjectId::MapEntry { ip: e.ip },
             Self::PodCidrEntry(e) => ObjectId::PodCidrEntry { cidr: e.cidr },
+            Self::Nexthop(n) => ObjectId::Nexthop { id: n.id() },
             Self::Route(r) => ObjectId::Route {
                 dst: r.dst,
                 metric: r.metric,
@@ -337,6 +436,7 @@ impl KernelObject {
         match self {
             Self::MapEntry(_) => ObjectKind::MapEntry,
             Self::PodCidrEntry(_) => ObjectKind::PodCidrEntry,
+            Self::Nexthop(_) => ObjectKind::Nexthop,
             Self::Route(_) => ObjectKind::Route,
             Self::XfrmState(_) => ObjectKind::XfrmState,
             Self::XfrmPolicy(_) => ObjectKind::XfrmPolicy,
@@ -344,12 +444,29 @@ impl KernelObject {
         }
     }
 
-    /// The node ID the object carries, where it carries one (routes and guards do not).
+    /// The object of ours this one needs in the kernel: a route needs its nexthop.
+    pub fn uses(&self) -> Option<ObjectId> {
+        match self {
+            Self::Route(Route {
+                via: Via::Nexthop(id),
+                ..
+            }) => Some(ObjectId::Nexthop { id: *id }),
+            _ => None,
+        }
+    }
+
+    /// The node ID the object carries, where it carries one: a route through a nexthop of
+    /// ours carries the nexthop's; routes with their own gateway and guards carry none.
     pub fn node_id(&self) -> Option<NodeId> {
         match self {
             Self::MapEntry(e) => Some(e.node_id),
             Self::PodCidrEntry(e) => Some(e.node_id),
-            Self::Route(_) | Self::XfrmGuard(_) => None,
+            Self::Nexthop(n) => Some(n.node_id),
+            Self::Route(r) => match r.via {
+                Via::Nexthop(id) => id.decode().map(|(node, _)| node),
+                Via::Gateway(_) => None,
+            },
+            Self::XfrmGuard(_) => None,
             Self::XfrmState(s) => Some(s.node_id),
             Self::XfrmPolicy(p) => Some(p.node_id),
         }
@@ -370,7 +487,10 @@ impl fmt::Display for KernelObject {
                 "pod-cidr map {} -> node {} spi {}",
                 e.cidr, e.node_id, e.spi
             ),
-            Self::Route(r) => write!(f, "route {} via {} metric {}", r.dst, r.gateway, r.metric),
+            Self::Nexthop(n) => {
+                write!(f, "nexthop {} via {} node {}", n.id(), n.gateway, n.node_id)
+            }
+            Self::Route(r) => write!(f, "route {} {} metric {}", r.dst, r.via, r.metric),
             Self::XfrmState(s) => write!(
                 f,
                 "xfrm state {} {} -> {} spi {} node {} key {}",
@@ -445,6 +565,22 @@ mod tests {
     fn node_id_zero_is_not_representable() {
         assert!(NodeId::new(0).is_none());
         assert_eq!(NodeId::new(65535).map(NodeId::get), Some(65535));
+    }
+
+    #[test]
+    fn nexthop_ids_round_trip_and_only_our_range_decodes() {
+        let id = NodeId::new(42).unwrap();
+        assert_eq!(NexthopId::of(id, Family::V4), NexthopId(201_400_042));
+        assert_eq!(NexthopId::of(id, Family::V6), NexthopId(201_600_042));
+        let top = NodeId::new(65535).unwrap();
+        for family in [Family::V4, Family::V6] {
+            for n in [id, top] {
+                assert_eq!(NexthopId::of(n, family).decode(), Some((n, family)));
+            }
+        }
+        assert_eq!(NexthopId(201_400_000).decode(), None, "node ID 0");
+        assert_eq!(NexthopId(201_465_536).decode(), None);
+        assert_eq!(NexthopId(7).decode(), None);
     }
 
     #[test]

@@ -258,6 +258,8 @@ impl World {
                 }
                 Op::Delete(o) => {
                     self.kernel.remove(&o.id());
+                    // The kernel deletes the routes through a nexthop along with it.
+                    self.kernel.retain(|_, u| u.uses() != Some(o.id()));
                 }
             }
         }

@@ -5,7 +5,8 @@
 //! pod-CIDR map's) and the guards. Then every other object, but only of nodes whose entries all
 //! went in: a node the datapath cannot identify, or whose traffic it cannot mark for
 //! encryption, gets no route or xfrm object either (invariant 17), so its pod traffic is never
-//! routed in the clear.
+//! routed in the clear. Last, the deletes that must wait until no route of ours uses what they
+//! delete (the nexthops, [`state::objects::ObjectKind::deleted_last`]).
 
 use std::collections::BTreeSet;
 
@@ -69,6 +70,7 @@ pub async fn apply_plan<K: Kernel>(kernel: &mut K, plan: &Plan) -> Vec<OpResult>
         &mut out,
     )
     .await;
+    run(kernel, plan.late_delete_ops(), &mut out).await;
     out.extend(skipped.into_iter().map(|(op, node)| OpResult {
         op,
         node: Some(node.to_owned()),
@@ -137,9 +139,10 @@ mod tests {
             .iter()
             .filter(|r| r.node.as_deref() == Some("a"))
             .collect();
-        assert_eq!(a.len(), 2);
+        assert_eq!(a.len(), 3, "map entry, nexthop, route");
         assert!(matches!(a[0].result, Err(OpError::Kernel { .. })));
         assert!(matches!(a[1].result, Err(OpError::Skipped)));
+        assert!(matches!(a[2].result, Err(OpError::Skipped)));
         assert!(
             !k.applied
                 .iter()
@@ -148,6 +151,6 @@ mod tests {
             "no route for a: {:?}",
             k.applied
         );
-        assert_eq!(k.ours.len(), 2, "b is programmed in full");
+        assert_eq!(k.ours.len(), 3, "b is programmed in full");
     }
 }

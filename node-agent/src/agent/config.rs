@@ -16,6 +16,8 @@ pub struct AgentConfig {
     pub datapath: DatapathConfig,
     /// Route protocol number that marks our routes.
     pub route_protocol: u8,
+    /// Routes go through nexthop objects where the kernel has them.
+    pub route_nexthops: bool,
     pub route_table: u32,
     /// Largest share of known remote nodes one prune may delete without confirmation.
     pub max_prune_ratio: f64,
@@ -54,6 +56,7 @@ impl AgentConfig {
             state_dir: state_dir.into(),
             datapath: DatapathConfig::new(bpffs),
             route_protocol: crate::backends::routes::DEFAULT_ROUTE_PROTOCOL,
+            route_nexthops: true,
             route_table: crate::backends::routes::MAIN_TABLE,
             max_prune_ratio: 0.5,
             force_prune: false,

@@ -39,6 +39,10 @@ pub trait Kernel {
     /// holds the key material; the planner sees SPIs and tags only); `None` without IPsec.
     fn ipsec_keys(&mut self) -> Option<KeyRead>;
 
+    /// Whether routes go through nexthop objects: the kernel has them and they are not turned
+    /// off.
+    fn route_nexthops(&self) -> bool;
+
     /// Attaches the pod classifier to pod interfaces that appeared since the datapath loaded;
     /// returns those that still do not exist.
     fn attach_pending(&mut self) -> Vec<String>;
@@ -94,6 +98,8 @@ pub mod fake {
         pub keys: Option<KeyRead>,
         /// What [`Kernel::attach_pending`] answers.
         pub pending: Vec<String>,
+        /// What [`Kernel::route_nexthops`] answers.
+        pub nexthops: bool,
     }
 
     fn busy(what: &str) -> OpError {
@@ -128,6 +134,8 @@ pub mod fake {
                 }
                 Op::Delete(_) => {
                     self.ours.remove(&id);
+                    // The kernel deletes the routes through a nexthop with it.
+                    self.ours.retain(|_, o| o.uses().as_ref() != Some(&id));
                 }
             }
             self.applied.push(op.clone());
@@ -180,6 +188,10 @@ pub mod fake {
 
         fn attach_pending(&mut self) -> Vec<String> {
             self.pending.clone()
+        }
+
+        fn route_nexthops(&self) -> bool {
+            self.nexthops
         }
     }
 }

@@ -112,6 +112,7 @@ impl<K: Kernel> Reconciler<K> {
             id_cooldown: config.id_cooldown,
             max_node_id: config.max_node_id,
             include_external_ips: config.include_external_ips,
+            route_nexthops: kernel.route_nexthops(),
             agent_version: env!("CARGO_PKG_VERSION").to_owned(),
             ..PlanConfig::default()
         };

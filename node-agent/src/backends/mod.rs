@@ -11,7 +11,9 @@
 
 pub mod map;
 pub mod netlink;
+pub mod nexthops;
 pub mod pod_cidrs;
+pub mod request;
 pub mod routes;
 pub mod xfrm;
 
@@ -38,9 +40,10 @@ use crate::node_map::NodeMapError;
 pub enum OpError {
     #[error("{map} map full at {capacity} entries; raise --node-map-max")]
     MapFull { map: &'static str, capacity: u32 },
-    #[error("gateway {gateway} is unreachable for route {dst}: {source}")]
+    #[error("gateway {gateway} is unreachable for {object}: {source}")]
     GatewayUnreachable {
-        dst: ipnet::IpNet,
+        /// The route or nexthop, in words.
+        object: String,
         gateway: std::net::IpAddr,
         source: std::io::Error,
     },
@@ -131,6 +134,9 @@ pub struct Backends {
     /// The pod-CIDR map: only with IPsec.
     pub pod_cidrs: Option<pod_cidrs::PodCidrBackend>,
     pub routes: Option<routes::RouteBackend>,
+    /// `None` where the kernel has no nexthop objects or `--route-nexthops false` turned them
+    /// off: routes then carry their gateways.
+    pub nexthops: Option<nexthops::NexthopBackend>,
     /// Owns the xfrm kinds: states, policies and guards.
     pub xfrm: Option<xfrm::XfrmBackend>,
     /// The IPsec key file and what it held when last read.
@@ -191,10 +197,22 @@ impl Backends {
         };
         let routes = routes::RouteBackend::new(config.route_protocol, config.route_table)
             .map_err(OpenError::Netlink)?;
+        let nexthops = match config.route_nexthops {
+            true => nexthops::NexthopBackend::open(config.route_protocol)
+                .await
+                .map_err(OpenError::Netlink)?,
+            false => None,
+        };
+        if config.route_nexthops && nexthops.is_none() {
+            tracing::warn!(
+                "this kernel has no nexthop objects (they came in 5.3): routes carry their gateways"
+            );
+        }
         Ok(Self {
             map,
             pod_cidrs,
             routes: Some(routes),
+            nexthops,
             xfrm,
             key_file,
             freed,
@@ -303,6 +321,9 @@ impl Kernel for Backends {
         if let Some(p) = &mut self.pod_cidrs {
             p.dump_into(&mut inv).await?;
         }
+        if let Some(n) = &mut self.nexthops {
+            n.dump_into(&mut inv).await?;
+        }
         if let Some(r) = &mut self.routes {
             r.dump_into(&mut inv).await?;
         }
@@ -329,6 +350,10 @@ impl Kernel for Backends {
                 },
                 ObjectKind::PodCidrEntry => match &mut self.pod_cidrs {
                     Some(p) => results.extend(p.apply(chunk).await),
+                    None => results.extend(disabled()),
+                },
+                ObjectKind::Nexthop => match &mut self.nexthops {
+                    Some(n) => results.extend(n.apply(chunk).await),
                     None => results.extend(disabled()),
                 },
                 ObjectKind::Route => match &mut self.routes {
@@ -373,6 +398,10 @@ impl Kernel for Backends {
 
     fn ipsec_keys(&mut self) -> Option<KeyRead> {
         self.reload_keys()
+    }
+
+    fn route_nexthops(&self) -> bool {
+        self.nexthops.is_some()
     }
 
     fn attach_pending(&mut self) -> Vec<String> {

@@ -1,16 +1,18 @@
-//! The routes backend: one route per remote pod CIDR, via the node's address, over rtnetlink.
+//! The routes backend: one route per remote pod CIDR, through the node's nexthop object (or,
+//! without nexthops, via its address), over rtnetlink.
 //!
 //! Every route we create carries our route protocol number (`--route-protocol`, default 201),
 //! and that number is the only thing that makes a route ours. The dump asks the kernel for every
-//! route of our table (strict dump filtering) and sorts each answer: our protocol makes it ours;
-//! any other protocol makes it foreign, and its identity (destination and metric, what a
-//! replace would match) is reported as occupied, so the planner never writes ours over it
-//! (invariant 6). Add `201 node-agent` to `/etc/iproute2/rt_protos.d/node-agent.conf` and
+//! route and sorts each answer of our table: our protocol makes it ours; any other protocol
+//! makes it foreign, and its identity (destination and metric, what a replace would match) is
+//! reported as occupied, so the planner never writes ours over it (invariant 6). A foreign
+//! route in any table that goes through one of our nexthops is reported too: the planner keeps
+//! that nexthop, since the kernel would delete the route with it. Add `201 node-agent` to `/etc/iproute2/rt_protos.d/node-agent.conf` and
 //! `ip route` prints the name.
 //!
 //! A new route is created exclusively (`NLM_F_CREATE | NLM_F_EXCL`): if anything appeared at its
 //! identity since the dump, the kernel refuses and nothing is replaced. A route of ours whose
-//! gateway changed is replaced in place (`NLM_F_REPLACE`): one atomic change, never a
+//! nexthop or gateway changed is replaced in place (`NLM_F_REPLACE`): one atomic change, never a
 //! delete-then-add gap. Deletes carry our protocol, so the kernel matches only ours. Requests are
 //! pipelined over one netlink socket.
 
@@ -24,7 +26,7 @@ use netlink_packet_route::route::{
 };
 use rtnetlink::{Handle, RouteMessageBuilder};
 use state::inventory::Inventory;
-use state::objects::{KernelObject, ObjectId, ObjectKind, Op, Route};
+use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op, Route, Via};
 
 use super::netlink::{KernelError, outcome};
 use super::{Backend, DumpError, OpError};
@@ -55,21 +57,33 @@ impl RouteBackend {
     }
 
     fn message(&self, route: &Route) -> Result<RouteMessage, OpError> {
-        let msg = match (route.dst, route.gateway) {
-            (IpNet::V4(dst), IpAddr::V4(gw)) => RouteMessageBuilder::<Ipv4Addr>::new()
+        let mut msg = match (route.dst, route.via) {
+            (IpNet::V4(dst), Via::Nexthop(_)) => RouteMessageBuilder::<Ipv4Addr>::new()
                 .destination_prefix(dst.network(), dst.prefix_len())
-                .gateway(gw)
                 .priority(route.metric)
                 .build(),
-            (IpNet::V6(dst), IpAddr::V6(gw)) => RouteMessageBuilder::<Ipv6Addr>::new()
+            (IpNet::V6(dst), Via::Nexthop(_)) => RouteMessageBuilder::<Ipv6Addr>::new()
                 .destination_prefix(dst.network(), dst.prefix_len())
-                .gateway(gw)
                 .priority(route.metric)
                 .build(),
+            (IpNet::V4(dst), Via::Gateway(IpAddr::V4(gw))) => {
+                RouteMessageBuilder::<Ipv4Addr>::new()
+                    .destination_prefix(dst.network(), dst.prefix_len())
+                    .gateway(gw)
+                    .priority(route.metric)
+                    .build()
+            }
+            (IpNet::V6(dst), Via::Gateway(IpAddr::V6(gw))) => {
+                RouteMessageBuilder::<Ipv6Addr>::new()
+                    .destination_prefix(dst.network(), dst.prefix_len())
+                    .gateway(gw)
+                    .priority(route.metric)
+                    .build()
+            }
             // The planner pairs a CIDR only with a gateway of its own family.
-            (dst, gateway) => {
+            (dst, via) => {
                 return Err(OpError::Kernel {
-                    what: format!("route {dst} via {gateway}"),
+                    what: format!("route {dst} {via}"),
                     source: std::io::Error::new(
                         std::io::ErrorKind::InvalidInput,
                         "gateway and destination are of different families",
@@ -77,6 +91,9 @@ impl RouteBackend {
                 });
             }
         };
+        if let Via::Nexthop(id) = route.via {
+            msg.attributes.push(RouteAttribute::NhId(id.0));
+        }
         Ok(self.stamp(msg))
     }
 
@@ -94,15 +111,18 @@ impl RouteBackend {
         msg
     }
 
-    /// Sorts one route of our table into `inv`: ours by protocol, or foreign. Routes of ours in
-    /// a shape the agent never writes (no single gateway, a TOS) are left alone, and count as
-    /// foreign, so ours is never written over them either.
+    /// Sorts one route into `inv`: of our table, ours by protocol, or foreign. Routes of ours
+    /// in a shape the agent never writes (no single gateway or nexthop, a TOS) are left alone,
+    /// and count as foreign, so ours is never written over them either. A route that is not
+    /// ours, in any table, through a nexthop of our range is a foreign user of that nexthop:
+    /// deleting the nexthop would delete it.
     fn parse_into(&self, msg: &RouteMessage, inv: &mut Inventory) {
-        if table_of(msg) != self.table || msg.header.kind != RouteType::Unicast {
+        if msg.header.kind != RouteType::Unicast {
             return;
         }
         let mut dst = None;
         let mut gateway = None;
+        let mut nexthop = None;
         let mut metric = 0;
         for attr in &msg.attributes {
             match attr {
@@ -110,6 +130,7 @@ impl RouteBackend {
                 RouteAttribute::Destination(RouteAddress::Inet6(a)) => dst = Some(IpAddr::V6(*a)),
                 RouteAttribute::Gateway(RouteAddress::Inet(a)) => gateway = Some(IpAddr::V4(*a)),
                 RouteAttribute::Gateway(RouteAddress::Inet6(a)) => gateway = Some(IpAddr::V6(*a)),
+                RouteAttribute::NhId(id) => nexthop = Some(NexthopId(*id)),
                 RouteAttribute::Priority(p) => metric = *p,
                 _ => {}
             }
@@ -123,17 +144,23 @@ impl RouteBackend {
             return;
         };
         let ours = msg.header.protocol == RouteProtocol::from(self.protocol);
-        match gateway {
-            Some(gateway) if ours && msg.header.tos == 0 => {
-                inv.insert(KernelObject::Route(Route {
-                    dst,
-                    gateway,
-                    metric,
-                }))
+        let ours_here = ours && table_of(msg) == self.table;
+        if let Some(id) = nexthop.filter(|id| id.decode().is_some() && !ours_here) {
+            inv.use_by_foreign(ObjectId::Nexthop { id }, describe_foreign(msg, dst, metric));
+        }
+        if table_of(msg) != self.table {
+            return;
+        }
+        // The kernel also reports the gateway of a route through a nexthop (unless
+        // `nexthop_compat_mode` is off): the nexthop is what the route is.
+        let via = nexthop.map(Via::Nexthop).or(gateway.map(Via::Gateway));
+        match via {
+            Some(via) if ours && msg.header.tos == 0 => {
+                inv.insert(KernelObject::Route(Route { dst, via, metric }))
             }
             _ => {
                 if ours {
-                    tracing::warn!(%dst, protocol = self.protocol, "route with our protocol but not in a shape we write (no single gateway, or a TOS); leaving it alone");
+                    tracing::warn!(%dst, protocol = self.protocol, "route with our protocol but not in a shape we write (no single gateway or nexthop, or a TOS); leaving it alone");
                 }
                 inv.occupy(
                     ObjectId::Route { dst, metric },
@@ -166,12 +193,13 @@ impl RouteBackend {
         });
         // An unreachable gateway is the one answer that means something of its own here.
         if let Err(e) = &answer
+            && let Via::Gateway(gateway) = route.via
             && !matches!(op, Op::Delete(_))
             && matches!(e.errno(), Some(libc::ENETUNREACH | libc::EHOSTUNREACH))
         {
             return Err(OpError::GatewayUnreachable {
-                dst: route.dst,
-                gateway: route.gateway,
+                object: op.object().to_string(),
+                gateway,
                 source: std::io::Error::from_raw_os_error(e.errno().unwrap_or(libc::EHOSTUNREACH)),
             });
         }
@@ -181,7 +209,8 @@ impl RouteBackend {
     }
 }
 
-/// A foreign route in words: `route 10.1.2.0/24 metric 0 proto static`.
+/// A foreign route in words: `route 10.1.2.0/24 metric 0 proto static`, with its table when
+/// it is not the main one.
 fn describe_foreign(msg: &RouteMessage, dst: IpNet, metric: u32) -> String {
     let proto = match msg.header.protocol {
         RouteProtocol::Kernel => "kernel".to_string(),
@@ -189,7 +218,10 @@ fn describe_foreign(msg: &RouteMessage, dst: IpNet, metric: u32) -> String {
         RouteProtocol::Static => "static".to_string(),
         other => u8::from(other).to_string(),
     };
-    format!("route {dst} metric {metric} proto {proto}")
+    match table_of(msg) {
+        MAIN_TABLE => format!("route {dst} metric {metric} proto {proto}"),
+        table => format!("route {dst} metric {metric} table {table} proto {proto}"),
+    }
 }
 
 fn table_of(msg: &RouteMessage) -> u32 {
@@ -209,8 +241,13 @@ impl Backend for RouteBackend {
             RouteMessageBuilder::<Ipv6Addr>::new().build(),
         ] {
             let mut filter = self.stamp(filter);
-            // Every route of our table, whatever its protocol, scope or type: the foreign ones
-            // are the identities we must not write over.
+            // Every route of every table, whatever its protocol, scope or type: the foreign ones
+            // of our table are the identities we must not write over, and a foreign route
+            // anywhere may go through one of our nexthops.
+            filter
+                .attributes
+                .retain(|a| !matches!(a, RouteAttribute::Table(_)));
+            filter.header.table = 0;
             filter.header.protocol = RouteProtocol::Unspec;
             filter.header.scope = RouteScope::Universe;
             filter.header.kind = RouteType::Unspec;

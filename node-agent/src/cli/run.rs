@@ -75,6 +75,11 @@ pub struct AgentArgs {
     /// Route protocol number marking our routes (name it in /etc/iproute2/rt_protos.d).
     #[arg(long, env = "NODE_AGENT_ROUTE_PROTOCOL", default_value_t = crate::backends::routes::DEFAULT_ROUTE_PROTOCOL)]
     pub route_protocol: u8,
+    /// Route through one nexthop object per node and family (`ip nexthop`), where the kernel
+    /// has them (5.3 and later); `false` writes each route with its own gateway, as a kernel
+    /// without nexthops needs.
+    #[arg(long, env = "NODE_AGENT_ROUTE_NEXTHOPS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub route_nexthops: bool,
     /// Routing table for pod CIDR routes (254 is main).
     #[arg(long, env = "NODE_AGENT_ROUTE_TABLE", default_value_t = crate::backends::routes::MAIN_TABLE)]
     pub route_table: u32,
@@ -229,6 +234,7 @@ impl AgentArgs {
             crate::datapath::resolve_capacity(self.node_map_max, &self.bpffs.bpffs)?;
         c.datapath.mark_mask = self.mark_mask;
         c.route_protocol = self.route_protocol;
+        c.route_nexthops = self.route_nexthops;
         c.route_table = self.route_table;
         c.max_prune_ratio = self.max_prune_ratio;
         c.force_prune = self.force_prune;

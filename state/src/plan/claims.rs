@@ -18,7 +18,7 @@ use super::classify::Live;
 use super::records::Record;
 use crate::desired::maps_address;
 use crate::node::Node;
-use crate::objects::{KernelObject, NodeId, XfrmDir};
+use crate::objects::{KernelObject, Nexthop, NodeId, Route, Via, XfrmDir};
 
 /// Something only one node can have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -84,6 +84,8 @@ pub(super) fn key_resource(o: &KernelObject) -> Option<Resource> {
         KernelObject::MapEntry(e) => Resource::Address(e.ip),
         KernelObject::PodCidrEntry(e) => Resource::PodCidr(e.cidr),
         KernelObject::Route(r) => Resource::PodCidr(r.dst),
+        // Owned through the node ID in its kernel ID, then its gateway.
+        KernelObject::Nexthop(_) => return None,
         KernelObject::XfrmState(s) => {
             Resource::Address(if s.dir == XfrmDir::Out { s.dst } else { s.src })
         }
@@ -92,13 +94,19 @@ pub(super) fn key_resource(o: &KernelObject) -> Option<Resource> {
     })
 }
 
-/// A resource an object uses besides its key: a route's gateway, a policy's tunnel endpoint.
+/// A resource an object uses besides its key: a route's or nexthop's gateway, a policy's tunnel
+/// endpoint.
 pub(super) fn secondary_resource(o: &KernelObject) -> Option<Resource> {
     match o {
-        KernelObject::Route(r) => Some(Resource::Address(r.gateway)),
+        KernelObject::Route(Route {
+            via: Via::Gateway(gw),
+            ..
+        })
+        | KernelObject::Nexthop(Nexthop { gateway: gw, .. }) => Some(Resource::Address(*gw)),
         KernelObject::XfrmPolicy(p) => Some(Resource::Address(p.tmpl_dst)),
         KernelObject::MapEntry(_)
         | KernelObject::PodCidrEntry(_)
+        | KernelObject::Route(_)
         | KernelObject::XfrmState(_)
         | KernelObject::XfrmGuard(_) => None,
     }

@@ -80,6 +80,8 @@ pub(super) struct Deleted {
     pub held: Vec<Delete>,
     /// IDs that kept objects carry.
     pub kept_ids: IdSet,
+    /// Objects kept because a foreign object uses them: the object, its node, the user.
+    pub in_use: Vec<(KernelObject, Option<String>, String)>,
 }
 
 pub(super) fn decide(
@@ -100,6 +102,7 @@ pub(super) fn decide(
         deletes: Vec::new(),
         held: Vec::new(),
         kept_ids: IdSet::new(),
+        in_use: Vec::new(),
     };
     if pool.is_empty() {
         return out;
@@ -182,11 +185,46 @@ pub(super) fn decide(
                 }
             }
         };
+        if let Some(user) = input.inventory.foreign_user(&o.id()) {
+            keep(&mut out);
+            out.in_use.push((o.clone(), node, user.to_string()));
+            continue;
+        }
         out.deletes.push(Delete {
             object: o.clone(),
             reason,
             node,
         });
     }
+    keep_what_kept_objects_use(input, desired, &mut out);
     out
+}
+
+/// An object that stays keeps what it uses: a route kept (its CIDR's owner is held, say)
+/// keeps its nexthop even where the nexthop's own owner lets it go, since deleting the nexthop
+/// would delete the route with it.
+fn keep_what_kept_objects_use(
+    input: &PlanInput<'_>,
+    desired: &HashSet<ObjectId>,
+    out: &mut Deleted,
+) {
+    let deleted: HashSet<ObjectId> = out.deletes.iter().map(|d| d.object.id()).collect();
+    let needed: HashSet<ObjectId> = input
+        .inventory
+        .objects()
+        .filter(|o| !deleted.contains(&o.id()) && !desired.contains(&o.id()))
+        .filter_map(KernelObject::uses)
+        .collect();
+    if needed.is_empty() {
+        return;
+    }
+    let (kept, deletes): (Vec<Delete>, Vec<Delete>) = std::mem::take(&mut out.deletes)
+        .into_iter()
+        .partition(|d| needed.contains(&d.object.id()));
+    out.deletes = deletes;
+    for d in kept {
+        if let Some(id) = d.object.node_id() {
+            out.kept_ids.insert(id);
+        }
+    }
 }

@@ -145,6 +145,9 @@ pub struct PlanConfig {
     pub max_node_id: u16,
     /// Whether ExternalIPs get map entries too (InternalIPs always do).
     pub include_external_ips: bool,
+    /// Routes go through a nexthop object per node and family (kernels from 5.3); otherwise
+    /// each route carries its gateway.
+    pub route_nexthops: bool,
     /// Written into the checkpoint.
     pub agent_version: String,
 }
@@ -165,6 +168,7 @@ impl Default for PlanConfig {
             id_cooldown: Duration::from_secs(15 * 60),
             max_node_id: MAX_ID,
             include_external_ips: true,
+            route_nexthops: true,
             agent_version: String::new(),
         }
     }
@@ -245,6 +249,9 @@ pub struct Delete {
 /// contain parentheses, so it never collides with one.
 pub const AGENT_OWNED: &str = "(agent)";
 
+/// The owner named for objects of ours that belong to no node or record (orphans).
+pub const ORPHANS: &str = "(orphan)";
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Upsert {
     pub object: KernelObject,
@@ -290,6 +297,10 @@ pub enum InputProblem {
     LocalResource { resource: Resource },
     #[error("{object} is not written: {foreign} is there and is not ours; it is left alone")]
     Foreign { object: String, foreign: String },
+    #[error(
+        "{object} is not deleted: {user} uses it and is not ours, and the kernel would delete it along; both are left alone"
+    )]
+    InUse { object: String, user: String },
     #[error("pod CIDR {cidr} has no {family} InternalIP to route via; the CIDR is skipped")]
     NoGateway { cidr: IpNet, family: Family },
     #[error(
@@ -308,7 +319,10 @@ impl InputProblem {
     pub fn is_conflict(&self) -> bool {
         matches!(
             self,
-            Self::Conflict { .. } | Self::LocalResource { .. } | Self::Foreign { .. }
+            Self::Conflict { .. }
+                | Self::LocalResource { .. }
+                | Self::Foreign { .. }
+                | Self::InUse { .. }
         )
     }
 }
@@ -345,11 +359,26 @@ impl Plan {
         self.deletes.is_empty() && self.upserts.is_empty()
     }
 
-    /// The deletes in a safe order: users before what they use (policies, states, routes, map
-    /// entries), so map room is freed before it is filled; each with the node it was reached
-    /// through.
+    /// The deletes that run before the upserts, in a safe order: users before what they use
+    /// (policies, states, routes, map entries), so map room is freed before it is filled; each
+    /// with the node it was reached through.
     pub fn delete_ops(&self) -> Vec<(Op, Option<&str>)> {
-        let mut deletes: Vec<&Delete> = self.deletes.iter().collect();
+        self.deletes_where(|last| !last)
+    }
+
+    /// The deletes that run after the upserts: the kinds [`ObjectKind::deleted_last`] names.
+    ///
+    /// [`ObjectKind::deleted_last`]: crate::objects::ObjectKind::deleted_last
+    pub fn late_delete_ops(&self) -> Vec<(Op, Option<&str>)> {
+        self.deletes_where(|last| last)
+    }
+
+    fn deletes_where(&self, last: impl Fn(bool) -> bool) -> Vec<(Op, Option<&str>)> {
+        let mut deletes: Vec<&Delete> = self
+            .deletes
+            .iter()
+            .filter(|d| last(d.object.kind().deleted_last()))
+            .collect();
         deletes.sort_by_key(|d| std::cmp::Reverse(d.object.kind().rank()));
         deletes
             .into_iter()
@@ -357,9 +386,9 @@ impl Plan {
             .collect()
     }
 
-    /// The upserts, what is used before its users (map entries, routes, states, policies), each
-    /// with the node it is for. No upsert has the identity of a delete, so a delete never
-    /// undoes one.
+    /// The upserts, what is used before its users (map entries, nexthops, routes, states,
+    /// policies), each with the node it is for. No upsert has the identity of a delete, so a
+    /// delete never undoes one.
     pub fn upsert_ops(&self) -> Vec<(Op, &str)> {
         let mut upserts: Vec<&Upsert> = self.upserts.iter().collect();
         upserts.sort_by_key(|u| u.object.kind().rank());
@@ -369,10 +398,11 @@ impl Plan {
             .collect()
     }
 
-    /// Every operation, deletes first.
+    /// Every operation in the order it runs: deletes, upserts, late deletes.
     pub fn ops(&self) -> Vec<Op> {
         let mut ops: Vec<Op> = self.delete_ops().into_iter().map(|(op, _)| op).collect();
         ops.extend(self.upsert_ops().into_iter().map(|(op, _)| op));
+        ops.extend(self.late_delete_ops().into_iter().map(|(op, _)| op));
         ops
     }
 
@@ -510,20 +540,18 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         for p in problems.drain(..) {
             err(&mut errors, &l.node.name, p);
         }
-        let foreign_cidrs = foreign_cidrs(&objects, input.inventory, &l.node.name, &mut errors);
-        for o in objects.drain(..) {
+        let blocked = Blocked::find(&objects, input.inventory, &l.node.name, &mut errors);
+        for o in &objects {
             let oid = o.id();
-            if input.inventory.foreign(&oid).is_some()
-                || key_cidr(&o).is_some_and(|c| foreign_cidrs.contains(&c))
-            {
+            if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
                 continue;
             }
             let have = input.inventory.get(&oid);
             desired.insert(oid);
-            if have != Some(&o) {
+            if have != Some(o) {
                 upserts.push(Upsert {
                     update: have.is_some(),
-                    object: o,
+                    object: o.clone(),
                     node: l.node.name.clone(),
                 });
             }
@@ -544,6 +572,16 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
 
     // 6. Deletes and their reasons.
     let deleted = deletes::decide(input, &live, &records, &brake, &desired, &local);
+    for (object, node, user) in &deleted.in_use {
+        err(
+            &mut errors,
+            node.as_deref().unwrap_or(ORPHANS),
+            InputProblem::InUse {
+                object: object.to_string(),
+                user: user.clone(),
+            },
+        );
+    }
 
     // 7. The next record.
     let mut kept_ids = deleted.kept_ids;
@@ -632,34 +670,64 @@ fn key_cidr(o: &KernelObject) -> Option<IpNet> {
         KernelObject::Route(r) => Some(r.dst),
         KernelObject::XfrmPolicy(p) => Some(p.dst),
         KernelObject::PodCidrEntry(e) => Some(e.cidr),
-        KernelObject::MapEntry(_) | KernelObject::XfrmState(_) | KernelObject::XfrmGuard(_) => None,
+        KernelObject::MapEntry(_)
+        | KernelObject::Nexthop(_)
+        | KernelObject::XfrmState(_)
+        | KernelObject::XfrmGuard(_) => None,
     }
 }
 
-/// The CIDRs among `objects` whose route identity a foreign object occupies, each reported.
-fn foreign_cidrs(
-    objects: &[KernelObject],
-    inventory: &Inventory,
-    node: &str,
-    errors: &mut Vec<InputError>,
-) -> Vec<IpNet> {
-    let mut out = Vec::new();
-    for o in objects {
-        if let Some(foreign) = inventory.foreign(&o.id()) {
-            err(
-                errors,
-                node,
-                InputProblem::Foreign {
-                    object: o.to_string(),
-                    foreign: foreign.to_string(),
-                },
-            );
-            if let Some(c) = key_cidr(o) {
-                out.push(c);
+/// What foreign objects keep from being written for one node: every object keyed by a CIDR
+/// whose route identity is foreign, and every object that would use a foreign one (a route
+/// through a nexthop ID someone else holds would send the node's traffic their way).
+struct Blocked {
+    cidrs: Vec<IpNet>,
+    ids: Vec<ObjectId>,
+}
+
+impl Blocked {
+    /// Finds what is blocked among `objects`, reporting each foreign object once.
+    fn find(
+        objects: &[KernelObject],
+        inventory: &Inventory,
+        node: &str,
+        errors: &mut Vec<InputError>,
+    ) -> Self {
+        let mut out = Self {
+            cidrs: Vec::new(),
+            ids: Vec::new(),
+        };
+        for o in objects {
+            let id = o.id();
+            if let Some(foreign) = inventory.foreign(&id) {
+                err(
+                    errors,
+                    node,
+                    InputProblem::Foreign {
+                        object: o.to_string(),
+                        foreign: foreign.to_string(),
+                    },
+                );
+                out.cidrs.extend(key_cidr(o));
+                out.ids.push(id);
             }
         }
+        out
     }
-    out
+
+    /// Whether `o` is not written: keyed by a blocked CIDR, using a foreign object, or a
+    /// nexthop that no route of `objects` that is written would use.
+    fn blocks(&self, o: &KernelObject, objects: &[KernelObject]) -> bool {
+        if let KernelObject::Nexthop(_) = o {
+            let id = o.id();
+            return !objects.iter().any(|r| {
+                r.uses().as_ref() == Some(&id)
+                    && key_cidr(r).is_none_or(|c| !self.cidrs.contains(&c))
+            });
+        }
+        key_cidr(o).is_some_and(|c| self.cidrs.contains(&c))
+            || o.uses().is_some_and(|u| self.ids.contains(&u))
+    }
 }
 
 #[cfg(test)]

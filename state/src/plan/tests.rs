@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::*;
 use crate::ids::FreedId;
 use crate::node::{AddressKind, NodeAddress};
-use crate::objects::{MapEntry, ObjectKind, Route, XfrmDir, XfrmState};
+use crate::objects::{MapEntry, Nexthop, NexthopId, ObjectKind, Route, Via, XfrmDir, XfrmState};
 
 const NOW: Duration = Duration::from_secs(1_000_000);
 
@@ -60,6 +60,9 @@ fn cfg() -> PlanConfig {
         local_node: "local".into(),
         local_addresses: vec![ip("10.0.0.100"), ip("fd00::100")],
         agent_version: "test".into(),
+        // The rules below are about nodes, not how routes reach them: their routes carry their
+        // gateways, and the nexthop rules have a section of their own.
+        route_nexthops: false,
         ..PlanConfig::default()
     }
 }
@@ -75,7 +78,7 @@ fn route(dst: &str, gw: &str) -> KernelObject {
     let dst = net(dst);
     KernelObject::Route(Route {
         dst,
-        gateway: ip(gw),
+        via: Via::Gateway(ip(gw)),
         metric: Route::default_metric(&dst),
     })
 }
@@ -86,6 +89,8 @@ fn route(dst: &str, gw: &str) -> KernelObject {
 struct Kernel {
     ours: BTreeMap<ObjectId, KernelObject>,
     foreign: BTreeMap<ObjectId, String>,
+    /// Our objects that foreign ones use.
+    used_by: BTreeMap<ObjectId, String>,
 }
 
 impl Kernel {
@@ -108,6 +113,13 @@ impl Kernel {
                         self.ours.remove(&o.id()).is_some(),
                         "delete of something not ours: {o}"
                     );
+                    // The kernel deletes the routes through a nexthop with it.
+                    let users: Vec<&KernelObject> = self
+                        .ours
+                        .values()
+                        .filter(|u| u.uses() == Some(o.id()))
+                        .collect();
+                    assert!(users.is_empty(), "{o} deleted while {users:?} use it");
                 }
             }
         }
@@ -119,6 +131,9 @@ impl Kernel {
         let mut inv: Inventory = self.ours.values().cloned().collect();
         for (id, what) in &self.foreign {
             inv.occupy(id.clone(), what.clone());
+        }
+        for (id, what) in &self.used_by {
+            inv.use_by_foreign(id.clone(), what.clone());
         }
         inv
     }
@@ -1511,4 +1526,221 @@ fn an_exhausted_id_space_holds_new_nodes_and_keeps_programmed_ones() {
     let p = later.plan(Some(&cp2), &[a(), c()], &k);
     assert_eq!(ids_of(&p.checkpoint)["c"], 2);
     assert!(p.allocations[0].reused_after.is_some());
+}
+
+// ---- Routes through nexthop objects ----
+
+fn with_nexthops() -> Run {
+    let mut r = Run::new();
+    r.cfg.route_nexthops = true;
+    r
+}
+fn nh(node: u16, gw: &str) -> KernelObject {
+    KernelObject::Nexthop(Nexthop {
+        node_id: id(node),
+        gateway: ip(gw),
+    })
+}
+fn nh_id(node: u16, family: Family) -> NexthopId {
+    NexthopId::of(id(node), family)
+}
+fn nh_route(dst: &str, node: u16) -> KernelObject {
+    let dst = net(dst);
+    KernelObject::Route(Route {
+        dst,
+        via: Via::Nexthop(nh_id(node, Family::of_net(&dst))),
+        metric: Route::default_metric(&dst),
+    })
+}
+
+#[test]
+fn routes_go_through_one_nexthop_per_node_and_family_created_before_them() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let dual = node(
+        "a",
+        &["10.0.0.1", "fd00::1"],
+        &["10.1.1.0/24", "10.1.101.0/24", "fd01:1::/64"],
+    );
+    let (p, _) = r.reconcile(None, &[dual], &mut k);
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    for o in [
+        nh(1, "10.0.0.1"),
+        nh(1, "fd00::1"),
+        nh_route("10.1.1.0/24", 1),
+        nh_route("10.1.101.0/24", 1),
+        nh_route("fd01:1::/64", 1),
+    ] {
+        assert!(k.has(&o), "{o} missing");
+    }
+    assert_eq!(k.len(), 2 + 2 + 3);
+    let ops = p.ops();
+    let first_route = ops
+        .iter()
+        .position(|o| o.object().kind() == ObjectKind::Route);
+    let last_nexthop = ops
+        .iter()
+        .rposition(|o| o.object().kind() == ObjectKind::Nexthop);
+    assert!(last_nexthop < first_route, "{ops:?}");
+}
+
+#[test]
+fn readdressing_a_node_rewrites_its_nexthop_and_no_route() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    let moved = node("a", &["10.0.0.9"], &["10.1.1.0/24"]);
+    let (p, _) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
+    let ops: Vec<String> = p
+        .ops()
+        .iter()
+        .map(|o| format!("{} {}", o.verb(), o.object()))
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            "delete map 10.0.0.1 -> node 1",
+            "create map 10.0.0.9 -> node 1",
+            "replace nexthop 201400001 via 10.0.0.9 node 1",
+        ]
+    );
+    assert!(k.has(&nh_route("10.1.1.0/24", 1)));
+}
+
+#[test]
+fn a_new_node_id_moves_the_routes_before_the_old_nexthop_goes() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    // `a` is replaced under its name: a new node, a new ID, the same CIDR.
+    let mut again = a();
+    again.uid = "uid-a-2".into();
+    // The model kernel fails the test if a nexthop goes while a route still uses it.
+    let (p, cp) = r.reconcile(Some(&cp), &[again, b(), c(), d()], &mut k);
+    assert_eq!(ids_of(&cp)["a"], 5);
+    let late: Vec<ObjectId> = p
+        .late_delete_ops()
+        .iter()
+        .map(|(o, _)| o.object().id())
+        .collect();
+    assert_eq!(
+        late,
+        [ObjectId::Nexthop {
+            id: nh_id(1, Family::V4)
+        }]
+    );
+    assert!(
+        p.delete_ops()
+            .iter()
+            .all(|(o, _)| o.object().kind() != ObjectKind::Nexthop)
+    );
+    assert!(k.has(&nh_route("10.1.1.0/24", 5)) && k.has(&nh(5, "10.0.0.1")));
+    assert!(!k.ours.contains_key(&ObjectId::Nexthop {
+        id: nh_id(1, Family::V4)
+    }));
+}
+
+#[test]
+fn a_foreign_nexthop_at_a_nodes_id_keeps_its_routes_of_that_family_unwritten() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let taken = ObjectId::Nexthop {
+        id: nh_id(1, Family::V4),
+    };
+    k.foreign
+        .insert(taken.clone(), "nexthop 201400001 proto static".into());
+    let dual = node(
+        "a",
+        &["10.0.0.1", "fd00::1"],
+        &["10.1.1.0/24", "fd01:1::/64"],
+    );
+    let (p, _) = r.reconcile(None, &[dual], &mut k);
+    assert!(matches!(
+        problems(&p)[..],
+        [("a", InputProblem::Foreign { .. })]
+    ));
+    assert!(!k.ours.contains_key(&taken));
+    assert!(
+        !k.ours.values().any(|o| o.uses() == Some(taken.clone())),
+        "no route through it"
+    );
+    assert!(
+        k.has(&nh_route("fd01:1::/64", 1)),
+        "the other family is programmed"
+    );
+    assert!(k.has(&map("10.0.0.1", 1)));
+}
+
+#[test]
+fn a_nexthop_that_a_foreign_route_uses_outlives_its_node() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    let a_nh = ObjectId::Nexthop {
+        id: nh_id(1, Family::V4),
+    };
+    k.used_by.insert(
+        a_nh.clone(),
+        "route 192.168.7.0/24 table 100 proto static".into(),
+    );
+    let (p, _) = r.reconcile(Some(&cp), &[b(), c(), d()], &mut k);
+    assert!(
+        k.ours.contains_key(&a_nh),
+        "deleting it would delete their route"
+    );
+    assert!(!k.has(&nh_route("10.1.1.0/24", 1)) && !k.has(&map("10.0.0.1", 1)));
+    let e = p.errors.iter().find(|e| e.node == "a").expect("reported");
+    assert!(matches!(e.problem, InputProblem::InUse { .. }), "{e}");
+    assert!(e.to_string().contains("table 100"), "{e}");
+}
+
+#[test]
+fn routes_that_carry_their_gateway_move_to_nexthops_in_place() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let (_, cp) = Run::new().reconcile(None, &[a()], &mut k);
+    assert!(
+        k.has(&route("10.1.1.0/24", "10.0.0.1")),
+        "written without nexthops"
+    );
+    let (p, _) = r.reconcile(Some(&cp), &[a()], &mut k);
+    assert!(p.deletes.is_empty());
+    let ops: Vec<String> = p
+        .ops()
+        .iter()
+        .map(|o| format!("{} {}", o.verb(), o.object()))
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            "create nexthop 201400001 via 10.0.0.1 node 1",
+            "replace route 10.1.1.0/24 nhid 201400001 metric 0",
+        ]
+    );
+    // And back, for kernels or operators without nexthops: the routes first.
+    let (p, _) = Run::new().reconcile(Some(&cp), &[a()], &mut k);
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")) && k.len() == 2);
+    assert_eq!(p.late_delete_ops().len(), 1);
+}
+
+#[test]
+fn a_nexthop_goes_in_only_with_a_route_through_it() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    k.foreign.insert(
+        ObjectId::Route {
+            dst: net("10.1.1.0/24"),
+            metric: 0,
+        },
+        "route 10.1.1.0/24 proto static".into(),
+    );
+    let (p, _) = r.reconcile(None, &[a()], &mut k);
+    assert!(matches!(
+        problems(&p)[..],
+        [("a", InputProblem::Foreign { .. })]
+    ));
+    assert_eq!(
+        k.ours.values().cloned().collect::<Vec<_>>(),
+        [map("10.0.0.1", 1)]
+    );
 }

@@ -16,13 +16,13 @@ use node_agent_common::NodeValue;
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
 use node_agent_tests::{ip, run, sandbox};
-use state::objects::{KernelObject, MapEntry, NodeId, Op, Route};
+use state::objects::{KernelObject, MapEntry, NodeId, Op, Route, Via};
 
 fn route(dst: &str, gw: &str) -> KernelObject {
     let dst = dst.parse::<IpNet>().unwrap();
     KernelObject::Route(Route {
         dst,
-        gateway: gw.parse::<IpAddr>().unwrap(),
+        via: Via::Gateway(gw.parse::<IpAddr>().unwrap()),
         metric: Route::default_metric(&dst),
     })
 }
@@ -43,19 +43,19 @@ fn deletes(objs: &[KernelObject]) -> Vec<Op> {
     objs.iter().cloned().map(Op::Delete).collect()
 }
 
-fn all_ok(results: Vec<Result<(), OpError>>) {
+pub(crate) fn all_ok(results: Vec<Result<(), OpError>>) {
     for r in results {
         r.unwrap_or_else(|e| panic!("operation failed: {e}"));
     }
 }
 
-fn sorted(mut v: Vec<KernelObject>) -> Vec<KernelObject> {
+pub(crate) fn sorted(mut v: Vec<KernelObject>) -> Vec<KernelObject> {
     v.sort();
     v
 }
 
 /// A veth pair with both ends up, so gateways in 10.88.0.0/16 and fd00:88::/64 are on-link.
-fn link_with_gateways() {
+pub(crate) fn link_with_gateways() {
     ip(&["link", "add", "gw0", "type", "veth", "peer", "name", "gw1"]);
     ip(&["addr", "add", "10.88.0.1/16", "dev", "gw0"]);
     ip(&["addr", "add", "fd00:88::1/64", "dev", "gw0", "nodad"]);

@@ -33,5 +33,6 @@ mod image;
 mod invariants;
 mod ipsec;
 mod kube;
+mod nexthops;
 mod rules;
 mod xfrm;

@@ -31,9 +31,9 @@
 //! # The files
 //!
 //! [`keys`] the key file, [`message`] the messages we send, [`parse`] the dumps we read back,
-//! [`states`] and [`policies`] the operations, [`request`] the one request helper and the quiet
-//! codec (netlink-proto's default codec logs every message, keys included), [`probe`] the ESP
-//! check, [`stats`] the kernel's counters. Netlink errors mean the same here as for routes
+//! [`states`] and [`policies`] the operations, [`super::request`] the request helper and the
+//! quiet codec it shares with the nexthop backend (netlink-proto's default codec logs every
+//! message, keys included), [`probe`] the ESP check, [`stats`] the kernel's counters. Netlink errors mean the same here as for routes
 //! ([`crate::backends::netlink`]).
 
 pub mod keys;
@@ -41,7 +41,6 @@ pub mod message;
 pub mod parse;
 mod policies;
 pub mod probe;
-pub mod request;
 mod states;
 pub mod stats;
 
@@ -65,8 +64,8 @@ pub use self::keys::{IpsecKey, KeyBook, KeyFile};
 pub use self::message::REQID;
 use self::parse::{ParsedPolicy, parse_policy, parse_state};
 pub use self::probe::ProbeError;
-use self::request::request;
 use super::netlink::KernelError;
+use super::request::{self, request};
 use super::{Backend, DumpError, OpError};
 
 /// Requests in flight on the netlink socket at once.
@@ -94,7 +93,7 @@ impl XfrmBackend {
     /// and deletes need none. Replace them with [`Self::set_keys`].
     pub fn new(keys: KeyBook) -> io::Result<Self> {
         Ok(Self {
-            handle: request::connect()?,
+            handle: request::connect(netlink_proto::sys::protocols::NETLINK_XFRM)?,
             keys: Arc::new(keys),
             writes: Arc::new(AtomicU64::new(0)),
         })

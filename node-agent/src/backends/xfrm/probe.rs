@@ -15,8 +15,8 @@ use netlink_packet_xfrm::{
 use super::XfrmBackend;
 use super::keys::RFC4106_GCM_AES;
 use super::message::{REQID, aead, name, sa_id};
-use super::request::request;
 use crate::backends::netlink::KernelError;
+use crate::backends::request::request;
 
 /// The throwaway state: TEST-NET-1 addresses (RFC 5737, never routed), an SPI no node uses, and
 /// a mark whose direction bits (0xA) are not ours, so our dumps never list it, under a full mask

@@ -12,7 +12,7 @@ use node_agent::datapath::{Datapath, DatapathConfig, node_ids_pin};
 use node_agent_common::{NodeKey, NodeValue};
 use node_agent_tests::runtime;
 use node_agent_tests::{ip, ip_batch, sandbox};
-use state::objects::{KernelObject, MapEntry, NodeId, Op, Route};
+use state::objects::{KernelObject, MapEntry, NodeId, Op, Route, Via};
 
 use super::{bench, elem, enabled, ms, obj_get};
 
@@ -82,7 +82,7 @@ fn bench_backends_against_their_floors() {
                 let dst = cidr(i).parse().unwrap();
                 KernelObject::Route(Route {
                     dst,
-                    gateway: gateway(i).parse().unwrap(),
+                    via: Via::Gateway(gateway(i).parse().unwrap()),
                     metric: Route::default_metric(&dst),
                 })
             })

@@ -1,5 +1,6 @@
-//! The one way the xfrm backend talks to the kernel: a request over a connection whose codec
-//! never logs, answered by messages or a [`KernelError`].
+//! The one way the xfrm and nexthop backends talk to the kernel (netlink-proto connections of
+//! message types rtnetlink does not carry): a request over a connection whose codec never logs,
+//! answered by messages or a [`KernelError`].
 
 use std::fmt;
 use std::io;
@@ -10,22 +11,23 @@ use netlink_packet_core::{
     NLM_F_REQUEST, NetlinkBuffer, NetlinkDeserializable, NetlinkHeader, NetlinkMessage,
     NetlinkPayload, NetlinkSerializable,
 };
-use netlink_packet_xfrm::XfrmMessage;
-use netlink_proto::sys::{AsyncSocket, SocketAddr, TokioSocket, protocols::NETLINK_XFRM};
+use netlink_proto::sys::{AsyncSocket, SocketAddr, TokioSocket};
 use netlink_proto::{ConnectionHandle, NetlinkMessageCodec};
 
 use crate::backends::netlink::{KernelError, ext_ack_message};
 
-/// Opens an xfrm netlink connection in the current network namespace and spawns its driver on
-/// the current tokio runtime.
+/// Opens a netlink connection of `protocol` for messages `T` in the current network namespace
+/// and spawns its driver on the current tokio runtime.
 ///
 /// The socket sets `NETLINK_CAP_ACK`, so the kernel's error replies do not echo the request (and
-/// the key it may carry) back, and `NETLINK_EXT_ACK`, so errors carry the kernel's own message.
-pub fn connect() -> io::Result<ConnectionHandle<XfrmMessage>> {
+/// the key an xfrm state may carry) back, and `NETLINK_EXT_ACK`, so errors carry the kernel's
+/// own message.
+pub fn connect<T>(protocol: isize) -> io::Result<ConnectionHandle<T>>
+where
+    T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable + Unpin + Send + 'static,
+{
     let (mut conn, handle, _unsolicited) =
-        netlink_proto::new_connection_with_codec::<XfrmMessage, TokioSocket, QuietCodec>(
-            NETLINK_XFRM,
-        )?;
+        netlink_proto::new_connection_with_codec::<T, TokioSocket, QuietCodec>(protocol)?;
     let socket = conn.socket_mut().socket_mut();
     socket.set_cap_ack(true)?;
     socket.set_ext_ack(true)?;
@@ -34,11 +36,14 @@ pub fn connect() -> io::Result<ConnectionHandle<XfrmMessage>> {
 }
 
 /// Sends one request and collects its answers; a NACK becomes a [`KernelError`].
-pub async fn request(
-    handle: &ConnectionHandle<XfrmMessage>,
-    msg: XfrmMessage,
+pub async fn request<T>(
+    handle: &ConnectionHandle<T>,
+    msg: T,
     flags: u16,
-) -> Result<Vec<XfrmMessage>, KernelError> {
+) -> Result<Vec<T>, KernelError>
+where
+    T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable,
+{
     let mut nl = NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::InnerMessage(msg));
     nl.header.flags = NLM_F_REQUEST | flags;
     nl.finalize();
@@ -80,7 +85,7 @@ impl NetlinkMessageCodec for QuietCodec {
                 Err(_) => {
                     tracing::error!(
                         bytes = src.len(),
-                        "truncated or malformed xfrm netlink datagram; dropped"
+                        "truncated or malformed netlink datagram; dropped"
                     );
                     src.clear();
                     return Ok(None);
@@ -91,7 +96,7 @@ impl NetlinkMessageCodec for QuietCodec {
                 Ok(packet) => return Ok(Some(packet)),
                 Err(e) => {
                     // The error names what failed to parse, never the bytes.
-                    tracing::error!(error = %e, "undecodable xfrm netlink message; skipped");
+                    tracing::error!(error = %e, "undecodable netlink message; skipped");
                 }
             }
         }

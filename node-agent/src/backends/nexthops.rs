@@ -1,0 +1,261 @@
+//! The nexthop backend: one nexthop object per remote node and family, which that node's routes
+//! go through (`nhid`), over rtnetlink.
+//!
+//! Our nexthops carry our route protocol (`--route-protocol`, 201 by default) and an ID in the
+//! agent's range ([`NexthopId`]); both make one ours. The dump lists every nexthop of the
+//! namespace: one in our range without our protocol, or ours in a shape the agent never writes
+//! (a group, a blackhole), is foreign, and its ID is reported as occupied, so neither it nor a
+//! route through it is ever written (invariant 6).
+//!
+//! The kernel wants a device for a gateway nexthop. The device is the kernel's own answer for
+//! the gateway when it is written (`ip route get fibmatch GW`: the connected route that holds
+//! it), asked once per connected prefix and batch; a gateway that is not on a connected prefix
+//! is unreachable, as it is for a route that carries its gateway.
+//!
+//! Creates are exclusive and replaces in place, as for routes. A delete names the ID alone (the
+//! kernel takes no protocol on a delete), and deleting a nexthop deletes every route through
+//! it: the planner has moved or deleted our routes first ([`ObjectKind::deleted_last`]), and
+//! never deletes a nexthop a foreign route uses (the route backend reports those).
+//!
+//! [`ObjectKind::deleted_last`]: state::objects::ObjectKind::deleted_last
+
+pub mod message;
+
+use std::io;
+use std::net::IpAddr;
+
+use futures::StreamExt;
+use ipnet::IpNet;
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader,
+    NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_route::route::{
+    RouteAddress, RouteAttribute, RouteFlags, RouteMessage, RouteType,
+};
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+use netlink_proto::ConnectionHandle;
+use netlink_proto::sys::protocols::NETLINK_ROUTE;
+use state::inventory::Inventory;
+use state::node::Family;
+use state::objects::{KernelObject, Nexthop, NexthopId, ObjectId, ObjectKind, Op};
+
+use self::message::{NexthopMessage, Verb};
+use super::netlink::outcome;
+use super::request::{self, request};
+use super::{Backend, DumpError, OpError};
+
+/// Requests in flight on the netlink socket at once.
+const PIPELINE: usize = 128;
+
+pub struct NexthopBackend {
+    handle: ConnectionHandle<NexthopMessage>,
+    /// For the device lookups.
+    routes: rtnetlink::Handle,
+    protocol: u8,
+}
+
+impl NexthopBackend {
+    /// Opens the sockets in the current network namespace (needs a tokio runtime) and asks the
+    /// kernel whether it has nexthop objects: `Ok(None)` when it has not (before 5.3).
+    pub async fn open(protocol: u8) -> io::Result<Option<Self>> {
+        let handle = request::connect::<NexthopMessage>(NETLINK_ROUTE)?;
+        let (conn, routes, _) = rtnetlink::new_connection()?;
+        tokio::spawn(conn);
+        let probe = NexthopMessage {
+            verb: Verb::Get,
+            id: Some(u32::MAX),
+            ..NexthopMessage::default()
+        };
+        match request(&handle, probe, 0).await {
+            Ok(_) => {}
+            Err(e) if e.errno() == Some(libc::ENOENT) => {}
+            Err(e) if e.errno() == Some(libc::EOPNOTSUPP) => return Ok(None),
+            Err(e) => return Err(e.into_io()),
+        }
+        Ok(Some(Self {
+            handle,
+            routes,
+            protocol,
+        }))
+    }
+
+    /// Sorts one nexthop of the dump into `inv`.
+    fn parse_into(&self, m: &NexthopMessage, inv: &mut Inventory) {
+        let Some(id) = m.id.map(NexthopId) else {
+            return;
+        };
+        let Some((node_id, family)) = id.decode() else {
+            return; // not at an identity we write
+        };
+        let ours = m.protocol == self.protocol;
+        match m.gateway {
+            Some(gateway) if ours && !m.other && Family::of(&gateway) == family => {
+                inv.insert(KernelObject::Nexthop(Nexthop { node_id, gateway }));
+            }
+            _ => {
+                if ours {
+                    tracing::warn!(%id, protocol = self.protocol, "nexthop with our protocol but not in a shape we write (a group, a blackhole, no gateway of its family); leaving it alone");
+                }
+                inv.occupy(ObjectId::Nexthop { id }, describe(m, id));
+            }
+        }
+    }
+
+    /// The device of the connected prefix holding `gateway`, from `cache` or the kernel.
+    async fn device(
+        &self,
+        gateway: IpAddr,
+        cache: &mut Vec<(IpNet, u32)>,
+    ) -> Result<u32, io::Error> {
+        if let Some((_, oif)) = cache.iter().find(|(net, _)| net.contains(&gateway)) {
+            return Ok(*oif);
+        }
+        let (net, oif) = connected_route(&self.routes, gateway).await?;
+        cache.push((net, oif));
+        Ok(oif)
+    }
+
+    async fn apply_one(
+        handle: ConnectionHandle<NexthopMessage>,
+        op: Op,
+        msg: Result<NexthopMessage, OpError>,
+    ) -> Result<(), OpError> {
+        let msg = msg?;
+        let flags = match &op {
+            Op::Create(_) => NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+            Op::Replace(_) => NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+            Op::Delete(_) => NLM_F_ACK,
+        };
+        let answer = request(&handle, msg, flags).await.map(drop);
+        outcome(&op, answer, || op.object().to_string())
+    }
+}
+
+/// `ip route get fibmatch <gateway>`: the connected route (no gateway of its own, unicast)
+/// that holds `gateway`, as its prefix and device.
+async fn connected_route(
+    handle: &rtnetlink::Handle,
+    gateway: IpAddr,
+) -> Result<(IpNet, u32), io::Error> {
+    let mut q = RouteMessage::default();
+    let (family, len, addr) = match gateway {
+        IpAddr::V4(a) => (AddressFamily::Inet, 32, RouteAddress::Inet(a)),
+        IpAddr::V6(a) => (AddressFamily::Inet6, 128, RouteAddress::Inet6(a)),
+    };
+    q.header.address_family = family;
+    q.header.destination_prefix_length = len;
+    q.header.flags = RouteFlags::FibMatch;
+    q.attributes.push(RouteAttribute::Destination(addr));
+    let mut req = NetlinkMessage::new(
+        NetlinkHeader::default(),
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetRoute(q)),
+    );
+    req.header.flags = NLM_F_REQUEST;
+    let mut answers = handle
+        .clone()
+        .request(req)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    let not_connected = || {
+        io::Error::new(
+            io::ErrorKind::HostUnreachable,
+            "no connected route holds it (only a route via another gateway, or none)",
+        )
+    };
+    while let Some(answer) = answers.next().await {
+        let r = match answer.payload {
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => r,
+            NetlinkPayload::Error(e) if e.code.is_some() => return Err(e.to_io()),
+            _ => continue,
+        };
+        let mut dst = None;
+        let mut oif = None;
+        for a in &r.attributes {
+            match a {
+                RouteAttribute::Destination(RouteAddress::Inet(a)) => dst = Some(IpAddr::V4(*a)),
+                RouteAttribute::Destination(RouteAddress::Inet6(a)) => dst = Some(IpAddr::V6(*a)),
+                RouteAttribute::Oif(i) => oif = Some(*i),
+                RouteAttribute::Gateway(_) | RouteAttribute::MultiPath(_) => {
+                    return Err(not_connected());
+                }
+                _ => {}
+            }
+        }
+        let unspecified = match gateway {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
+        let net = IpNet::new(
+            dst.unwrap_or(unspecified),
+            r.header.destination_prefix_length,
+        )
+        .map_err(|_| not_connected())?;
+        return match (r.header.kind, oif) {
+            (RouteType::Unicast, Some(oif)) if net.prefix_len() > 0 => Ok((net, oif)),
+            _ => Err(not_connected()),
+        };
+    }
+    Err(not_connected())
+}
+
+/// A foreign nexthop in words: `nexthop 201400005 via 10.0.0.2 proto static`.
+fn describe(m: &NexthopMessage, id: NexthopId) -> String {
+    let proto = match m.protocol {
+        2 => "kernel".to_string(),
+        3 => "boot".to_string(),
+        4 => "static".to_string(),
+        p => p.to_string(),
+    };
+    match m.gateway {
+        Some(gw) => format!("nexthop {id} via {gw} proto {proto}"),
+        None => format!("nexthop {id} proto {proto}"),
+    }
+}
+
+impl Backend for NexthopBackend {
+    async fn dump_into(&mut self, inv: &mut Inventory) -> Result<(), DumpError> {
+        let all = request(&self.handle, NexthopMessage::dump(), NLM_F_DUMP)
+            .await
+            .map_err(|e| DumpError::Kernel {
+                kind: ObjectKind::Nexthop,
+                source: e.into_io(),
+            })?;
+        for m in &all {
+            self.parse_into(m, inv);
+        }
+        Ok(())
+    }
+
+    async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
+        let mut cache = Vec::new();
+        let mut jobs = Vec::with_capacity(ops.len());
+        for op in ops {
+            let KernelObject::Nexthop(nh) = op.object() else {
+                unreachable!("Backends::apply routes only nexthops here");
+            };
+            let msg = match op {
+                Op::Delete(_) => Ok(NexthopMessage::del(nh.id().0)),
+                Op::Create(_) | Op::Replace(_) => match self.device(nh.gateway, &mut cache).await {
+                    Ok(oif) => Ok(NexthopMessage::new(
+                        nh.id().0,
+                        nh.gateway,
+                        oif,
+                        self.protocol,
+                    )),
+                    Err(source) => Err(OpError::GatewayUnreachable {
+                        object: op.object().to_string(),
+                        gateway: nh.gateway,
+                        source,
+                    }),
+                },
+            };
+            jobs.push((op.clone(), msg));
+        }
+        let handle = self.handle.clone();
+        futures::stream::iter(jobs)
+            .map(|(op, msg)| Self::apply_one(handle.clone(), op, msg))
+            .buffered(PIPELINE)
+            .collect()
+            .await
+    }
+}

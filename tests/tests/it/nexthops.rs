@@ -1,0 +1,223 @@
+//! Kernel tier: the nexthop backend, and routes through its nexthops, against the real kernel.
+//!
+//! Each test runs in its own network namespace.
+
+use ipnet::IpNet;
+use node_agent::backends::nexthops::NexthopBackend;
+use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
+use node_agent::backends::{Backend, OpError};
+use node_agent_tests::{ip, require_sandbox, runtime, sandbox};
+use state::inventory::Inventory;
+use state::node::Family;
+use state::objects::{KernelObject, Nexthop, NexthopId, NodeId, ObjectId, Op, Route, Via};
+
+use crate::backends::{all_ok, link_with_gateways, sorted};
+
+fn nh(node: u16, gw: &str) -> KernelObject {
+    KernelObject::Nexthop(Nexthop {
+        node_id: NodeId::new(node).unwrap(),
+        gateway: gw.parse().unwrap(),
+    })
+}
+
+fn nh_id(node: u16, family: Family) -> NexthopId {
+    NexthopId::of(NodeId::new(node).unwrap(), family)
+}
+
+fn route(dst: &str, node: u16) -> KernelObject {
+    let dst: IpNet = dst.parse().unwrap();
+    KernelObject::Route(Route {
+        dst,
+        via: Via::Nexthop(nh_id(node, Family::of_net(&dst))),
+        metric: Route::default_metric(&dst),
+    })
+}
+
+fn ops(f: fn(KernelObject) -> Op, objs: &[KernelObject]) -> Vec<Op> {
+    objs.iter().cloned().map(f).collect()
+}
+
+fn shown(args: &[&str]) -> String {
+    String::from_utf8(ip(args).stdout).unwrap()
+}
+
+async fn open() -> NexthopBackend {
+    NexthopBackend::open(DEFAULT_ROUTE_PROTOCOL)
+        .await
+        .unwrap()
+        .expect("this kernel has nexthop objects (5.3 and later)")
+}
+
+#[test]
+fn routes_go_through_our_nexthops_and_a_readdress_rewrites_one_nexthop() {
+    require_sandbox!("routes_go_through_our_nexthops_and_a_readdress_rewrites_one_nexthop");
+    sandbox(|_| {
+        link_with_gateways();
+        runtime().block_on(async {
+            let mut n = open().await;
+            let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            let hops = vec![nh(1, "10.88.0.2"), nh(1, "fd00:88::2"), nh(2, "10.88.0.3")];
+            let routes = vec![
+                route("10.244.1.0/24", 1),
+                route("10.244.101.0/24", 1),
+                route("fd00:244:1::/64", 1),
+                route("10.244.2.0/24", 2),
+            ];
+            all_ok(n.apply(&ops(Op::Create, &hops)).await);
+            all_ok(r.apply(&ops(Op::Create, &routes)).await);
+            assert_eq!(sorted(n.dump().await.unwrap()), sorted(hops.clone()));
+            assert_eq!(sorted(r.dump().await.unwrap()), sorted(routes.clone()));
+            let listed = shown(&["nexthop", "show", "id", "201400001"]);
+            assert!(
+                listed.contains("via 10.88.0.2 dev gw0") && listed.contains("proto 201"),
+                "{listed}"
+            );
+            let v4 = shown(&["route", "show", "proto", "201"]);
+            assert!(
+                v4.contains("10.244.1.0/24 nhid 201400001 via 10.88.0.2"),
+                "{v4}"
+            );
+
+            // Node 1 readdressed: one nexthop replaced, its routes follow untouched.
+            let moved = nh(1, "10.88.0.9");
+            all_ok(n.apply(&[Op::Replace(moved.clone())]).await);
+            let got = shown(&["route", "get", "10.244.101.7"]);
+            assert!(got.contains("via 10.88.0.9"), "{got}");
+            assert_eq!(sorted(r.dump().await.unwrap()), sorted(routes.clone()));
+
+            // Routes first, then nexthops: nothing of ours is left.
+            all_ok(r.apply(&ops(Op::Delete, &routes)).await);
+            let now = vec![moved, hops[1].clone(), hops[2].clone()];
+            all_ok(n.apply(&ops(Op::Delete, &now)).await);
+            assert!(n.dump().await.unwrap().is_empty() && r.dump().await.unwrap().is_empty());
+            // Deleting what is already gone is not an error.
+            all_ok(n.apply(&ops(Op::Delete, &now)).await);
+        });
+    });
+}
+
+#[test]
+fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
+    require_sandbox!("foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched");
+    sandbox(|_| {
+        link_with_gateways();
+        // In our range but not ours; outside our range; ours with a foreign user.
+        ip(&[
+            "nexthop",
+            "add",
+            "id",
+            "201400003",
+            "via",
+            "10.88.0.5",
+            "dev",
+            "gw0",
+            "proto",
+            "static",
+        ]);
+        ip(&[
+            "nexthop",
+            "add",
+            "id",
+            "7",
+            "via",
+            "10.88.0.6",
+            "dev",
+            "gw0",
+            "proto",
+            "201",
+        ]);
+        runtime().block_on(async {
+            let mut n = open().await;
+            let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            all_ok(n.apply(&[Op::Create(nh(1, "10.88.0.2"))]).await);
+            ip(&[
+                "route",
+                "add",
+                "192.168.7.0/24",
+                "nhid",
+                "201400001",
+                "table",
+                "100",
+                "proto",
+                "static",
+            ]);
+
+            let mut inv = Inventory::new();
+            n.dump_into(&mut inv).await.unwrap();
+            r.dump_into(&mut inv).await.unwrap();
+            let taken = ObjectId::Nexthop {
+                id: nh_id(3, Family::V4),
+            };
+            let foreign = inv
+                .foreign(&taken)
+                .expect("the foreign nexthop is reported");
+            assert!(
+                foreign.contains("201400003") && foreign.contains("static"),
+                "{foreign}"
+            );
+            assert_eq!(
+                inv.objects().cloned().collect::<Vec<_>>(),
+                vec![nh(1, "10.88.0.2")]
+            );
+            let user = inv
+                .foreign_user(&ObjectId::Nexthop {
+                    id: nh_id(1, Family::V4),
+                })
+                .expect("the route through ours is reported");
+            assert!(
+                user.contains("192.168.7.0/24") && user.contains("table 100"),
+                "{user}"
+            );
+
+            // An exclusive create never takes the foreign nexthop's ID.
+            let results = n.apply(&[Op::Create(nh(3, "10.88.0.7"))]).await;
+            assert!(
+                matches!(results[0], Err(OpError::Occupied { .. })),
+                "{results:?}"
+            );
+        });
+        let all = shown(&["nexthop", "show"]);
+        assert!(
+            all.contains("id 201400003 via 10.88.0.5") && all.contains("id 7 via 10.88.0.6"),
+            "{all}"
+        );
+        let t100 = shown(&["route", "show", "table", "100"]);
+        assert!(t100.contains("192.168.7.0/24 nhid 201400001"), "{t100}");
+    });
+}
+
+#[test]
+fn a_nexthop_gateway_on_no_connected_prefix_is_unreachable_and_the_others_go_in() {
+    require_sandbox!(
+        "a_nexthop_gateway_on_no_connected_prefix_is_unreachable_and_the_others_go_in"
+    );
+    sandbox(|_| {
+        link_with_gateways();
+        // A gateway only reachable through another gateway is no nexthop of a connected link.
+        ip(&["route", "add", "198.51.100.0/24", "via", "10.88.0.254"]);
+        runtime().block_on(async {
+            let mut n = open().await;
+            let results = n
+                .apply(&ops(
+                    Op::Create,
+                    &[
+                        nh(9, "192.0.2.99"),
+                        nh(8, "198.51.100.8"),
+                        nh(1, "10.88.0.2"),
+                    ],
+                ))
+                .await;
+            for (r, gw) in results[..2].iter().zip(["192.0.2.99", "198.51.100.8"]) {
+                match r {
+                    Err(e @ OpError::GatewayUnreachable { gateway, .. }) => {
+                        assert_eq!(gateway.to_string(), gw);
+                        assert!(e.to_string().contains("nexthop 20140000"), "{e}");
+                    }
+                    other => panic!("expected an unreachable gateway, got {other:?}"),
+                }
+            }
+            results[2].as_ref().expect("the reachable one goes in");
+            assert_eq!(n.dump().await.unwrap(), vec![nh(1, "10.88.0.2")]);
+        });
+    });
+}
