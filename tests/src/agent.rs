@@ -207,6 +207,42 @@ impl AgentEnv {
         out
     }
 
+    /// Every nexthop of the namespace, ours or not: `id -> (gateway, protocol)`.
+    pub fn nexthops(&self) -> BTreeMap<u32, (String, String)> {
+        let o = ip(&["-j", "nexthop", "show"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        let mut out = BTreeMap::new();
+        for n in v.as_array().into_iter().flatten() {
+            out.insert(
+                n["id"].as_u64().unwrap() as u32,
+                (
+                    n["gateway"].as_str().unwrap_or("-").to_owned(),
+                    n["protocol"].as_str().unwrap_or("unspec").to_owned(),
+                ),
+            );
+        }
+        out
+    }
+
+    /// The routes of `table` (both families) that go through a nexthop: `dst -> nhid`.
+    pub fn routes_through_nexthops(&self, table: &str) -> BTreeMap<String, u32> {
+        let mut out = BTreeMap::new();
+        for family in ["-4", "-6"] {
+            // A table with no route yet does not exist: the kernel says so, and that is empty.
+            let o = Command::new("ip")
+                .args([family, "-j", "route", "show", "table", table])
+                .output()
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+            for r in v.as_array().into_iter().flatten() {
+                if let Some(id) = r["nhid"].as_u64() {
+                    out.insert(r["dst"].as_str().unwrap().to_owned(), id as u32);
+                }
+            }
+        }
+        out
+    }
+
     /// `node-agent run` with this environment's flags and `extra`.
     pub fn command(&self, extra: &[&str]) -> Command {
         let mut c = Command::new(agent_bin());

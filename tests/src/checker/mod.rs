@@ -167,21 +167,62 @@ fn shrink(steps: &[Step], list_seed: u64, profile: Profile) -> Vec<Step> {
     current
 }
 
-/// Plants or clears the foreign routes the truth says exist.
+/// Plants or clears the foreign objects the truth says exist: per slot, a `proto static` route
+/// at the slot's pod CIDR, a route in table 100 through the IPv4 nexthop of node ID slot+1 (if
+/// the agent made one: a foreign user it must never delete along with it), and an IPv6 nexthop
+/// of its own at node ID slot+1's nexthop ID.
 fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
+    let quiet = |args: &[&str]| {
+        let _ = Command::new("ip").args(args).output();
+    };
     for s in planted.iter().filter(|s| !want.contains(s)) {
-        let _ = Command::new("ip")
-            .args(["route", "del", &slot_cidr4(*s), "proto", "static"])
-            .output();
+        quiet(&["route", "del", &slot_cidr4(*s), "proto", "static"]);
+        quiet(&[
+            "route",
+            "del",
+            &slot_cidr4(*s),
+            "table",
+            oracle::FOREIGN_TABLE,
+        ]);
+        quiet(&[
+            "nexthop",
+            "del",
+            "id",
+            &oracle::nexthop_id(*s as u16 + 1, true).to_string(),
+        ]);
     }
     for s in want.iter().filter(|s| !planted.contains(s)) {
-        // `replace`: if a route of ours is there, someone else's takes its place.
+        // `replace`: if an object of ours is there, someone else's takes its place.
         ip(&[
             "route",
             "replace",
             &slot_cidr4(*s),
             "via",
             "10.88.3.250",
+            "proto",
+            "static",
+        ]);
+        let id = *s as u16 + 1;
+        quiet(&[
+            "route",
+            "replace",
+            &slot_cidr4(*s),
+            "table",
+            oracle::FOREIGN_TABLE,
+            "nhid",
+            &oracle::nexthop_id(id, false).to_string(),
+            "proto",
+            "static",
+        ]);
+        ip(&[
+            "nexthop",
+            "replace",
+            "id",
+            &oracle::nexthop_id(id, true).to_string(),
+            "via",
+            "fd00:88::250",
+            "dev",
+            "gw0",
             "proto",
             "static",
         ]);
@@ -293,11 +334,8 @@ pub fn run_history(
         for (i, step) in steps.iter().enumerate() {
             truth.apply(&step.change);
             sync_foreign(&mut planted, &truth.foreign);
-            // Planting a foreign route over ours is someone else's change, not the agent's.
-            before = Snapshot {
-                routes: env.all_routes(),
-                ..before
-            };
+            // Planting a foreign object over ours is someone else's change, not the agent's.
+            before = before.with_foreign_of(&env);
             let list = truth.list(&step.view, &mut rng);
             env.write_list(&list);
             let record_before = oracle::record(&env);
@@ -409,22 +447,17 @@ fn converge(
             "map entries after converging: want {want_ips:?}, have {have_ips:?}"
         ));
     }
-    let mut want_routes = std::collections::BTreeMap::new();
-    for n in &remote {
-        for c in &n.cidrs {
-            if truth.foreign.iter().any(|s| slot_cidr4(*s) == *c) {
-                continue;
-            }
-            let v6 = c.contains(':');
-            if let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) {
-                want_routes.insert(c.as_str(), gw.as_str());
-            }
-        }
-    }
+    let want_routes = oracle::wanted_routes(&remote, &after, &truth.foreign);
     if after.our_routes() != want_routes {
         broke.push(format!(
             "routes after converging: want {want_routes:?}, have {:?}",
             after.our_routes()
+        ));
+    }
+    let astray = after.astray_nexthops();
+    if !astray.is_empty() {
+        broke.push(format!(
+            "nexthops of ours after converging that no route uses or that name another node: {astray:?}"
         ));
     }
     let ids: std::collections::BTreeSet<u16> = remote

@@ -6,17 +6,36 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use state::node::Family;
+use state::objects::{NexthopId, NodeId};
+
 use crate::agent::{AgentEnv, TestNode, local_node};
 
 use super::model::slot_cidr4;
 
-/// What the kernel holds: our map entries, and every route of the main table.
+/// What the kernel holds: our map entries, every route of the main table, every nexthop, and
+/// the routes of table 100 (where the checker plants foreign routes through our nexthops).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Snapshot {
     /// Address -> node ID.
     pub map: BTreeMap<String, u16>,
     /// Destination -> (gateway, protocol).
     pub routes: BTreeMap<String, (String, String)>,
+    /// ID -> (gateway, protocol).
+    pub nexthops: BTreeMap<u32, (String, String)>,
+    /// Routes of the main table through a nexthop: destination -> nexthop ID.
+    pub nhids: BTreeMap<String, u32>,
+    /// Table 100's routes through a nexthop (all foreign): destination -> nexthop ID.
+    pub elsewhere: BTreeMap<String, u32>,
+}
+
+/// The table the checker plants foreign routes through our nexthops in.
+pub const FOREIGN_TABLE: &str = "100";
+
+/// The ID of node `id`'s nexthop of a family, as the agent numbers them.
+pub fn nexthop_id(id: u16, v6: bool) -> u32 {
+    let family = if v6 { Family::V6 } else { Family::V4 };
+    NexthopId::of(NodeId::new(id).expect("a remote node's ID"), family).0
 }
 
 fn ours(protocol: &str) -> bool {
@@ -34,7 +53,70 @@ impl Snapshot {
         Self {
             map,
             routes: env.all_routes(),
+            nexthops: env.nexthops(),
+            nhids: env.routes_through_nexthops("main"),
+            elsewhere: env.routes_through_nexthops(FOREIGN_TABLE),
         }
+    }
+
+    /// The same kernel with the foreign objects as they are now: planting them is someone
+    /// else's change, not the agent's.
+    pub fn with_foreign_of(self, env: &AgentEnv) -> Self {
+        Self {
+            routes: env.all_routes(),
+            nexthops: env.nexthops(),
+            elsewhere: env.routes_through_nexthops(FOREIGN_TABLE),
+            ..self
+        }
+    }
+
+    /// Our nexthops: ID -> gateway.
+    pub fn our_nexthops(&self) -> BTreeMap<u32, &str> {
+        self.nexthops
+            .iter()
+            .filter(|(_, (_, p))| ours(p))
+            .map(|(id, (g, _))| (*id, g.as_str()))
+            .collect()
+    }
+
+    pub fn foreign_nexthops(&self) -> BTreeMap<&u32, &(String, String)> {
+        self.nexthops
+            .iter()
+            .filter(|(_, (_, p))| !ours(p))
+            .collect()
+    }
+
+    /// Whether a foreign nexthop holds the ID of node `id`'s nexthop of a family: its routes of
+    /// that family must not be written.
+    pub fn nexthop_taken(&self, id: u16, v6: bool) -> bool {
+        self.nexthops
+            .get(&nexthop_id(id, v6))
+            .is_some_and(|(_, p)| !ours(p))
+    }
+
+    /// Our nexthops that no route uses, or that routes of ours use though the map gives their
+    /// gateway another node ID than the nexthop's. (A nexthop only a foreign route uses is
+    /// kept whoever it was for.)
+    pub fn astray_nexthops(&self) -> Vec<u32> {
+        let ours: BTreeSet<u32> = self
+            .nhids
+            .iter()
+            .filter(|(d, _)| self.our_routes().contains_key(d.as_str()))
+            .map(|(_, id)| *id)
+            .collect();
+        let theirs: BTreeSet<u32> = self.elsewhere.values().copied().collect();
+        self.our_nexthops()
+            .into_iter()
+            .filter(|(id, gw)| {
+                let node = NexthopId(*id).decode().map(|(n, _)| n.get());
+                match (ours.contains(id), theirs.contains(id)) {
+                    (false, false) => true,
+                    (true, _) => self.map.get(*gw).copied() != node,
+                    (false, true) => false,
+                }
+            })
+            .map(|(id, _)| id)
+            .collect()
     }
 
     pub fn our_routes(&self) -> BTreeMap<&str, &str> {
@@ -51,7 +133,7 @@ impl Snapshot {
 
     /// How many objects of ours there are.
     pub fn objects(&self) -> usize {
-        self.map.len() + self.our_routes().len()
+        self.map.len() + self.our_routes().len() + self.our_nexthops().len()
     }
 }
 
@@ -235,6 +317,13 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
             .keys()
             .filter(|d| !after_routes.contains_key(*d) && !claimed.contains(*d))
             .count();
+        let after_nexthops = f.after.our_nexthops();
+        objects += f
+            .before
+            .our_nexthops()
+            .iter()
+            .filter(|(id, gw)| !after_nexthops.contains_key(*id) && !claimed.contains(**gw))
+            .count();
     }
     (nodes, objects)
 }
@@ -256,6 +345,19 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             "foreign routes changed:\n  before {:?}\n  after  {:?}",
             f.before.foreign_routes(),
             f.after.foreign_routes()
+        ));
+    }
+    if f.before.foreign_nexthops() != f.after.foreign_nexthops() {
+        v.push(format!(
+            "foreign nexthops changed:\n  before {:?}\n  after  {:?}",
+            f.before.foreign_nexthops(),
+            f.after.foreign_nexthops()
+        ));
+    }
+    if f.before.elsewhere != f.after.elsewhere {
+        v.push(format!(
+            "foreign routes through our nexthops (table {FOREIGN_TABLE}) changed:\n  before {:?}\n  after  {:?}",
+            f.before.elsewhere, f.after.elsewhere
         ));
     }
     // A list without the local node changes nothing.
@@ -292,9 +394,13 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
                 ));
             }
         }
+        let id = n.ips.first().and_then(|ip| f.before.map.get(ip)).copied();
         for c in &n.cidrs {
+            // A route whose nexthop someone else took over goes: it would send their way.
+            let taken = id.is_some_and(|id| f.before.nexthop_taken(id, c.contains(':')));
             if f.before.our_routes().contains_key(c.as_str())
                 && !f.after.our_routes().contains_key(c.as_str())
+                && !taken
             {
                 v.push(format!("{}'s route {c} was deleted", n.name));
             }
@@ -320,6 +426,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
                 }
             }
             let routes = f.after.our_routes();
+            let id = n.ips.first().and_then(|ip| f.after.map.get(ip)).copied();
             for c in &n.cidrs {
                 let foreign = f.foreign_slots.iter().any(|s| slot_cidr4(*s) == *c);
                 let v6 = c.contains(':');
@@ -329,6 +436,13 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
                 if foreign {
                     if routes.contains_key(c.as_str()) {
                         v.push(format!("our route {c} sits where a foreign one should"));
+                    }
+                } else if id.is_some_and(|id| f.after.nexthop_taken(id, v6)) {
+                    if routes.contains_key(c.as_str()) {
+                        v.push(format!(
+                            "our route {c} is written though a foreign nexthop holds {}'s ID",
+                            n.name
+                        ));
                     }
                 } else if routes.get(c.as_str()) != Some(&gw.as_str()) {
                     v.push(format!(
@@ -380,15 +494,7 @@ pub fn exactness(list: &[TestNode], after: &Snapshot) -> (usize, usize) {
         .iter()
         .flat_map(|n| n.ips.iter().map(String::as_str))
         .collect();
-    let mut want_routes: BTreeMap<&str, &str> = BTreeMap::new();
-    for n in &remote {
-        for c in &n.cidrs {
-            let v6 = c.contains(':');
-            if let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) {
-                want_routes.insert(c, gw);
-            }
-        }
-    }
+    let want_routes = wanted_routes(&remote, after, &[]);
     let routes = after.our_routes();
     let leaked = after
         .map
@@ -398,7 +504,8 @@ pub fn exactness(list: &[TestNode], after: &Snapshot) -> (usize, usize) {
         + routes
             .iter()
             .filter(|(d, g)| want_routes.get(*d) != Some(g))
-            .count();
+            .count()
+        + after.astray_nexthops().len();
     let missing = want_ips
         .iter()
         .filter(|ip| !after.map.contains_key(**ip))
@@ -408,6 +515,31 @@ pub fn exactness(list: &[TestNode], after: &Snapshot) -> (usize, usize) {
             .filter(|(d, g)| routes.get(*d) != Some(g))
             .count();
     (leaked, missing)
+}
+
+/// The routes `remote` nodes need (`destination -> gateway`), but for CIDRs in a foreign slot
+/// and families whose nexthop ID a foreign nexthop holds.
+pub fn wanted_routes<'a>(
+    remote: &[&'a TestNode],
+    after: &Snapshot,
+    foreign_slots: &[usize],
+) -> BTreeMap<&'a str, &'a str> {
+    let mut want = BTreeMap::new();
+    for n in remote {
+        let id = n.ips.first().and_then(|ip| after.map.get(ip)).copied();
+        for c in &n.cidrs {
+            let v6 = c.contains(':');
+            if foreign_slots.iter().any(|s| slot_cidr4(*s) == *c)
+                || id.is_some_and(|id| after.nexthop_taken(id, v6))
+            {
+                continue;
+            }
+            if let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) {
+                want.insert(c.as_str(), gw.as_str());
+            }
+        }
+    }
+    want
 }
 
 /// How many listed nodes, unchanged since they were last seen, carry another ID than then;
