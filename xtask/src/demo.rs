@@ -168,7 +168,7 @@ fn drop_nodes(text: &str, gone: &[&str]) -> String {
         .collect()
 }
 
-/// The node-ID map and our routes, as an operator would look at them.
+/// The node-ID map, our nexthops and routes, as an operator would look at them.
 fn show_programmed(agent: &Path, bpffs: &Path) -> anyhow::Result<()> {
     show(&[
         agent.to_str().unwrap(),
@@ -177,6 +177,7 @@ fn show_programmed(agent: &Path, bpffs: &Path) -> anyhow::Result<()> {
         "--bpffs",
         bpffs.to_str().unwrap(),
     ])?;
+    show(&["ip", "nexthop", "list", "protocol", "201"])?;
     show(&["ip", "route", "show", "proto", "201"])?;
     show(&["ip", "-6", "route", "show", "proto", "201"])
 }

@@ -16,6 +16,8 @@ pub struct AgentConfig {
     pub datapath: DatapathConfig,
     /// Route protocol number that marks our routes.
     pub route_protocol: u8,
+    /// The maps grow online when they fill up.
+    pub node_map_grow: bool,
     /// Routes go through nexthop objects where the kernel has them.
     pub route_nexthops: bool,
     pub route_table: u32,
@@ -57,6 +59,7 @@ impl AgentConfig {
             datapath: DatapathConfig::new(bpffs),
             route_protocol: crate::backends::routes::DEFAULT_ROUTE_PROTOCOL,
             route_nexthops: true,
+            node_map_grow: true,
             route_table: crate::backends::routes::MAIN_TABLE,
             max_prune_ratio: 0.5,
             force_prune: false,

@@ -39,6 +39,9 @@ pub trait Kernel {
     /// holds the key material; the planner sees SPIs and tags only); `None` without IPsec.
     fn ipsec_keys(&mut self) -> Option<KeyRead>;
 
+    /// Grows the node-ID and pod-CIDR maps to `capacity` entries under the running datapath.
+    fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError>;
+
     /// Whether routes go through nexthop objects: the kernel has them and they are not turned
     /// off.
     fn route_nexthops(&self) -> bool;
@@ -100,6 +103,8 @@ pub mod fake {
         pub pending: Vec<String>,
         /// What [`Kernel::route_nexthops`] answers.
         pub nexthops: bool,
+        /// The capacities [`Kernel::grow_maps`] was asked for.
+        pub grown: Vec<u32>,
     }
 
     fn busy(what: &str) -> OpError {
@@ -192,6 +197,11 @@ pub mod fake {
 
         fn route_nexthops(&self) -> bool {
             self.nexthops
+        }
+
+        fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {
+            self.grown.push(capacity);
+            Ok(())
         }
     }
 }

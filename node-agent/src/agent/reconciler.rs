@@ -16,7 +16,7 @@ use state::ids::{AllocatorState, FreedId};
 use state::inventory::Inventory;
 use state::node::AddressKind;
 use state::objects::{KernelObject, ObjectId, ObjectKind, Op, XfrmDir};
-use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, Plan, PlanConfig};
+use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, InputProblem, Plan, PlanConfig};
 use state::rotation::rotation;
 
 use super::apply::{OpResult, apply_plan};
@@ -72,6 +72,8 @@ pub struct Reconciler<K: Kernel> {
     telemetry: Arc<Telemetry>,
     /// With IPsec: the key file's digest the last plan used, and when the rotation moves on.
     keys: Option<KeysUsed>,
+    /// A map capacity the kernel refused to grow to: not asked for again.
+    grow_refused: Option<u32>,
 }
 
 /// What the last plan made of the IPsec key file.
@@ -133,6 +135,7 @@ impl<K: Kernel> Reconciler<K> {
             pruned: BTreeSet::new(),
             telemetry,
             keys: None,
+            grow_refused: None,
         }
     }
 
@@ -308,7 +311,10 @@ impl<K: Kernel> Reconciler<K> {
             .unwrap_or_default();
         let now = wall_clock();
         self.refresh_ipsec(now);
-        let plan = self.make_plan(&inventory, now);
+        let mut plan = self.make_plan(&inventory, now);
+        if self.grow_maps_for(&plan, &inventory) {
+            plan = self.make_plan(&inventory, now);
+        }
         self.confirmed_hold = None;
         if self.live.synced() {
             let purged = self.kernel.purge_junk().await?;
@@ -399,6 +405,35 @@ impl<K: Kernel> Reconciler<K> {
             failed,
             pruned,
         })
+    }
+
+    /// Grows the maps when `plan` would leave them more than three quarters full or could not
+    /// place a node for want of room; returns whether they grew (the plan is then made again).
+    /// A capacity the kernel refused is not asked for again by this agent.
+    fn grow_maps_for(&mut self, plan: &Plan, inventory: &Inventory) -> bool {
+        let capacity = self.plan_config.map_capacity;
+        if !self.config.node_map_grow {
+            return false;
+        }
+        let Some(target) = map_growth(plan, inventory, capacity) else {
+            return false;
+        };
+        if self.grow_refused == Some(target) {
+            return false;
+        }
+        match self.kernel.grow_maps(target) {
+            Ok(()) => {
+                tracing::info!(from = capacity, to = target, "node-ID map grown online");
+                self.plan_config.map_capacity = target as usize;
+                self.config.datapath.node_map_max = target;
+                true
+            }
+            Err(e) => {
+                tracing::error!("{e}; the maps keep their {capacity} entries");
+                self.grow_refused = Some(target);
+                false
+            }
+        }
     }
 
     /// Counts and logs the repair of an object that drifted.
@@ -582,6 +617,41 @@ impl<K: Kernel> Reconciler<K> {
 
 /// Merges freed IDs the kernel remembers into the checkpoint's, keeping the later time of each:
 /// the safer cool-down.
+/// The capacity the maps should grow to for `plan`, if they should: when the entries it leaves
+/// in either map, plus those of nodes it held for want of room, fill more than three quarters of
+/// `capacity`, double it until they do not (a hash map that full keeps its lookups short, and a
+/// burst of new nodes finds room), up to the largest map the agent makes.
+fn map_growth(plan: &Plan, inventory: &Inventory, capacity: usize) -> Option<u32> {
+    let after = |kind: ObjectKind| {
+        let creates = plan
+            .upserts
+            .iter()
+            .filter(|u| !u.update && u.object.kind() == kind)
+            .count();
+        let deletes = plan
+            .deletes
+            .iter()
+            .filter(|d| d.object.kind() == kind)
+            .count();
+        (inventory.count(kind) + creates).saturating_sub(deletes)
+    };
+    let waiting: usize = plan
+        .errors
+        .iter()
+        .filter_map(|e| match e.problem {
+            InputProblem::MapFull { needed, .. } => Some(needed),
+            _ => None,
+        })
+        .sum();
+    let need = after(ObjectKind::MapEntry).max(after(ObjectKind::PodCidrEntry)) + waiting;
+    let max = node_agent_common::MAX_NODE_MAP_MAX as usize;
+    let mut target = capacity.max(1);
+    while need * 4 > target * 3 && target < max {
+        target = (target * 2).min(max);
+    }
+    (target > capacity).then_some(target as u32)
+}
+
 fn merge_freed(ids: &mut AllocatorState, kernel: Vec<FreedId>) {
     let mut by_id: BTreeMap<u16, FreedId> = ids.freed.iter().map(|f| (f.id.get(), *f)).collect();
     for f in kernel {
@@ -873,5 +943,82 @@ mod tests {
             BTreeSet::from([ObjectKind::MapEntry, ObjectKind::Route])
         );
         assert!(rec.record().unwrap().ipsec_keys.is_empty());
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_map_that_would_be_full_grows_before_the_plan_is_applied() {
+        let mut config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        config.datapath.node_map_max = 4;
+        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+        let mut rec = Reconciler::new(config, None, FakeKernel::default(), telemetry);
+        rec.on_event(SourceEvent::Init);
+        rec.on_event(SourceEvent::InitApply(raw(
+            "local",
+            "10.0.0.100",
+            "10.1.100.0/24",
+        )));
+        for i in 1..=6 {
+            rec.on_event(SourceEvent::InitApply(raw(
+                &format!("n{i}"),
+                &format!("10.0.0.{i}"),
+                &format!("10.1.{i}.0/24"),
+            )));
+        }
+        rec.on_event(SourceEvent::InitDone);
+        let out = rec.reconcile().await.unwrap();
+        assert_eq!(
+            rec.kernel().grown,
+            [8],
+            "six entries do not fit 4, nor 3/4 of 4"
+        );
+        assert!(out.plan.errors.is_empty(), "{:?}", out.plan.errors);
+        assert_eq!(count(&mut rec, ObjectKind::MapEntry), 6);
+        assert_eq!(metric(&rec, "node_agent_node_map_fill_ratio"), Some(0.75));
+        // Room enough now: the next reconcile grows nothing.
+        rec.reconcile().await.unwrap();
+        assert_eq!(rec.kernel().grown, [8]);
+    }
+
+    #[test]
+    fn maps_grow_past_three_quarters_by_doubling_and_never_past_the_largest() {
+        let plan_with = |entries: usize| {
+            let live = state::plan::LiveView {
+                nodes: Vec::new(),
+                synced: false,
+                ..Default::default()
+            };
+            let inventory: Inventory = (1..=entries as u32)
+                .map(|i| {
+                    KernelObject::MapEntry(state::objects::MapEntry {
+                        ip: std::net::IpAddr::from(i.to_be_bytes()),
+                        node_id: state::objects::NodeId::new(1).unwrap(),
+                        spi: 0,
+                    })
+                })
+                .collect();
+            let plan = state::plan::plan(&state::plan::PlanInput {
+                record: None,
+                live: &live,
+                inventory: &inventory,
+                allocator: &AllocatorState::default(),
+                brake: &BrakeMemory::default(),
+                confirmed_hold: None,
+                now: Duration::from_secs(1),
+                config: &PlanConfig::default(),
+            });
+            (plan, inventory)
+        };
+        let (p, inv) = plan_with(75);
+        assert_eq!(map_growth(&p, &inv, 100), None, "three quarters is fine");
+        let (p, inv) = plan_with(76);
+        assert_eq!(map_growth(&p, &inv, 100), Some(200));
+        let (p, inv) = plan_with(200);
+        assert_eq!(
+            map_growth(&p, &inv, 100),
+            Some(400),
+            "doubled until under 3/4"
+        );
+        let max = node_agent_common::MAX_NODE_MAP_MAX as usize;
+        assert_eq!(map_growth(&p, &inv, max), None);
     }
 }

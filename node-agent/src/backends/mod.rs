@@ -178,7 +178,7 @@ impl Backends {
         };
         let datapath = match dry_run {
             true => None,
-            false => Some(Datapath::load(&config.datapath)?),
+            false => Some(load_datapath(&config.datapath)?),
         };
         // In a dry run the pins are read only if they exist; otherwise the load made them.
         let exists = |p: &PathBuf| !dry_run || p.exists();
@@ -219,6 +219,19 @@ impl Backends {
             datapath,
         })
     }
+}
+
+/// Loads the datapath at the pinned maps' capacity, and grows them online to the configured one
+/// if that is larger (`--node-map-max` raised over an existing pin).
+fn load_datapath(config: &crate::datapath::DatapathConfig) -> Result<Datapath, OpenError> {
+    let wanted = config.node_map_max;
+    let mut at_pin = config.clone();
+    if let Some(pinned) = crate::datapath::pinned_capacity(&config.bpffs)? {
+        at_pin.node_map_max = pinned.min(wanted);
+    }
+    let mut datapath = Datapath::load(&at_pin)?;
+    datapath.grow(wanted)?;
+    Ok(datapath)
 }
 
 /// The IPsec key file: where it is, and what the last good read found (never the key material,
@@ -402,6 +415,31 @@ impl Kernel for Backends {
 
     fn route_nexthops(&self) -> bool {
         self.nexthops.is_some()
+    }
+
+    fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {
+        let Some(datapath) = &mut self.datapath else {
+            return Err(OpError::Disabled {
+                kind: ObjectKind::MapEntry,
+            });
+        };
+        let bpffs = datapath.config().bpffs.clone();
+        let reopen = |e: NodeMapError| OpError::Kernel {
+            what: "opening the grown maps".into(),
+            source: std::io::Error::other(e.to_string()),
+        };
+        let result = datapath.grow(capacity);
+        // Whatever happened, the backends write to the maps pinned now, at their capacity.
+        let now = datapath.capacity();
+        self.map = Some(map::MapBackend::open(&node_ids_pin(&bpffs), now).map_err(reopen)?);
+        if self.pod_cidrs.is_some() {
+            self.pod_cidrs =
+                Some(pod_cidrs::PodCidrBackend::open(&pod_cidrs_pin(&bpffs), now).map_err(reopen)?);
+        }
+        result.map_err(|e| OpError::Kernel {
+            what: format!("growing the maps to {capacity} entries"),
+            source: std::io::Error::other(e.to_string()),
+        })
     }
 
     fn attach_pending(&mut self) -> Vec<String> {

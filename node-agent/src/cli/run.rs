@@ -69,6 +69,11 @@ pub struct AgentArgs {
     /// existing map's capacity, or 131072 (a dual-stack cluster of 65,536 nodes) for a new one.
     #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX")]
     pub node_map_max: Option<u32>,
+    /// Grow the node-ID and pod-CIDR maps online, doubling them, when they would be more than
+    /// three quarters full; `false` keeps their capacity fixed (a node that does not fit is
+    /// then held with a "map full" error).
+    #[arg(long, env = "NODE_AGENT_NODE_MAP_GROW", default_value_t = true, action = clap::ArgAction::Set)]
+    pub node_map_grow: bool,
     /// skb->mark bits that carry the node ID on ingress (one run of at least 16 bits).
     #[arg(long, env = "NODE_AGENT_MARK_MASK", default_value = "0xffff0000", value_parser = parse_u32)]
     pub mark_mask: u32,
@@ -233,6 +238,7 @@ impl AgentArgs {
         c.datapath.node_map_max =
             crate::datapath::resolve_capacity(self.node_map_max, &self.bpffs.bpffs)?;
         c.datapath.mark_mask = self.mark_mask;
+        c.node_map_grow = self.node_map_grow;
         c.route_protocol = self.route_protocol;
         c.route_nexthops = self.route_nexthops;
         c.route_table = self.route_table;

@@ -6,6 +6,7 @@
 //! detaching them first (see [`attach`]).
 
 pub mod attach;
+pub mod grow;
 pub mod log_forward;
 pub mod object;
 pub mod pins;
@@ -54,6 +55,10 @@ pub enum DatapathError {
         found: MapLayout,
         expected: MapLayout,
     },
+    #[error(
+        "growing the node-ID and pod-CIDR maps to {capacity} entries: {what}; the maps in place are kept"
+    )]
+    Grow { capacity: u32, what: String },
     #[error("node-ID map capacity must be 1..={max} entries, got {0}", max = abi::MAX_NODE_MAP_MAX)]
     BadCapacity(u32),
     #[error("mark mask {0:#010x} must be one contiguous run of at least 16 bits")]
@@ -122,20 +127,53 @@ impl DatapathConfig {
     }
 }
 
-/// The node-ID map's capacity to use: the one asked for; else the existing pin's, so that an
-/// agent started without `--node-map-max` keeps a map an earlier release created at another
+/// The node-ID map's capacity to run with: the larger of the one asked for and the existing
+/// pin's (a map that grew online is never shrunk by a smaller `--node-map-max`); the pin's,
+/// so that an agent started without the flag keeps a map an earlier release created at another
 /// default; else [`abi::DEFAULT_NODE_MAP_MAX`] for a new map.
 pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, DatapathError> {
-    if let Some(c) = requested {
-        return Ok(c);
-    }
+    let pinned = pinned_capacity(bpffs)?;
+    Ok(match (requested, pinned) {
+        (Some(r), Some(p)) if p > r => {
+            tracing::info!(
+                requested = r,
+                pinned = p,
+                "the node-ID map is larger than --node-map-max asks (it grew online); keeping it"
+            );
+            p
+        }
+        (Some(r), _) => r,
+        (None, Some(p)) => p,
+        (None, None) => abi::DEFAULT_NODE_MAP_MAX,
+    })
+}
+
+/// The capacity of the pinned node-ID map, if there is one.
+pub fn pinned_capacity(bpffs: &Path) -> Result<Option<u32>, DatapathError> {
     let pin = node_ids_pin(bpffs);
-    match MapLayout::of_pin(&pin).map_err(|source| DatapathError::PinInfo {
-        pin: pin.clone(),
-        source,
-    })? {
-        Some(layout) => Ok(layout.max_entries),
-        None => Ok(abi::DEFAULT_NODE_MAP_MAX),
+    Ok(MapLayout::of_pin(&pin)
+        .map_err(|source| DatapathError::PinInfo {
+            pin: pin.clone(),
+            source,
+        })?
+        .map(|layout| layout.max_entries))
+}
+
+/// Where the loader finds, or creates and pins, each map.
+pub(crate) struct Pins {
+    pub node_ids: PathBuf,
+    pub pod_cidrs: PathBuf,
+    pub node_stats: PathBuf,
+}
+
+impl Pins {
+    /// The maps' own pins.
+    pub fn of(bpffs: &Path) -> Self {
+        Self {
+            node_ids: node_ids_pin(bpffs),
+            pod_cidrs: pod_cidrs_pin(bpffs),
+            node_stats: node_stats_pin(bpffs),
+        }
     }
 }
 
@@ -163,6 +201,7 @@ pub fn node_stats_pin(bpffs: &Path) -> PathBuf {
 /// what lets the next agent take over without a gap.
 pub struct Datapath {
     ebpf: Ebpf,
+    config: DatapathConfig,
     _logs: Option<LogForwarder>,
     attachments: Vec<(String, TcAttachType, Attachment)>,
     /// Pod interfaces that did not exist yet (see [`Datapath::attach_pending`]).
@@ -179,6 +218,14 @@ impl Datapath {
     }
 
     fn load_object(bytes: &[u8], config: &DatapathConfig) -> Result<Self, DatapathError> {
+        let mut dp = Self::open(bytes, config, &Pins::of(&config.bpffs))?;
+        dp.attach_all()?;
+        Ok(dp)
+    }
+
+    /// Checks `config` and the pins, and loads the object against the maps at `pins` (creating
+    /// those that do not exist) and its programs into the kernel, attaching nothing yet.
+    fn open(bytes: &[u8], config: &DatapathConfig, pins: &Pins) -> Result<Self, DatapathError> {
         if config.node_map_max == 0 || config.node_map_max > abi::MAX_NODE_MAP_MAX {
             return Err(DatapathError::BadCapacity(config.node_map_max));
         }
@@ -210,13 +257,9 @@ impl Datapath {
                     source,
                 })?;
         }
-
-        let ids_pin = node_ids_pin(&config.bpffs);
-        let stats_pin = node_stats_pin(&config.bpffs);
-        let cidrs_pin = pod_cidrs_pin(&config.bpffs);
-        check_pin(&ids_pin, node_ids_layout(config.node_map_max))?;
-        check_pin(&stats_pin, node_stats_layout())?;
-        check_pin(&cidrs_pin, pod_cidrs_layout(config.node_map_max))?;
+        check_pin(&pins.node_ids, node_ids_layout(config.node_map_max))?;
+        check_pin(&pins.node_stats, node_stats_layout())?;
+        check_pin(&pins.pod_cidrs, pod_cidrs_layout(config.node_map_max))?;
         let ipsec = u32::from(config.ipsec);
 
         // No kernel BTF: the programs use no CO-RE relocations, and parsing vmlinux's BTF would
@@ -224,9 +267,9 @@ impl Datapath {
         // the kernel with its maps, which is what bpftool needs to print field names.
         let mut ebpf = EbpfLoader::new()
             .btf(None)
-            .map_pin_path(abi::NODE_IDS_MAP, ids_pin.as_path())
-            .map_pin_path(abi::NODE_STATS_MAP, stats_pin.as_path())
-            .map_pin_path(abi::POD_CIDRS_MAP, cidrs_pin.as_path())
+            .map_pin_path(abi::NODE_IDS_MAP, pins.node_ids.as_path())
+            .map_pin_path(abi::NODE_STATS_MAP, pins.node_stats.as_path())
+            .map_pin_path(abi::POD_CIDRS_MAP, pins.pod_cidrs.as_path())
             .map_max_entries(abi::NODE_IDS_MAP, config.node_map_max)
             .map_max_entries(abi::POD_CIDRS_MAP, config.node_map_max)
             .override_global(abi::MARK_MASK_GLOBAL, &mask, true)
@@ -243,15 +286,7 @@ impl Datapath {
                 None
             }
         };
-
-        let mut attachments = Vec::new();
-        let mut pending = Vec::new();
-        let roles = [
-            (abi::INGRESS_PROG, TcAttachType::Ingress, &config.ifaces),
-            (abi::EGRESS_PROG, TcAttachType::Egress, &config.ifaces),
-            (abi::POD_PROG, TcAttachType::Ingress, &config.pod_ifaces),
-        ];
-        for (name, dir, ifaces) in roles {
+        for name in [abi::INGRESS_PROG, abi::EGRESS_PROG, abi::POD_PROG] {
             let prog_err = |e: aya::programs::ProgramError| DatapathError::Program {
                 name,
                 source: Box::new(e),
@@ -262,6 +297,42 @@ impl Datapath {
                 .try_into()
                 .map_err(prog_err)?;
             prog.load().map_err(prog_err)?;
+        }
+        Ok(Self {
+            ebpf,
+            config: config.clone(),
+            _logs: logs,
+            attachments: Vec::new(),
+            pending: Vec::new(),
+            link_dir,
+        })
+    }
+
+    /// Attaches the loaded programs to every configured interface, taking over the attachments
+    /// that exist (an earlier agent's, or this one's before the maps grew).
+    fn attach_all(&mut self) -> Result<(), DatapathError> {
+        let roles = [
+            (
+                abi::INGRESS_PROG,
+                TcAttachType::Ingress,
+                &self.config.ifaces,
+            ),
+            (abi::EGRESS_PROG, TcAttachType::Egress, &self.config.ifaces),
+            (
+                abi::POD_PROG,
+                TcAttachType::Ingress,
+                &self.config.pod_ifaces,
+            ),
+        ];
+        for (name, dir, ifaces) in roles {
+            let prog: &mut SchedClassifier = self
+                .ebpf
+                .program_mut(name)
+                .and_then(|p| p.try_into().ok())
+                .ok_or(DatapathError::Program {
+                    name,
+                    source: Box::new(aya::programs::ProgramError::NotLoaded),
+                })?;
             for iface in ifaces {
                 if name == abi::POD_PROG && !iface_exists(iface) {
                     // The CNI creates its bridge with the node's first pod: until then no pod
@@ -271,10 +342,10 @@ impl Datapath {
                         "pod interface does not exist yet; its classifier is attached as soon \
                          as it appears"
                     );
-                    pending.push(iface.clone());
+                    self.pending.push(iface.clone());
                     continue;
                 }
-                let outcome = attach::attach(prog, name, iface, dir, &link_dir)?;
+                let outcome = attach::attach(prog, name, iface, dir, &self.link_dir)?;
                 tracing::info!(
                     iface,
                     program = name,
@@ -282,16 +353,10 @@ impl Datapath {
                     ?outcome,
                     "classifier attached"
                 );
-                attachments.push((iface.clone(), dir, outcome));
+                self.attachments.push((iface.clone(), dir, outcome));
             }
         }
-        Ok(Self {
-            ebpf,
-            _logs: logs,
-            attachments,
-            pending,
-            link_dir,
-        })
+        Ok(())
     }
 
     /// Pod interfaces not attached yet because they did not exist.
@@ -354,6 +419,11 @@ impl Datapath {
     /// Each interface and direction we attached to, and whether we took it over.
     pub fn attachments(&self) -> &[(String, TcAttachType, Attachment)] {
         &self.attachments
+    }
+
+    /// What the datapath was loaded with (its capacity as grown).
+    pub fn config(&self) -> &DatapathConfig {
+        &self.config
     }
 
     /// The loaded object, for tests and tools that inspect it.

@@ -495,10 +495,11 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
 }
 
 #[test]
-fn a_map_an_earlier_release_created_keeps_its_capacity_and_new_maps_hold_more_than_65535() {
+fn a_map_an_earlier_release_created_keeps_its_capacity_grows_on_request_and_new_maps_hold_more_than_65535()
+ {
     use node_agent::datapath::{node_ids_pin, pins::MapLayout};
     require_sandbox!(
-        "a_map_an_earlier_release_created_keeps_its_capacity_and_new_maps_hold_more_than_65535"
+        "a_map_an_earlier_release_created_keeps_its_capacity_grows_on_request_and_new_maps_hold_more_than_65535"
     );
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
@@ -519,18 +520,15 @@ fn a_map_an_earlier_release_created_keeps_its_capacity_and_new_maps_hold_more_th
         assert_eq!(report["kernel_writes"], 0, "{report}");
         assert_eq!(capacity(), 16384);
         assert_exact(&env, &nodes);
-        // Asking for another size is refused, naming both, and changes nothing.
-        let out = env
-            .command(&["--once", "--node-map-max", "262144"])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(
-            err.contains("16384 entries") && err.contains("262144 entries"),
-            "{err}"
-        );
-        assert_eq!(capacity(), 16384);
+        // A larger size is grown to online, keeping every entry; a smaller one keeps the map.
+        let (code, report, err) = env.once(&["--node-map-max", "262144"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+        assert_eq!(capacity(), 262144);
+        assert_exact(&env, &nodes);
+        let (code, _, err) = env.once(&["--node-map-max", "1024"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(capacity(), 262144);
     });
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);

@@ -599,3 +599,106 @@ fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
         );
     });
 }
+
+#[test]
+fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
+    require_sandbox!("the_maps_grow_online_while_packets_flow_and_no_lookup_misses");
+    sandbox(|sb| {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+
+        use node_agent::datapath::node_ids_layout;
+        use node_agent::datapath::pins::MapLayout;
+        use node_agent::pod_cidr_map::PodCidrMap;
+
+        VethPair::create();
+        let mut config = DatapathConfig::new(&sb.bpffs);
+        config.ifaces = vec!["va".into()];
+        config.node_map_max = 4;
+        let mut dp = Datapath::load(&config).unwrap();
+        let pin = node_ids_pin(&sb.bpffs);
+        let mut map = NodeMap::open(&pin).unwrap();
+        map.upsert(ipaddr(VethPair::PEER_V4), value(7, 0)).unwrap();
+        for i in 1..=3u8 {
+            map.upsert(IpAddr::from([10, 77, 0, i]), value(u16::from(i), 0))
+                .unwrap();
+        }
+        assert!(
+            map.upsert(ipaddr("10.77.0.9"), value(9, 0)).is_err(),
+            "the map is full at 4"
+        );
+        let cidr_pin = node_agent::datapath::pod_cidrs_pin(&sb.bpffs);
+        PodCidrMap::open(&cidr_pin)
+            .unwrap()
+            .upsert("10.244.7.0/24".parse().unwrap(), value(7, 1))
+            .unwrap();
+
+        // Packets to the peer leave through the egress classifier the whole time, and each one
+        // is counted under the peer's node ID only if its lookup found the entry.
+        let stop = Arc::new(AtomicBool::new(false));
+        let sender = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
+                sock.connect((ipaddr(VethPair::PEER_V4), 9)).unwrap();
+                let mut sent = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    // A refusal (the peer's ICMP answer to an earlier datagram) is not a send.
+                    if sock.send(&[0xab; 16]).is_ok() {
+                        sent += 1;
+                    }
+                }
+                sent
+            })
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        dp.grow(16).unwrap_or_else(|e| panic!("growing: {e}"));
+        std::thread::sleep(Duration::from_millis(200));
+        stop.store(true, Ordering::Relaxed);
+        let sent = sender.join().unwrap();
+        let counted = stats(&sb.bpffs, 7).tx_packets;
+        println!("grow: {sent} packets sent across the swap, {counted} classified");
+        assert!(sent > 100, "the sender ran: {sent}");
+        assert_eq!(counted, sent, "every packet's lookup found the peer");
+
+        // The pins are the grown maps, with every entry; the attached programs read them.
+        assert_eq!(MapLayout::of_pin(&pin).unwrap(), Some(node_ids_layout(16)));
+        let mut map = NodeMap::open(&pin).unwrap();
+        assert_eq!(map.dump().unwrap().entries.len(), 4);
+        assert_eq!(
+            PodCidrMap::open(&cidr_pin)
+                .unwrap()
+                .dump()
+                .unwrap()
+                .entries
+                .len(),
+            1
+        );
+        for i in 4..=9u8 {
+            map.upsert(IpAddr::from([10, 77, 0, i]), value(u16::from(i), 0))
+                .unwrap();
+        }
+        map.upsert(ipaddr(VethPair::PEER_V4), value(8, 0)).unwrap();
+        // (Sent without waiting for answers: the peer's ICMP replies are rate-limited by now.)
+        let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for _ in 0..3 {
+            sock.send_to(&[0xab; 16], (ipaddr(VethPair::PEER_V4), 9))
+                .unwrap();
+        }
+        assert_eq!(
+            stats(&sb.bpffs, 8).tx_packets,
+            3,
+            "the new programs read the new map"
+        );
+        assert_eq!(
+            attached("va", TcAttachType::Egress),
+            1,
+            "one classifier, taken over"
+        );
+        assert_eq!(dp.capacity(), 16);
+        // A restart finds the grown pins and keeps them.
+        drop(dp);
+        config.node_map_max = 16;
+        drop(Datapath::load(&config).unwrap());
+    });
+}

@@ -290,12 +290,13 @@ fn a_full_map_never_displaces_a_programmed_node() {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(2);
         env.write_nodes(&nodes);
-        assert_eq!(env.once(&["--node-map-max", "4"]).0, 0);
+        let fixed = ["--node-map-max", "4", "--node-map-grow", "false"];
+        assert_eq!(env.once(&fixed).0, 0);
         let before = ids(&env, &nodes);
         let mut all = vec![TestNode::dual("aaa-new", 50)];
         all.extend(nodes.iter().cloned());
         env.write_nodes(&all);
-        let (code, report, err) = env.once(&["--node-map-max", "4"]);
+        let (code, report, err) = env.once(&fixed);
         assert_eq!(code, 0, "{err}");
         assert_exact(&env, &nodes);
         assert_eq!(ids(&env, &nodes), before);
@@ -305,6 +306,43 @@ fn a_full_map_never_displaces_a_programmed_node() {
                 .any(|(n, e)| n == "aaa-new" && e.contains("map full")),
             "{report}"
         );
+    });
+}
+
+#[test]
+fn a_map_that_fills_grows_online_and_a_smaller_request_never_shrinks_it() {
+    use node_agent::datapath::{node_ids_pin, pins::MapLayout};
+    require_sandbox!("a_map_that_fills_grows_online_and_a_smaller_request_never_shrinks_it");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let capacity = || {
+            MapLayout::of_pin(&node_ids_pin(&env.bpffs))
+                .unwrap()
+                .unwrap()
+                .max_entries
+        };
+        let mut nodes = cluster(2);
+        env.write_nodes(&nodes);
+        // Four entries would fill a map of four: it doubles before they are written.
+        let (code, report, err) = env.once(&["--node-map-max", "4"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(capacity(), 8, "{report}");
+        assert!(err.contains("node-ID map grown online"), "{err}");
+        nodes.push(TestNode::dual("node-new", 50));
+        env.write_nodes(&nodes);
+        let (code, report, err) = env.once(&["--node-map-max", "4"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(errors_of(&report).is_empty(), "{report}");
+        assert_exact(&env, &nodes);
+        assert_eq!(
+            capacity(),
+            8,
+            "six of eight entries is under three quarters"
+        );
+        // The flag's smaller size never shrinks the grown map, and a restart writes nothing.
+        let (code, report, err) = env.once(&["--node-map-max", "4"]);
+        assert_eq!((code, &report["kernel_writes"]), (0, &0.into()), "{err}");
+        assert_eq!(capacity(), 8);
     });
 }
 

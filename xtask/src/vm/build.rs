@@ -70,6 +70,7 @@ pub fn tests() -> anyhow::Result<Payload> {
 pub const KERNEL_TIER: &[&str] = &[
     "datapath::",
     "backends::",
+    "nexthops::",
     "xfrm::",
     "ipsec::",
     "caps::",
