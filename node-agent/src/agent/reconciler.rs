@@ -65,8 +65,11 @@ pub struct Reconciler<K: Kernel> {
     /// The input errors last logged, so each is logged once, not at every reconcile.
     logged_errors: BTreeSet<String>,
     /// What the kernel should hold after the last reconcile: the next dump's drift is measured
-    /// against it.
+    /// against it, and a reconcile for a source event plans against it without dumping.
     expected: Option<Inventory>,
+    /// Every operation of the last reconcile succeeded, so [`Self::expected`] is what the
+    /// kernel holds as far as the agent knows; after a failure the next reconcile dumps.
+    expected_exact: bool,
     total_writes: usize,
     pruned: BTreeSet<String>,
     telemetry: Arc<Telemetry>,
@@ -131,6 +134,7 @@ impl<K: Kernel> Reconciler<K> {
             hold: None,
             logged_errors: BTreeSet::new(),
             expected: None,
+            expected_exact: false,
             total_writes: 0,
             pruned: BTreeSet::new(),
             telemetry,
@@ -302,13 +306,40 @@ impl<K: Kernel> Reconciler<K> {
     /// Dumps, plans, applies. The record the outcome implies becomes the agent's record; the
     /// caller writes it to the checkpoint when the schedule says so.
     pub async fn reconcile(&mut self) -> Result<Outcome, AgentError> {
+        self.reconcile_with(InventoryFrom::Dump).await
+    }
+
+    /// Plans and applies after a source event. The kernel is dumped only where the last
+    /// reconcile's result cannot stand in for it (none yet, or an operation failed); otherwise
+    /// the plan starts from what the last reconcile left, the way Felix keeps its dataplane view
+    /// between resyncs, and drift and foreign objects that appeared since are found at the next
+    /// periodic resync (which always dumps). Creates stay exclusive and deletes carry our
+    /// markers, so a stale view can fail an operation, never touch what is not ours.
+    pub async fn reconcile_event(&mut self) -> Result<Outcome, AgentError> {
+        self.reconcile_with(InventoryFrom::Cached).await
+    }
+
+    async fn reconcile_with(&mut self, from: InventoryFrom) -> Result<Outcome, AgentError> {
         let started = Instant::now();
-        let mut inventory = self.kernel.dump().await?;
-        let drift = self
-            .expected
-            .as_ref()
-            .map(|e| Drift::detect(e, &inventory))
-            .unwrap_or_default();
+        let cached = match from {
+            InventoryFrom::Cached if self.expected_exact => self.expected.take(),
+            _ => None,
+        };
+        let dumped = cached.is_none();
+        let (mut inventory, drift) = match cached {
+            Some(inventory) => (inventory, Drift::default()),
+            None => {
+                // Until a dump succeeds, no reconcile plans from the view it was to check.
+                self.expected_exact = false;
+                let inventory = self.kernel.dump().await?;
+                let drift = self
+                    .expected
+                    .as_ref()
+                    .map(|e| Drift::detect(e, &inventory))
+                    .unwrap_or_default();
+                (inventory, drift)
+            }
+        };
         let now = wall_clock();
         self.refresh_ipsec(now);
         let mut plan = self.make_plan(&inventory, now);
@@ -316,7 +347,7 @@ impl<K: Kernel> Reconciler<K> {
             plan = self.make_plan(&inventory, now);
         }
         self.confirmed_hold = None;
-        if self.live.synced() {
+        if dumped && self.live.synced() {
             let purged = self.kernel.purge_junk().await?;
             self.total_writes += purged;
         }
@@ -378,6 +409,7 @@ impl<K: Kernel> Reconciler<K> {
         self.remember_freed(&plan, &cp);
         self.record_outcome(&plan, &cp, &inventory, started);
         self.expected = Some(inventory);
+        self.expected_exact = failed.is_empty();
         self.ids = cp.ids.clone();
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
@@ -388,7 +420,7 @@ impl<K: Kernel> Reconciler<K> {
         let (deletes, upserts, failures) = (plan.deletes.len(), plan.upserts.len(), failed.len());
         if plan.is_empty() && failed.is_empty() {
             // A resync or a relist that found nothing to do: not worth a line at info.
-            tracing::debug!(writes, elapsed_ms, "reconciled");
+            tracing::debug!(writes, elapsed_ms, dumped, "reconciled");
         } else {
             tracing::info!(
                 writes,
@@ -396,6 +428,7 @@ impl<K: Kernel> Reconciler<K> {
                 deletes,
                 upserts,
                 elapsed_ms,
+                dumped,
                 "reconciled"
             );
         }
@@ -650,6 +683,15 @@ fn map_growth(plan: &Plan, inventory: &Inventory, capacity: usize) -> Option<u32
         target = (target * 2).min(max);
     }
     (target > capacity).then_some(target as u32)
+}
+
+/// Where a reconcile's view of the kernel comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum InventoryFrom {
+    /// A dump, always.
+    Dump,
+    /// The last reconcile's result when it can stand in for a dump.
+    Cached,
 }
 
 fn merge_freed(ids: &mut AllocatorState, kernel: Vec<FreedId>) {
@@ -1020,5 +1062,48 @@ mod tests {
         );
         let max = node_agent_common::MAX_NODE_MAP_MAX as usize;
         assert_eq!(map_growth(&p, &inv, max), None);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_event_reconcile_plans_from_the_last_result_and_a_failure_or_a_resync_dumps() {
+        let mut rec = reconciler(&[("a", 1)]);
+        rec.reconcile().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 1);
+        rec.on_event(SourceEvent::Apply(raw("b", "10.0.0.2", "10.1.2.0/24")));
+        rec.reconcile_event().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 1, "planned from the last result");
+        assert_eq!(count(&mut rec, ObjectKind::Route), 2);
+        // A failed operation leaves the view uncertain: the next event reconcile dumps.
+        rec.kernel().faults.kinds = vec![ObjectKind::Route];
+        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.3", "10.1.3.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert_eq!((out.failed.len(), rec.kernel().dumps), (1, 1));
+        rec.kernel().faults.kinds.clear();
+        rec.on_event(SourceEvent::Delete("a".into()));
+        rec.reconcile_event().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 2);
+        assert_eq!(
+            count(&mut rec, ObjectKind::Route),
+            2,
+            "c's route retried, a's gone"
+        );
+        // What changed behind the agent's back is found by the resync, which always dumps.
+        rec.kernel()
+            .ours
+            .retain(|_, o| o.kind() != ObjectKind::Route);
+        rec.on_event(SourceEvent::Apply(raw("d", "10.0.0.4", "10.1.4.0/24")));
+        rec.reconcile_event().await.unwrap();
+        assert_eq!(
+            count(&mut rec, ObjectKind::Route),
+            1,
+            "only d's, until the resync"
+        );
+        rec.reconcile().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 3);
+        assert_eq!(
+            count(&mut rec, ObjectKind::Route),
+            3,
+            "the resync repaired b and c"
+        );
     }
 }

@@ -295,7 +295,7 @@ impl<K: Kernel> Daemon<K> {
         self.take_confirmation();
         let due = self.schedule.due(Instant::now());
         if due.reconcile {
-            self.reconcile().await;
+            self.reconcile(due.resync).await;
         }
         if due.relist {
             tracing::info!("a held prune is ripe: asking the node source for a fresh full list");
@@ -337,9 +337,14 @@ impl<K: Kernel> Daemon<K> {
         }
     }
 
-    async fn reconcile(&mut self) {
+    /// Reconciles: with a dump of the kernel when `resync` says so (or the reconciler needs
+    /// one), otherwise from the last reconcile's view.
+    async fn reconcile(&mut self, resync: bool) {
         let before = self.rec.record().map(unstamped);
-        let result = self.rec.reconcile().await;
+        let result = match resync {
+            true => self.rec.reconcile().await,
+            false => self.rec.reconcile_event().await,
+        };
         let now = Instant::now();
         let changed = self.rec.record().map(unstamped) != before;
         let outcome = match &result {
@@ -609,14 +614,16 @@ mod tests {
         let (tx, _rx) = relist_channel();
         d.turn(&tx).await;
         let applied = d.rec.kernel().applied.len();
-        // n2 goes away, and the next dumps fail halfway (ENOBUFS).
+        // n2 goes away as the resync comes round, and the next dumps fail halfway (ENOBUFS).
         d.rec.kernel().faults.dumps = 2;
         d.on_event(SourceEvent::Delete("n2".into()));
+        d.schedule.resync_now(Instant::now());
         d.turn(&tx).await;
         assert_eq!(d.rec.kernel().applied.len(), applied, "nothing applied");
         let why = d.telemetry.ready().unwrap_err();
         assert!(why.contains("kernel inventory"), "{why}");
-        // The retry waits for its backoff, then goes ahead once the dump works.
+        // The retry waits for its backoff and dumps again (a view the failed resync could not
+        // check is not planned from), then goes ahead once the dump works.
         assert!(!d.schedule.due(Instant::now()).reconcile);
         d.schedule.reconcile_now(Instant::now());
         d.turn(&tx).await;
@@ -626,6 +633,11 @@ mod tests {
             d.rec.kernel().ours.len(),
             2,
             "n2's objects went once the dump worked"
+        );
+        assert_eq!(
+            d.rec.kernel().dumps,
+            4,
+            "the first reconcile, two failures, the success"
         );
         assert_eq!(d.telemetry.ready(), Ok("ready".into()));
     }

@@ -50,6 +50,8 @@ pub const CHECKPOINT_BACKOFF: Backoff =
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Due {
     pub reconcile: bool,
+    /// The periodic resync is among the reasons: the reconcile dumps the kernel.
+    pub resync: bool,
     pub checkpoint: bool,
     /// Ask the source for a fresh full list (a hold is ripe for confirmation).
     pub relist: bool,
@@ -146,6 +148,12 @@ impl Schedule {
         self.reconcile_soon(now + self.debounce);
     }
 
+    /// Make the periodic resync due at once (tests drive the dump with it).
+    #[cfg(test)]
+    pub fn resync_now(&mut self, now: Instant) {
+        self.resync_at = now;
+    }
+
     /// Reconcile at once (an operator's confirmation, a fresh list a hold waits for).
     pub fn reconcile_now(&mut self, now: Instant) {
         self.reconcile_soon(now);
@@ -172,6 +180,7 @@ impl Schedule {
             reconcile: self.reconcile_at.is_some_and(|t| t <= now)
                 || self.resync_at <= now
                 || self.rotation_at.is_some_and(|t| t <= now),
+            resync: self.resync_at <= now,
             checkpoint: self.checkpoint_at().is_some_and(|t| t <= now),
             relist: self.relist_at.is_some_and(|t| t <= now),
             keys: self.keys_at.is_some_and(|(t, _)| t <= now),

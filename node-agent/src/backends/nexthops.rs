@@ -13,8 +13,8 @@
 //! is unreachable, as it is for a route that carries its gateway.
 //!
 //! Creates are exclusive and replaces in place, as for routes. A delete names the ID alone (the
-//! kernel takes no protocol on a delete), and deleting a nexthop deletes every route through
-//! it: the planner has moved or deleted our routes first ([`ObjectKind::deleted_last`]), and
+//! kernel takes no protocol on a delete), so the backend reads the nexthop first and deletes it
+//! only if it still carries our protocol. Deleting a nexthop deletes every route through it: the planner has moved or deleted our routes first ([`ObjectKind::deleted_last`]), and
 //! never deletes a nexthop a foreign route uses (the route backend reports those).
 //!
 //! [`ObjectKind::deleted_last`]: state::objects::ObjectKind::deleted_last
@@ -118,10 +118,36 @@ impl NexthopBackend {
 
     async fn apply_one(
         handle: ConnectionHandle<NexthopMessage>,
+        protocol: u8,
         op: Op,
         msg: Result<NexthopMessage, OpError>,
     ) -> Result<(), OpError> {
         let msg = msg?;
+        if let (Op::Delete(o), Some(id)) = (&op, msg.id) {
+            // The kernel deletes by ID alone: look first, so that a nexthop someone else put
+            // at the ID since the dump is never deleted.
+            let get = NexthopMessage {
+                verb: Verb::Get,
+                id: Some(id),
+                ..NexthopMessage::default()
+            };
+            match request(&handle, get, 0).await {
+                Ok(found) if found.iter().all(|m| m.protocol == protocol) => {}
+                Ok(found) => {
+                    let foreign = found
+                        .first()
+                        .map_or_else(String::new, |m| describe(m, NexthopId(id)));
+                    return Err(OpError::Kernel {
+                        what: format!(
+                            "delete {o}: {foreign} is there now and is not ours; left alone"
+                        ),
+                        source: io::Error::from_raw_os_error(libc::EPERM),
+                    });
+                }
+                Err(e) if e.errno() == Some(libc::ENOENT) => return Ok(()),
+                Err(e) => return Err(e.into_op(format!("delete {o}"))),
+            }
+        }
         let flags = match &op {
             Op::Create(_) => NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
             Op::Replace(_) => NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
@@ -251,9 +277,9 @@ impl Backend for NexthopBackend {
             };
             jobs.push((op.clone(), msg));
         }
-        let handle = self.handle.clone();
+        let (handle, protocol) = (self.handle.clone(), self.protocol);
         futures::stream::iter(jobs)
-            .map(|(op, msg)| Self::apply_one(handle.clone(), op, msg))
+            .map(|(op, msg)| Self::apply_one(handle.clone(), protocol, op, msg))
             .buffered(PIPELINE)
             .collect()
             .await

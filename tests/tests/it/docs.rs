@@ -27,6 +27,7 @@ const EXECUTED: &[&str] = &[
     "bpftool map show pinned /sys/fs/bpf/node-agent/node_ids",
     "bpftool map dump pinned /sys/fs/bpf/node-agent/node_ids",
     "bpftool map lookup pinned /sys/fs/bpf/node-agent/node_stats key 1 0 0 0",
+    "ip nexthop list protocol 201",
     "ip route show proto 201",
     "ip -6 route show proto 201",
     "echo \"201 node-agent\" > /etc/iproute2/rt_protos.d/node-agent.conf",

@@ -169,12 +169,18 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
                 "{user}"
             );
 
-            // An exclusive create never takes the foreign nexthop's ID.
+            // An exclusive create never takes the foreign nexthop's ID, and a delete of one
+            // of ours that someone replaced since the dump leaves theirs alone.
             let results = n.apply(&[Op::Create(nh(3, "10.88.0.7"))]).await;
             assert!(
                 matches!(results[0], Err(OpError::Occupied { .. })),
                 "{results:?}"
             );
+            let results = n.apply(&[Op::Delete(nh(3, "10.88.0.5"))]).await;
+            let e = results[0]
+                .as_ref()
+                .expect_err("a foreign nexthop was deleted");
+            assert!(e.to_string().contains("not ours"), "{e}");
         });
         let all = shown(&["nexthop", "show"]);
         assert!(
