@@ -167,12 +167,17 @@ pub struct PlannedChange {
     pub reason: String,
 }
 
+/// The plan as a report: deletes and upserts each in the order they run.
 pub fn plan_report(plan: &Plan, live: &LiveState) -> PlanReport {
+    let mut deletes: Vec<_> = plan.deletes.iter().collect();
+    deletes.sort_by_key(|d| {
+        let kind = d.object.kind();
+        (kind.deleted_last(), std::cmp::Reverse(kind.rank()))
+    });
     PlanReport {
         synced: live.synced(),
-        deletes: plan
-            .deletes
-            .iter()
+        deletes: deletes
+            .into_iter()
             .map(|d| PlannedChange {
                 object: d.object.to_string(),
                 node: d.node.clone(),

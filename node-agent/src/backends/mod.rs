@@ -134,9 +134,11 @@ pub struct Backends {
     /// The pod-CIDR map: only with IPsec.
     pub pod_cidrs: Option<pod_cidrs::PodCidrBackend>,
     pub routes: Option<routes::RouteBackend>,
-    /// `None` where the kernel has no nexthop objects or `--route-nexthops false` turned them
-    /// off: routes then carry their gateways.
+    /// `None` where the kernel has no nexthop objects. Open also with `--route-nexthops false`,
+    /// so that the nexthops an earlier run made are dumped and removed.
     pub nexthops: Option<nexthops::NexthopBackend>,
+    /// Routes go through nexthops: the kernel has them and they are not turned off.
+    route_nexthops: bool,
     /// Owns the xfrm kinds: states, policies and guards.
     pub xfrm: Option<xfrm::XfrmBackend>,
     /// The IPsec key file and what it held when last read.
@@ -197,12 +199,9 @@ impl Backends {
         };
         let routes = routes::RouteBackend::new(config.route_protocol, config.route_table)
             .map_err(OpenError::Netlink)?;
-        let nexthops = match config.route_nexthops {
-            true => nexthops::NexthopBackend::open(config.route_protocol)
-                .await
-                .map_err(OpenError::Netlink)?,
-            false => None,
-        };
+        let nexthops = nexthops::NexthopBackend::open(config.route_protocol)
+            .await
+            .map_err(OpenError::Netlink)?;
         if config.route_nexthops && nexthops.is_none() {
             tracing::warn!(
                 "this kernel has no nexthop objects (they came in 5.3): routes carry their gateways"
@@ -212,6 +211,7 @@ impl Backends {
             map,
             pod_cidrs,
             routes: Some(routes),
+            route_nexthops: config.route_nexthops && nexthops.is_some(),
             nexthops,
             xfrm,
             key_file,
@@ -414,7 +414,7 @@ impl Kernel for Backends {
     }
 
     fn route_nexthops(&self) -> bool {
-        self.nexthops.is_some()
+        self.route_nexthops
     }
 
     fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {

@@ -546,3 +546,59 @@ fn a_map_an_earlier_release_created_keeps_its_capacity_grows_on_request_and_new_
         assert!(layout.max_entries > 65_535);
     });
 }
+
+#[test]
+fn routes_with_their_own_gateway_move_to_nexthops_in_place_and_back() {
+    require_sandbox!("routes_with_their_own_gateway_move_to_nexthops_in_place_and_back");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        let ours = |env: &AgentEnv| {
+            env.nexthops()
+                .into_iter()
+                .filter(|(_, (_, proto))| proto == "201")
+                .count()
+        };
+        // As the releases before nexthops wrote them.
+        let (code, _, err) = env.once(&["--route-nexthops", "false"]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes);
+        assert!(env.routes_through_nexthops("main").is_empty());
+        let routes = env.routes();
+        // Upgraded: a nexthop per node and family, then each route replaced in place.
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(
+            report["kernel_writes"], 12,
+            "6 nexthops, 6 replaces: {report}"
+        );
+        assert!(
+            !err.contains("deleted route"),
+            "no route was deleted: {err}"
+        );
+        assert_eq!(
+            env.routes(),
+            routes,
+            "the same routes, via the same gateways"
+        );
+        assert_eq!(ours(&env), 6);
+        let ids = ids_of(&env, &nodes);
+        for (dst, nhid) in env.routes_through_nexthops("main") {
+            let node = nodes.iter().find(|n| n.cidrs.contains(&dst)).unwrap();
+            let base = if dst.contains(':') {
+                201_600_000
+            } else {
+                201_400_000
+            };
+            assert_eq!(nhid, base + u32::from(ids[&node.name]), "{dst}");
+        }
+        assert_eq!(env.once(&[]).1["kernel_writes"], 0);
+        // And back: the routes carry their gateways again before the nexthops go.
+        let (code, _, err) = env.once(&["--route-nexthops", "false"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(env.routes(), routes);
+        assert!(env.routes_through_nexthops("main").is_empty());
+        assert_eq!(ours(&env), 0);
+    });
+}

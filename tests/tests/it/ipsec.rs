@@ -69,6 +69,11 @@ fn assert_no_clear_pod_traffic(what: &str, cap: &Capture) {
 
 /// The mark of the node's state toward `dst` (`ip xfrm state` prints it as `mark V/M`).
 fn out_state_mark(n: &SimNode, dst: &str) -> String {
+    state_mark(n, dst).unwrap_or_else(|text| panic!("{}: no state toward {dst}:\n{text}", n.name))
+}
+
+/// The mark of the node's state toward `dst`, or what `ip xfrm state` printed without one.
+fn state_mark(n: &SimNode, dst: &str) -> Result<String, String> {
     let text = n.ip(&["xfrm", "state"]);
     let mut inside = false;
     for line in text.lines() {
@@ -76,10 +81,10 @@ fn out_state_mark(n: &SimNode, dst: &str) -> String {
         if t.starts_with("src ") {
             inside = t.split_whitespace().nth(3) == Some(dst);
         } else if inside && let Some(m) = t.strip_prefix("mark ") {
-            return m.to_owned();
+            return Ok(m.to_owned());
         }
     }
-    panic!("{}: no state toward {dst}:\n{text}", n.name)
+    Err(text)
 }
 
 fn all_up(c: &Cluster, nodes: &[&SimNode], peers: usize, spi: u32) {
@@ -325,7 +330,9 @@ fn a_node_deleted_while_the_agent_is_down_and_its_ip_recycled_leaves_nothing_beh
         c.wait_states(&d, 2 * STATES_PER_PEER, 3, Duration::from_secs(30));
         let _agent_a = c.start_agent(&a, &ratio);
         let toward_d = || {
-            a.states().len() == 2 * STATES_PER_PEER && out_state_mark(&a, "192.168.77.3") != c_mark
+            // Between the old states' delete and the new ones' create there are none.
+            a.states().len() == 2 * STATES_PER_PEER
+                && state_mark(&a, "192.168.77.3").is_ok_and(|m| m != c_mark)
         };
         let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             wait_for(
