@@ -39,6 +39,9 @@ pub struct Outcome {
     pub failed: Vec<OpResult>,
     /// Stale nodes whose every delete succeeded in this reconcile.
     pub pruned: BTreeSet<String>,
+    /// The record differs from the one before in more than when it was made: a checkpoint
+    /// write is due.
+    pub record_changed: bool,
 }
 
 /// Since the Unix epoch, as the planner and the checkpoint count time.
@@ -413,6 +416,10 @@ impl<K: Kernel> Reconciler<K> {
         self.ids = cp.ids.clone();
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
+        let record_changed = self
+            .record
+            .as_ref()
+            .is_none_or(|old| !old.same_content(&cp));
         self.record = Some(cp);
         self.total_writes += writes;
         self.pruned.extend(pruned.iter().cloned());
@@ -437,6 +444,7 @@ impl<K: Kernel> Reconciler<K> {
             writes,
             failed,
             pruned,
+            record_changed,
         })
     }
 

@@ -340,13 +340,12 @@ impl<K: Kernel> Daemon<K> {
     /// Reconciles: with a dump of the kernel when `resync` says so (or the reconciler needs
     /// one), otherwise from the last reconcile's view.
     async fn reconcile(&mut self, resync: bool) {
-        let before = self.rec.record().map(unstamped);
         let result = match resync {
             true => self.rec.reconcile().await,
             false => self.rec.reconcile_event().await,
         };
         let now = Instant::now();
-        let changed = self.rec.record().map(unstamped) != before;
+        let changed = result.as_ref().is_ok_and(|o| o.record_changed);
         let outcome = match &result {
             Ok(o) if o.failed.is_empty() => {
                 self.telemetry.set_reconciled(Ok(()));
@@ -452,14 +451,6 @@ impl<K: Kernel> Daemon<K> {
             AgentError::from(e)
         })?;
         Ok(())
-    }
-}
-
-/// A record without its write time, for telling whether a reconcile changed it.
-fn unstamped(cp: &Checkpoint) -> Checkpoint {
-    Checkpoint {
-        written_at: Duration::ZERO,
-        ..cp.clone()
     }
 }
 

@@ -53,6 +53,31 @@ pub struct Checkpoint {
     pub ipsec_keys: Vec<KeySeen>,
 }
 
+impl Checkpoint {
+    /// Whether the two say the same about the nodes, IDs, removals and keys: everything but when
+    /// they were written. Compares in place, so the daemon can tell a changed record from an
+    /// unchanged one without copying a large one.
+    pub fn same_content(&self, other: &Self) -> bool {
+        let Self {
+            agent_version,
+            written_at: _,
+            local_node,
+            nodes,
+            pending_deletes,
+            ids,
+            removals,
+            ipsec_keys,
+        } = self;
+        *agent_version == other.agent_version
+            && *local_node == other.local_node
+            && *nodes == other.nodes
+            && *pending_deletes == other.pending_deletes
+            && *ids == other.ids
+            && *removals == other.removals
+            && *ipsec_keys == other.ipsec_keys
+    }
+}
+
 /// Removals the brake let through at one time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecentRemovals {
