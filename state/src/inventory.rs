@@ -3,6 +3,12 @@
 //!
 //! Backends fill it from a dump; the reconciler may keep it between reconciles and apply the
 //! results of its own operations to it, so a plan can be made without dumping again.
+//!
+//! Our objects sit in a dense vector, each at a slot, with an index from identity to slot: a
+//! plan looks each desired identity up once, marks its slot ([`Marks`]), and finds what is not
+//! desired by walking the vector in order instead of hashing every object again.
+
+use std::collections::hash_map::Entry;
 
 use foldhash::{HashMap, HashMapExt};
 
@@ -11,7 +17,9 @@ use crate::objects::{KernelObject, ObjectId, ObjectKind, Op};
 /// Our objects in the kernel, and the foreign objects at identities we might write.
 #[derive(Clone, Debug, Default)]
 pub struct Inventory {
-    ours: HashMap<ObjectId, KernelObject>,
+    /// Identity -> slot in `slots`.
+    index: HashMap<ObjectId, u32>,
+    slots: Vec<KernelObject>,
     /// Identity -> what the foreign object is, in words (`route 10.1.0.0/24 proto static`).
     foreign: HashMap<ObjectId, String>,
     /// Identity of ours -> a foreign object that uses it (a route of someone else's through one
@@ -26,7 +34,8 @@ impl Inventory {
 
     pub fn with_capacity(objects: usize) -> Self {
         Self {
-            ours: HashMap::with_capacity(objects),
+            index: HashMap::with_capacity(objects),
+            slots: Vec::with_capacity(objects),
             foreign: HashMap::new(),
             used_by: HashMap::new(),
         }
@@ -34,7 +43,24 @@ impl Inventory {
 
     /// Adds an object of ours. A dump that lists an identity twice keeps the last copy.
     pub fn insert(&mut self, object: KernelObject) {
-        self.ours.insert(object.id(), object);
+        match self.index.entry(object.id()) {
+            Entry::Occupied(e) => self.slots[*e.get() as usize] = object,
+            Entry::Vacant(e) => {
+                e.insert(self.slots.len() as u32);
+                self.slots.push(object);
+            }
+        }
+    }
+
+    /// Removes our object at `id`; the last slot's object moves into its slot.
+    fn remove(&mut self, id: &ObjectId) {
+        let Some(slot) = self.index.remove(id) else {
+            return;
+        };
+        self.slots.swap_remove(slot as usize);
+        if let Some(moved) = self.slots.get(slot as usize) {
+            self.index.insert(moved.id(), slot);
+        }
     }
 
     /// Records that an object that is not ours sits at `id`.
@@ -53,11 +79,21 @@ impl Inventory {
     }
 
     pub fn get(&self, id: &ObjectId) -> Option<&KernelObject> {
-        self.ours.get(id)
+        self.slot(id).map(|s| &self.slots[s])
     }
 
     pub fn contains(&self, id: &ObjectId) -> bool {
-        self.ours.contains_key(id)
+        self.index.contains_key(id)
+    }
+
+    /// Our object at `slot`.
+    pub fn at(&self, slot: usize) -> &KernelObject {
+        &self.slots[slot]
+    }
+
+    /// The slot of our object at `id`, if there is one (for [`Marks`]).
+    pub fn slot(&self, id: &ObjectId) -> Option<usize> {
+        self.index.get(id).map(|s| *s as usize)
     }
 
     /// What a foreign object at `id` is, if one is there.
@@ -65,9 +101,14 @@ impl Inventory {
         self.foreign.get(id).map(String::as_str)
     }
 
-    /// Our objects, in no particular order.
+    /// Our objects, in slot order (no order of meaning).
     pub fn objects(&self) -> impl Iterator<Item = &KernelObject> {
-        self.ours.values()
+        self.slots.iter()
+    }
+
+    /// Our objects with their slots.
+    pub fn slotted(&self) -> impl Iterator<Item = (usize, &KernelObject)> {
+        self.slots.iter().enumerate()
     }
 
     /// The foreign objects at identities of our kinds, in no particular order.
@@ -77,16 +118,16 @@ impl Inventory {
 
     /// How many objects of ours there are.
     pub fn len(&self) -> usize {
-        self.ours.len()
+        self.slots.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ours.is_empty()
+        self.slots.is_empty()
     }
 
     /// How many objects of ours of `kind` there are.
     pub fn count(&self, kind: ObjectKind) -> usize {
-        self.ours.values().filter(|o| o.kind() == kind).count()
+        self.slots.iter().filter(|o| o.kind() == kind).count()
     }
 
     /// Folds in an operation the kernel carried out.
@@ -96,9 +137,7 @@ impl Inventory {
                 self.foreign.remove(&o.id());
                 self.insert(o.clone());
             }
-            Op::Delete(o) => {
-                self.ours.remove(&o.id());
-            }
+            Op::Delete(o) => self.remove(&o.id()),
         }
     }
 }
@@ -111,5 +150,55 @@ impl FromIterator<KernelObject> for Inventory {
             inv.insert(o);
         }
         inv
+    }
+}
+
+/// One mark per slot of an [`Inventory`]: which of our objects a plan wants kept.
+#[derive(Clone, Debug)]
+pub struct Marks(Vec<bool>);
+
+impl Marks {
+    /// No slot of `inventory` marked.
+    pub fn for_inventory(inventory: &Inventory) -> Self {
+        Self(vec![false; inventory.len()])
+    }
+
+    pub fn mark(&mut self, slot: usize) {
+        self.0[slot] = true;
+    }
+
+    pub fn is_marked(&self, slot: usize) -> bool {
+        self.0[slot]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::objects::{MapEntry, NodeId};
+
+    fn entry(last: u8, id: u16) -> KernelObject {
+        KernelObject::MapEntry(MapEntry {
+            ip: [10, 0, 0, last].into(),
+            node_id: NodeId::new(id).unwrap(),
+            spi: 0,
+        })
+    }
+
+    #[test]
+    fn slots_stay_consistent_across_inserts_replaces_and_deletes() {
+        let mut inv: Inventory = (1..=4).map(|i| entry(i, u16::from(i))).collect();
+        inv.apply(&Op::Replace(entry(2, 9)));
+        inv.apply(&Op::Delete(entry(1, 1)));
+        inv.apply(&Op::Delete(entry(7, 7)));
+        inv.apply(&Op::Create(entry(5, 5)));
+        assert_eq!(inv.len(), 4);
+        for o in [entry(2, 9), entry(3, 3), entry(4, 4), entry(5, 5)] {
+            let slot = inv.slot(&o.id()).expect("indexed");
+            assert_eq!(inv.objects().nth(slot), Some(&o));
+            assert_eq!(inv.get(&o.id()), Some(&o));
+        }
+        assert!(!inv.contains(&entry(1, 1).id()));
+        assert_eq!(inv.count(ObjectKind::MapEntry), 4);
     }
 }

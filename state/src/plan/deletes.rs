@@ -18,6 +18,7 @@ use super::classify::{Live, LiveClass};
 use super::records::Record;
 use super::{Delete, DeleteReason, Local, PlanInput};
 use crate::ids::IdSet;
+use crate::inventory::Marks;
 use crate::node::Node;
 use crate::objects::{KernelObject, NodeId, ObjectId, ObjectKind};
 
@@ -89,13 +90,14 @@ pub(super) fn decide(
     live: &[Live<'_>],
     records: &[Record<'_>],
     brake: &Brake,
-    desired: &HashSet<ObjectId>,
+    desired: &Marks,
     local: &Local,
 ) -> Deleted {
     let mut pool: Vec<&KernelObject> = input
         .inventory
-        .objects()
-        .filter(|o| !desired.contains(&o.id()))
+        .slotted()
+        .filter(|(s, _)| !desired.is_marked(*s))
+        .map(|(_, o)| o)
         .collect();
     pool.sort_by_cached_key(|o| (o.kind().rank(), o.id()));
     let mut out = Deleted {
@@ -203,17 +205,17 @@ pub(super) fn decide(
 /// An object that stays keeps what it uses: a route kept (its CIDR's owner is held, say)
 /// keeps its nexthop even where the nexthop's own owner lets it go, since deleting the nexthop
 /// would delete the route with it.
-fn keep_what_kept_objects_use(
-    input: &PlanInput<'_>,
-    desired: &HashSet<ObjectId>,
-    out: &mut Deleted,
-) {
+fn keep_what_kept_objects_use(input: &PlanInput<'_>, desired: &Marks, out: &mut Deleted) {
+    // Only an object something uses can be needed: with no such delete there is nothing to do.
+    if !out.deletes.iter().any(|d| d.object.kind().deleted_last()) {
+        return;
+    }
     let deleted: HashSet<ObjectId> = out.deletes.iter().map(|d| d.object.id()).collect();
     let needed: HashSet<ObjectId> = input
         .inventory
-        .objects()
-        .filter(|o| !deleted.contains(&o.id()) && !desired.contains(&o.id()))
-        .filter_map(KernelObject::uses)
+        .slotted()
+        .filter(|(s, o)| !desired.is_marked(*s) && !deleted.contains(&o.id()))
+        .filter_map(|(_, o)| o.uses())
         .collect();
     if needed.is_empty() {
         return;

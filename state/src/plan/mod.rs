@@ -33,7 +33,7 @@ use ipnet::IpNet;
 use crate::checkpoint::{Checkpoint, KeySeen, PendingDelete};
 use crate::desired::{desired_objects, global_objects};
 use crate::ids::{AllocatorState, IdError, MAX_ID};
-use crate::inventory::Inventory;
+use crate::inventory::{Inventory, Marks};
 use crate::node::{Family, Node};
 use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
 
@@ -527,7 +527,8 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     let admitted = assign::admit(input, &mut live, &records, &brake, &local, &mut errors);
 
     // 5. Desired objects of programmed nodes, and the upserts they need.
-    let mut desired: HashSet<ObjectId> = HashSet::with_capacity(input.inventory.len() + 64);
+    // Desired objects already in the kernel, by slot: what the deletes leave alone.
+    let mut desired = Marks::for_inventory(input.inventory);
     let mut upserts = Vec::new();
     let mut objects = Vec::new();
     let mut problems = Vec::new();
@@ -546,8 +547,11 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
                 continue;
             }
-            let have = input.inventory.get(&oid);
-            desired.insert(oid);
+            let slot = input.inventory.slot(&oid);
+            let have = slot.map(|s| input.inventory.at(s));
+            if let Some(s) = slot {
+                desired.mark(s);
+            }
             if have != Some(o) {
                 upserts.push(Upsert {
                     update: have.is_some(),
@@ -559,15 +563,17 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     }
 
     for o in global_objects(cfg) {
-        let oid = o.id();
-        if input.inventory.get(&oid) != Some(&o) {
+        let slot = input.inventory.slot(&o.id());
+        if slot.map(|s| input.inventory.at(s)) != Some(&o) {
             upserts.push(Upsert {
-                update: input.inventory.contains(&oid),
+                update: slot.is_some(),
                 object: o,
                 node: AGENT_OWNED.to_string(),
             });
         }
-        desired.insert(oid);
+        if let Some(s) = slot {
+            desired.mark(s);
+        }
     }
 
     // 6. Deletes and their reasons.
