@@ -5,12 +5,14 @@
 //! pod-CIDR map's) and the guards. Then every other object, but only of nodes whose entries all
 //! went in: a node the datapath cannot identify, or whose traffic it cannot mark for
 //! encryption, gets no route or xfrm object either (invariant 17), so its pod traffic is never
-//! routed in the clear. Last, the deletes that must wait until no route of ours uses what they
-//! delete (the nexthops, [`state::objects::ObjectKind::deleted_last`]).
+//! routed in the clear. Nexthops go in before the routes through them, and a route whose nexthop
+//! failed is not written. Last, the deletes that must wait until no route of ours uses what they
+//! delete (the nexthops, [`state::objects::ObjectKind::deleted_last`]); they wait for the next
+//! reconcile if any route operation failed, since a route may still go through them.
 
 use std::collections::BTreeSet;
 
-use state::objects::{ObjectKind, Op};
+use state::objects::{ObjectId, ObjectKind, Op};
 use state::plan::Plan;
 
 use super::kernel::Kernel;
@@ -45,38 +47,79 @@ async fn run<K: Kernel>(kernel: &mut K, ops: Vec<(Op, Option<&str>)>, out: &mut 
 pub async fn apply_plan<K: Kernel>(kernel: &mut K, plan: &Plan) -> Vec<OpResult> {
     let mut out = Vec::with_capacity(plan.deletes.len() + plan.upserts.len());
     run(kernel, plan.delete_ops(), &mut out).await;
-    let (entries, rest): (Vec<_>, Vec<_>) = plan.upsert_ops().into_iter().partition(|(op, _)| {
+    let upserts = plan.upsert_ops();
+    let (entries, rest): (Vec<_>, Vec<_>) = upserts.into_iter().partition(|(op, _)| {
         let kind = op.object().kind();
         kind.is_datapath_entry() || kind == ObjectKind::XfrmGuard
     });
+    let mut skipped = Vec::new();
     let before = out.len();
-    run(
-        kernel,
-        entries.into_iter().map(|(op, n)| (op, Some(n))).collect(),
-        &mut out,
-    )
-    .await;
+    run(kernel, with_nodes(entries), &mut out).await;
     let unmapped: BTreeSet<String> = out[before..]
         .iter()
         .filter(|r| r.result.is_err())
         .filter_map(|r| r.node.clone())
         .collect();
-    let (skipped, rest): (Vec<_>, Vec<_>) = rest
+    let (unmapped_ops, rest): (Vec<_>, Vec<_>) = rest
         .into_iter()
         .partition(|(_, node)| unmapped.contains(*node));
-    run(
-        kernel,
-        rest.into_iter().map(|(op, n)| (op, Some(n))).collect(),
-        &mut out,
-    )
-    .await;
-    run(kernel, plan.late_delete_ops(), &mut out).await;
-    out.extend(skipped.into_iter().map(|(op, node)| OpResult {
+    skipped.extend(
+        unmapped_ops
+            .into_iter()
+            .map(|(op, n)| (op, n, OpError::Skipped)),
+    );
+    // Nexthops before the routes through them: a route whose nexthop could not be written is
+    // not written either (the ID may be someone else's now, and the route would go their way).
+    let (nexthops, rest): (Vec<_>, Vec<_>) = rest
+        .into_iter()
+        .partition(|(op, _)| op.object().kind() == ObjectKind::Nexthop);
+    let before = out.len();
+    run(kernel, with_nodes(nexthops), &mut out).await;
+    let missing: Vec<ObjectId> = out[before..]
+        .iter()
+        .filter(|r| r.result.is_err())
+        .map(|r| r.op.object().id())
+        .collect();
+    let (unrouted, rest): (Vec<_>, Vec<_>) = rest
+        .into_iter()
+        .partition(|(op, _)| op.object().uses().is_some_and(|u| missing.contains(&u)));
+    skipped.extend(
+        unrouted
+            .into_iter()
+            .map(|(op, n)| (op, n, OpError::NexthopMissing)),
+    );
+    let before = out.len();
+    run(kernel, with_nodes(rest), &mut out).await;
+    // A nexthop goes only once every route of ours was moved off it or deleted: if any route
+    // operation failed or was skipped, some route may still use it, and the kernel would delete
+    // that route along. Such deletes wait for the next reconcile.
+    let routes_settled = !out[before..]
+        .iter()
+        .chain(&out[..before])
+        .any(|r| r.result.is_err() && r.op.object().kind() == ObjectKind::Route)
+        && !skipped
+            .iter()
+            .any(|(op, _, _)| op.object().kind() == ObjectKind::Route);
+    let late = plan.late_delete_ops();
+    if routes_settled {
+        run(kernel, late, &mut out).await;
+    } else {
+        out.extend(late.into_iter().map(|(op, node)| OpResult {
+            op,
+            node: node.map(str::to_owned),
+            result: Err(OpError::RoutesUnsettled),
+        }));
+    }
+    out.extend(skipped.into_iter().map(|(op, node, e)| OpResult {
         op,
         node: Some(node.to_owned()),
-        result: Err(OpError::Skipped),
+        result: Err(e),
     }));
     out
+}
+
+fn with_nodes(ops: Vec<(Op, &str)>) -> Vec<(Op, Option<&str>)> {
+    ops.into_iter().map(|(op, n)| (op, Some(n))).collect()
 }
 
 #[cfg(test)]
@@ -84,9 +127,11 @@ mod tests {
     use std::net::IpAddr;
     use std::time::Duration;
 
+    use state::checkpoint::Checkpoint;
     use state::inventory::Inventory;
+    use state::node::Family;
     use state::node::{AddressKind, Node, NodeAddress};
-    use state::objects::ObjectId;
+    use state::objects::{KernelObject, NexthopId, NodeId, ObjectId};
     use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan};
 
     use super::*;
@@ -152,5 +197,112 @@ mod tests {
             k.applied
         );
         assert_eq!(k.ours.len(), 3, "b is programmed in full");
+    }
+
+    fn plan_for(nodes: Vec<Node>, k: &FakeKernel, record: Option<&Checkpoint>) -> Plan {
+        let cfg = PlanConfig {
+            local_node: "local".into(),
+            ..PlanConfig::default()
+        };
+        let mut all = vec![node("local", "10.0.0.100", "10.1.100.0/24")];
+        all.extend(nodes);
+        let live = LiveView {
+            nodes: all,
+            synced: true,
+            ..LiveView::default()
+        };
+        let inventory: Inventory = k.ours.values().cloned().collect();
+        plan(&PlanInput {
+            record,
+            live: &live,
+            inventory: &inventory,
+            allocator: &record.map(|r| r.ids.clone()).unwrap_or_default(),
+            brake: &BrakeMemory::default(),
+            confirmed_hold: None,
+            now: Duration::from_secs(1000),
+            config: &cfg,
+        })
+    }
+
+    fn cluster() -> Vec<Node> {
+        ["a", "b", "c", "d"]
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                node(
+                    n,
+                    &format!("10.0.0.{}", i + 1),
+                    &format!("10.1.{}.0/24", i + 1),
+                )
+            })
+            .collect()
+    }
+
+    fn nexthop(id: u16) -> ObjectId {
+        ObjectId::Nexthop {
+            id: NexthopId::of(NodeId::new(id).unwrap(), Family::V4),
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_old_nexthop_stays_while_a_route_may_still_go_through_it() {
+        let mut k = FakeKernel::default();
+        let first = plan_for(cluster(), &k, None);
+        apply_plan(&mut k, &first).await;
+        let record = first.checkpoint_after(&[]);
+        // `a` comes back under a new UID: a new ID, its route moves to a new nexthop.
+        let mut nodes = cluster();
+        nodes[0].uid = "uid-a-2".into();
+        let second = plan_for(nodes, &k, Some(&record));
+        assert_eq!(second.late_delete_ops().len(), 1, "a's old nexthop");
+        k.faults.kinds = vec![ObjectKind::Route];
+        let results = apply_plan(&mut k, &second).await;
+        let late = results
+            .iter()
+            .find(|r| r.op.object().id() == nexthop(1))
+            .expect("the old nexthop's delete is reported");
+        assert!(
+            matches!(late.result, Err(OpError::RoutesUnsettled)),
+            "{late:?}"
+        );
+        assert!(k.ours.contains_key(&nexthop(1)), "not deleted");
+        let route = ObjectId::Route {
+            dst: "10.1.1.0/24".parse().unwrap(),
+            metric: 0,
+        };
+        assert!(
+            k.ours.contains_key(&route),
+            "a's route is still there, through its nexthop"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_route_whose_nexthop_could_not_be_written_is_not_written() {
+        let mut k = FakeKernel::default();
+        k.foreign
+            .insert(nexthop(1), "nexthop 201400001 proto static".into());
+        // The nexthop appeared after the plan was made: the plan does not know it is taken.
+        let p = plan_for(cluster(), &FakeKernel::default(), None);
+        let results = apply_plan(&mut k, &p).await;
+        let of_a: Vec<_> = results
+            .iter()
+            .filter(|r| r.node.as_deref() == Some("a"))
+            .collect();
+        assert!(matches!(
+            of_a.iter()
+                .find(|r| r.op.object().id() == nexthop(1))
+                .unwrap()
+                .result,
+            Err(OpError::Occupied { .. })
+        ));
+        let route = of_a
+            .iter()
+            .find(|r| matches!(r.op.object(), KernelObject::Route(_)))
+            .unwrap();
+        assert!(
+            matches!(route.result, Err(OpError::NexthopMissing)),
+            "{route:?}"
+        );
+        assert!(!k.ours.values().any(|o| o.uses() == Some(nexthop(1))));
     }
 }

@@ -93,6 +93,8 @@ pub mod fake {
     pub struct FakeKernel {
         pub ours: BTreeMap<ObjectId, KernelObject>,
         pub foreign: BTreeMap<ObjectId, String>,
+        /// Objects of ours that foreign ones use.
+        pub used_by: BTreeMap<ObjectId, String>,
         pub freed: BTreeMap<u16, FreedId>,
         pub faults: Faults,
         pub dumps: usize,
@@ -161,6 +163,9 @@ pub mod fake {
             let mut inv: Inventory = self.ours.values().cloned().collect();
             for (id, what) in &self.foreign {
                 inv.occupy(id.clone(), what.clone());
+            }
+            for (id, what) in &self.used_by {
+                inv.use_by_foreign(id.clone(), what.clone());
             }
             Ok(inv)
         }

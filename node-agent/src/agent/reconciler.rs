@@ -328,24 +328,20 @@ impl<K: Kernel> Reconciler<K> {
             InventoryFrom::Cached if self.expected_exact => self.expected.take(),
             _ => None,
         };
-        let dumped = cached.is_none();
-        let (mut inventory, drift) = match cached {
+        let mut dumped = cached.is_none();
+        let (mut inventory, mut drift) = match cached {
             Some(inventory) => (inventory, Drift::default()),
-            None => {
-                // Until a dump succeeds, no reconcile plans from the view it was to check.
-                self.expected_exact = false;
-                let inventory = self.kernel.dump().await?;
-                let drift = self
-                    .expected
-                    .as_ref()
-                    .map(|e| Drift::detect(e, &inventory))
-                    .unwrap_or_default();
-                (inventory, drift)
-            }
+            None => self.dump().await?,
         };
         let now = wall_clock();
         self.refresh_ipsec(now);
         let mut plan = self.make_plan(&inventory, now);
+        if !dumped && needs_a_fresh_view(&plan) {
+            self.expected = Some(inventory);
+            (inventory, drift) = self.dump().await?;
+            dumped = true;
+            plan = self.make_plan(&inventory, now);
+        }
         if self.grow_maps_for(&plan, &inventory) {
             plan = self.make_plan(&inventory, now);
         }
@@ -446,6 +442,19 @@ impl<K: Kernel> Reconciler<K> {
             pruned,
             record_changed,
         })
+    }
+
+    /// Dumps the kernel, and what drifted from the view the last reconcile left. Until a dump
+    /// succeeds, no reconcile plans from the view it was to check.
+    async fn dump(&mut self) -> Result<(Inventory, Drift), AgentError> {
+        self.expected_exact = false;
+        let inventory = self.kernel.dump().await?;
+        let drift = self
+            .expected
+            .as_ref()
+            .map(|e| Drift::detect(e, &inventory))
+            .unwrap_or_default();
+        Ok((inventory, drift))
     }
 
     /// Grows the maps when `plan` would leave them more than three quarters full or could not
@@ -691,6 +700,18 @@ fn map_growth(plan: &Plan, inventory: &Inventory, capacity: usize) -> Option<u32
         target = (target * 2).min(max);
     }
     (target > capacity).then_some(target as u32)
+}
+
+/// Whether a plan made from the last reconcile's view must be made again from a dump: it deletes
+/// a nexthop (a foreign route may have come to use it since, and the kernel would delete that
+/// route with it) or replaces a route (a replace matches the destination, whoever's route is
+/// there now).
+fn needs_a_fresh_view(plan: &Plan) -> bool {
+    plan.deletes.iter().any(|d| d.object.kind().deleted_last())
+        || plan
+            .upserts
+            .iter()
+            .any(|u| u.update && u.object.kind() == ObjectKind::Route)
 }
 
 /// Where a reconcile's view of the kernel comes from.
@@ -1112,6 +1133,57 @@ mod tests {
             count(&mut rec, ObjectKind::Route),
             3,
             "the resync repaired b and c"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_event_plan_that_deletes_a_nexthop_is_made_again_from_a_dump() {
+        let config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+        let kernel = FakeKernel {
+            nexthops: true,
+            ..FakeKernel::default()
+        };
+        let mut rec = Reconciler::new(config, None, kernel, telemetry);
+        rec.on_event(SourceEvent::Init);
+        rec.on_event(SourceEvent::InitApply(raw(
+            "local",
+            "10.0.0.100",
+            "10.1.100.0/24",
+        )));
+        for i in 1..=4 {
+            let name = format!("n{i}");
+            let (ip, cidr) = (format!("10.0.0.{i}"), format!("10.1.{i}.0/24"));
+            rec.on_event(SourceEvent::InitApply(raw(&name, &ip, &cidr)));
+        }
+        rec.on_event(SourceEvent::InitDone);
+        rec.reconcile().await.unwrap();
+        assert_eq!(count(&mut rec, ObjectKind::Nexthop), 4);
+        rec.on_event(SourceEvent::Apply(raw("n5", "10.0.0.5", "10.1.5.0/24")));
+        rec.reconcile_event().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 1, "adding needs no dump");
+        // A foreign route came to use n1's nexthop since the last dump.
+        let n1 = ObjectId::Nexthop {
+            id: state::objects::NexthopId(201_400_001),
+        };
+        rec.kernel()
+            .used_by
+            .insert(n1.clone(), "route 192.168.7.0/24 table 100".into());
+        rec.on_event(SourceEvent::Delete("n1".into()));
+        let out = rec.reconcile_event().await.unwrap();
+        assert_eq!(
+            rec.kernel().dumps,
+            2,
+            "deleting a nexthop plans from a fresh dump"
+        );
+        assert!(
+            rec.kernel().ours.contains_key(&n1),
+            "kept for the route that uses it"
+        );
+        assert!(
+            out.plan.errors.iter().any(|e| e.node == "n1"),
+            "{:?}",
+            out.plan.errors
         );
     }
 }

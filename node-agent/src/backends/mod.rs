@@ -63,6 +63,13 @@ pub enum OpError {
     /// Not attempted: the node's map entry could not be written (invariant 17).
     #[error("not attempted: the node's map entry could not be written")]
     Skipped,
+    /// Not attempted: the route's nexthop could not be written.
+    #[error("not attempted: the node's nexthop could not be written")]
+    NexthopMissing,
+    /// Not attempted: a route operation failed, so a route may still go through the nexthop,
+    /// and deleting it would delete that route too. The next reconcile tries again.
+    #[error("not attempted yet: a route may still go through it (a route operation failed)")]
+    RoutesUnsettled,
 }
 
 /// Why a whole dump failed. A failed dump is retried; a partial inventory never reaches the

@@ -9,12 +9,12 @@
 //!
 //! The kernel wants a device for a gateway nexthop. The device is the kernel's own answer for
 //! the gateway when it is written (`ip route get fibmatch GW`: the connected route that holds
-//! it), asked once per connected prefix and batch; a gateway that is not on a connected prefix
-//! is unreachable, as it is for a route that carries its gateway.
+//! it), asked for each nexthop written, in the same pipeline; a gateway that is not on a
+//! connected prefix is unreachable, as it is for a route that carries its gateway.
 //!
 //! Creates are exclusive and replaces in place, as for routes. A delete names the ID alone (the
-//! kernel takes no protocol on a delete), so the backend reads the nexthop first and deletes it
-//! only if it still carries our protocol. Deleting a nexthop deletes every route through it: the planner has moved or deleted our routes first ([`ObjectKind::deleted_last`]), and
+//! kernel takes no protocol on a delete), and so does a replace: the backend reads the nexthop
+//! first and deletes or replaces it only if it is still ours. Deleting a nexthop deletes every route through it: the planner has moved or deleted our routes first ([`ObjectKind::deleted_last`]), and
 //! never deletes a nexthop a foreign route uses (the route backend reports those).
 //!
 //! [`ObjectKind::deleted_last`]: state::objects::ObjectKind::deleted_last
@@ -85,6 +85,15 @@ impl NexthopBackend {
         let Some(id) = m.id.map(NexthopId) else {
             return;
         };
+        // The agent makes no groups: a group holding one of our nexthops is someone else's.
+        for member in m.group.iter().map(|g| NexthopId(*g)) {
+            if member.decode().is_some() {
+                inv.use_by_foreign(
+                    ObjectId::Nexthop { id: member },
+                    format!("group {}", describe(m, id)),
+                );
+            }
+        }
         let Some((node_id, family)) = id.decode() else {
             return; // not at an identity we write
         };
@@ -102,18 +111,27 @@ impl NexthopBackend {
         }
     }
 
-    /// The device of the connected prefix holding `gateway`, from `cache` or the kernel.
-    async fn device(
-        &self,
-        gateway: IpAddr,
-        cache: &mut Vec<(IpNet, u32)>,
-    ) -> Result<u32, io::Error> {
-        if let Some((_, oif)) = cache.iter().find(|(net, _)| net.contains(&gateway)) {
-            return Ok(*oif);
+    /// The message for `op`: a delete by ID, or the nexthop on the device the kernel routes
+    /// its gateway through now.
+    async fn message(
+        routes: &rtnetlink::Handle,
+        protocol: u8,
+        op: &Op,
+    ) -> Result<NexthopMessage, OpError> {
+        let KernelObject::Nexthop(nh) = op.object() else {
+            unreachable!("Backends::apply routes only nexthops here");
+        };
+        match op {
+            Op::Delete(_) => Ok(NexthopMessage::del(nh.id().0)),
+            Op::Create(_) | Op::Replace(_) => match connected_device(routes, nh.gateway).await {
+                Ok(oif) => Ok(NexthopMessage::new(nh.id().0, nh.gateway, oif, protocol)),
+                Err(source) => Err(OpError::GatewayUnreachable {
+                    object: op.object().to_string(),
+                    gateway: nh.gateway,
+                    source,
+                }),
+            },
         }
-        let (net, oif) = connected_route(&self.routes, gateway).await?;
-        cache.push((net, oif));
-        Ok(oif)
     }
 
     async fn apply_one(
@@ -123,29 +141,34 @@ impl NexthopBackend {
         msg: Result<NexthopMessage, OpError>,
     ) -> Result<(), OpError> {
         let msg = msg?;
-        if let (Op::Delete(o), Some(id)) = (&op, msg.id) {
-            // The kernel deletes by ID alone: look first, so that a nexthop someone else put
-            // at the ID since the dump is never deleted.
+        if let (Op::Delete(_) | Op::Replace(_), Some(id)) = (&op, msg.id) {
+            // The kernel deletes and replaces by ID alone: look first, so that a nexthop
+            // someone else put at the ID since the dump is never deleted or overwritten.
             let get = NexthopMessage {
                 verb: Verb::Get,
                 id: Some(id),
                 ..NexthopMessage::default()
             };
+            let what = || format!("{} {}", op.verb(), op.object());
             match request(&handle, get, 0).await {
-                Ok(found) if found.iter().all(|m| m.protocol == protocol) => {}
+                Ok(found) if found.iter().all(|m| m.protocol == protocol && !m.other) => {}
                 Ok(found) => {
                     let foreign = found
                         .first()
                         .map_or_else(String::new, |m| describe(m, NexthopId(id)));
                     return Err(OpError::Kernel {
                         what: format!(
-                            "delete {o}: {foreign} is there now and is not ours; left alone"
+                            "{}: {foreign} is there now and is not ours; left alone",
+                            what()
                         ),
                         source: io::Error::from_raw_os_error(libc::EPERM),
                     });
                 }
-                Err(e) if e.errno() == Some(libc::ENOENT) => return Ok(()),
-                Err(e) => return Err(e.into_op(format!("delete {o}"))),
+                Err(e) if e.errno() == Some(libc::ENOENT) && matches!(op, Op::Delete(_)) => {
+                    return Ok(());
+                }
+                Err(e) if e.errno() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(e.into_op(what())),
             }
         }
         let flags = match &op {
@@ -158,12 +181,10 @@ impl NexthopBackend {
     }
 }
 
-/// `ip route get fibmatch <gateway>`: the connected route (no gateway of its own, unicast)
-/// that holds `gateway`, as its prefix and device.
-async fn connected_route(
-    handle: &rtnetlink::Handle,
-    gateway: IpAddr,
-) -> Result<(IpNet, u32), io::Error> {
+/// `ip route get fibmatch <gateway>`: the device of the connected route (no gateway of its own,
+/// unicast) that holds `gateway`. Asked for each gateway: a cache by prefix would miss a more
+/// specific route inside it, and the kernel would accept the wrong device.
+async fn connected_device(handle: &rtnetlink::Handle, gateway: IpAddr) -> Result<u32, io::Error> {
     let mut q = RouteMessage::default();
     let (family, len, addr) = match gateway {
         IpAddr::V4(a) => (AddressFamily::Inet, 32, RouteAddress::Inet(a)),
@@ -217,7 +238,7 @@ async fn connected_route(
         )
         .map_err(|_| not_connected())?;
         return match (r.header.kind, oif) {
-            (RouteType::Unicast, Some(oif)) if net.prefix_len() > 0 => Ok((net, oif)),
+            (RouteType::Unicast, Some(oif)) if net.prefix_len() > 0 => Ok(oif),
             _ => Err(not_connected()),
         };
     }
@@ -253,33 +274,15 @@ impl Backend for NexthopBackend {
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
-        let mut cache = Vec::new();
-        let mut jobs = Vec::with_capacity(ops.len());
-        for op in ops {
-            let KernelObject::Nexthop(nh) = op.object() else {
-                unreachable!("Backends::apply routes only nexthops here");
-            };
-            let msg = match op {
-                Op::Delete(_) => Ok(NexthopMessage::del(nh.id().0)),
-                Op::Create(_) | Op::Replace(_) => match self.device(nh.gateway, &mut cache).await {
-                    Ok(oif) => Ok(NexthopMessage::new(
-                        nh.id().0,
-                        nh.gateway,
-                        oif,
-                        self.protocol,
-                    )),
-                    Err(source) => Err(OpError::GatewayUnreachable {
-                        object: op.object().to_string(),
-                        gateway: nh.gateway,
-                        source,
-                    }),
-                },
-            };
-            jobs.push((op.clone(), msg));
-        }
-        let (handle, protocol) = (self.handle.clone(), self.protocol);
-        futures::stream::iter(jobs)
-            .map(|(op, msg)| Self::apply_one(handle.clone(), protocol, op, msg))
+        let (handle, routes, protocol) = (self.handle.clone(), self.routes.clone(), self.protocol);
+        futures::stream::iter(ops.iter().cloned())
+            .map(|op| {
+                let (handle, routes) = (handle.clone(), routes.clone());
+                async move {
+                    let msg = Self::message(&routes, protocol, &op).await;
+                    Self::apply_one(handle, protocol, op, msg).await
+                }
+            })
             .buffered(PIPELINE)
             .collect()
             .await

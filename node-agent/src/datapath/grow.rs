@@ -5,15 +5,17 @@
 //!    creates the new maps at the new capacity; the counters map is shared;
 //! 2. every entry is copied from the live maps while the attached programs go on reading them
 //!    (the agent writes nothing meanwhile: growing is a step of its reconcile);
-//! 3. each staging pin is renamed over the live one (one atomic rename each), so the next agent
-//!    and every tool open the new maps;
-//! 4. the new programs take over the attachments the way a restarted agent does
+//! 3. the new programs take over the attachments the way a restarted agent does
 //!    ([`super::attach`]): atomically, so each packet is classified either by the old programs
-//!    against the old maps or by the new ones against the new maps, and both hold every entry.
+//!    against the old maps or by the new ones against the new maps, and both hold every entry;
+//!    if an attachment refuses, the old programs take every attachment back and nothing else
+//!    changed;
+//! 4. each staging pin is renamed over the live one (one atomic rename each, the node-ID map's
+//!    last), so the agent's backends, the next agent and every tool open the new maps.
 //!
-//! A crash before the renames leaves the old maps in place (the next attempt removes stale
-//! staging pins); after them, the new maps are pinned with every entry and the next start takes
-//! the attachments over.
+//! A crash before the renames leaves the old pins in place, with the next start taking the
+//! attachments back (the next attempt removes stale staging pins); after them, the new maps are
+//! pinned with every entry and the next start takes the attachments over.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -47,32 +49,34 @@ impl Datapath {
             node_stats: live.node_stats.clone(),
         };
         let fail = |what: String| DatapathError::Grow { capacity, what };
-        for p in [&staged.node_ids, &staged.pod_cidrs] {
-            match std::fs::remove_file(p) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                    return Err(fail(format!(
-                        "removing the stale staging pin {}: {e}",
-                        p.display()
-                    )));
-                }
-                _ => {}
-            }
-        }
+        remove_staged(&staged).map_err(fail)?;
         let mut next = Self::open(bytes, &config, &staged)?;
         copy_entries(&live, &staged).map_err(fail)?;
+        // The new programs take the attachments over before any pin moves: if one refuses, the
+        // old programs take every attachment back, and the pins never changed.
+        if let Err(e) = next.attach_all() {
+            let back = self.attach_all();
+            drop(next);
+            let _ = remove_staged(&staged);
+            return Err(match back {
+                Ok(()) => fail(format!("{e}; the old maps and programs are kept")),
+                Err(b) => fail(format!(
+                    "{e}; putting the old programs back failed too ({b}): restart the agent"
+                )),
+            });
+        }
         for (from, to) in [
-            (&staged.node_ids, &live.node_ids),
             (&staged.pod_cidrs, &live.pod_cidrs),
+            (&staged.node_ids, &live.node_ids),
         ] {
             std::fs::rename(from, to).map_err(|e| {
                 fail(format!(
-                    "pinning {} in place of {}: {e}",
+                    "pinning {} in place of {}: {e}; restart the agent",
                     from.display(),
                     to.display()
                 ))
             })?;
         }
-        next.attach_all()?;
         *self = next;
         tracing::info!(
             from,
@@ -81,6 +85,19 @@ impl Datapath {
         );
         Ok(())
     }
+}
+
+/// Removes staging pins an interrupted attempt left.
+fn remove_staged(staged: &Pins) -> Result<(), String> {
+    for p in [&staged.node_ids, &staged.pod_cidrs] {
+        match std::fs::remove_file(p) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(format!("removing the staging pin {}: {e}", p.display()));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// `node_ids` -> `node_ids_grow`.

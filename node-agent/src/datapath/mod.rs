@@ -55,9 +55,7 @@ pub enum DatapathError {
         found: MapLayout,
         expected: MapLayout,
     },
-    #[error(
-        "growing the node-ID and pod-CIDR maps to {capacity} entries: {what}; the maps in place are kept"
-    )]
+    #[error("growing the node-ID and pod-CIDR maps to {capacity} entries: {what}")]
     Grow { capacity: u32, what: String },
     #[error("node-ID map capacity must be 1..={max} entries, got {0}", max = abi::MAX_NODE_MAP_MAX)]
     BadCapacity(u32),
@@ -311,6 +309,8 @@ impl Datapath {
     /// Attaches the loaded programs to every configured interface, taking over the attachments
     /// that exist (an earlier agent's, or this one's before the maps grew).
     fn attach_all(&mut self) -> Result<(), DatapathError> {
+        self.attachments.clear();
+        self.pending.clear();
         let roles = [
             (
                 abi::INGRESS_PROG,

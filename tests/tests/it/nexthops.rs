@@ -129,7 +129,24 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
         runtime().block_on(async {
             let mut n = open().await;
             let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
-            all_ok(n.apply(&[Op::Create(nh(1, "10.88.0.2"))]).await);
+            all_ok(
+                n.apply(&[
+                    Op::Create(nh(1, "10.88.0.2")),
+                    Op::Create(nh(2, "10.88.0.4")),
+                ])
+                .await,
+            );
+            // A group of someone else's holds our node 2's nexthop.
+            ip(&[
+                "nexthop",
+                "add",
+                "id",
+                "900",
+                "group",
+                "201400002",
+                "proto",
+                "static",
+            ]);
             ip(&[
                 "route",
                 "add",
@@ -156,9 +173,15 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
                 "{foreign}"
             );
             assert_eq!(
-                inv.objects().cloned().collect::<Vec<_>>(),
-                vec![nh(1, "10.88.0.2")]
+                sorted(inv.objects().cloned().collect()),
+                vec![nh(1, "10.88.0.2"), nh(2, "10.88.0.4")]
             );
+            let group = inv
+                .foreign_user(&ObjectId::Nexthop {
+                    id: nh_id(2, Family::V4),
+                })
+                .expect("the group holding ours is reported");
+            assert!(group.contains("group") && group.contains("900"), "{group}");
             let user = inv
                 .foreign_user(&ObjectId::Nexthop {
                     id: nh_id(1, Family::V4),

@@ -48,6 +48,9 @@ pub struct NexthopMessage {
     pub oif: Option<u32>,
     pub gateway: Option<IpAddr>,
     pub other: bool,
+    /// A group's members (`NHA_GROUP`): deleting one of them changes the group, and the last
+    /// one deletes it with every route through it.
+    pub group: Vec<u32>,
 }
 
 impl NexthopMessage {
@@ -66,6 +69,7 @@ impl NexthopMessage {
             oif: Some(oif),
             gateway: Some(gateway),
             other: false,
+            group: Vec::new(),
         }
     }
 
@@ -192,7 +196,15 @@ impl NetlinkDeserializable for NexthopMessage {
                         n => return Err(format!("nexthop gateway of {n} bytes").into()),
                     })
                 }
-                NHA_GROUP | NHA_BLACKHOLE | NHA_ENCAP | NHA_FDB => msg.other = true,
+                NHA_GROUP => {
+                    msg.other = true;
+                    // `struct nexthop_grp`: a u32 ID, then weight and reserved bytes (8 bytes).
+                    msg.group = v
+                        .chunks_exact(8)
+                        .map(|e| u32::from_ne_bytes([e[0], e[1], e[2], e[3]]))
+                        .collect();
+                }
+                NHA_BLACKHOLE | NHA_ENCAP | NHA_FDB => msg.other = true,
                 _ => {}
             }
         }
