@@ -760,10 +760,23 @@ mod tests {
         }
     }
 
+    fn config() -> AgentConfig {
+        AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs")
+    }
+
     fn reconciler(nodes: &[(&str, u8)]) -> Reconciler<FakeKernel> {
-        let config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        reconciler_with(config(), FakeKernel::default(), nodes)
+    }
+
+    /// A reconciler over `kernel`, synced on the local node and `nodes` (`10.0.0.<i>`,
+    /// `10.1.<i>.0/24`).
+    fn reconciler_with(
+        config: AgentConfig,
+        kernel: FakeKernel,
+        nodes: &[(&str, u8)],
+    ) -> Reconciler<FakeKernel> {
         let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-        let mut rec = Reconciler::new(config, None, FakeKernel::default(), telemetry);
+        let mut rec = Reconciler::new(config, None, kernel, telemetry);
         rec.on_event(SourceEvent::Init);
         rec.on_event(SourceEvent::InitApply(raw(
             "local",
@@ -1018,24 +1031,17 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_map_that_would_be_full_grows_before_the_plan_is_applied() {
-        let mut config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        let mut config = config();
         config.datapath.node_map_max = 4;
-        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-        let mut rec = Reconciler::new(config, None, FakeKernel::default(), telemetry);
-        rec.on_event(SourceEvent::Init);
-        rec.on_event(SourceEvent::InitApply(raw(
-            "local",
-            "10.0.0.100",
-            "10.1.100.0/24",
-        )));
-        for i in 1..=6 {
-            rec.on_event(SourceEvent::InitApply(raw(
-                &format!("n{i}"),
-                &format!("10.0.0.{i}"),
-                &format!("10.1.{i}.0/24"),
-            )));
-        }
-        rec.on_event(SourceEvent::InitDone);
+        let nodes = [
+            ("n1", 1),
+            ("n2", 2),
+            ("n3", 3),
+            ("n4", 4),
+            ("n5", 5),
+            ("n6", 6),
+        ];
+        let mut rec = reconciler_with(config, FakeKernel::default(), &nodes);
         let out = rec.reconcile().await.unwrap();
         assert_eq!(
             rec.kernel().grown,
@@ -1138,25 +1144,12 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn an_event_plan_that_deletes_a_nexthop_is_made_again_from_a_dump() {
-        let config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
-        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
         let kernel = FakeKernel {
             nexthops: true,
             ..FakeKernel::default()
         };
-        let mut rec = Reconciler::new(config, None, kernel, telemetry);
-        rec.on_event(SourceEvent::Init);
-        rec.on_event(SourceEvent::InitApply(raw(
-            "local",
-            "10.0.0.100",
-            "10.1.100.0/24",
-        )));
-        for i in 1..=4 {
-            let name = format!("n{i}");
-            let (ip, cidr) = (format!("10.0.0.{i}"), format!("10.1.{i}.0/24"));
-            rec.on_event(SourceEvent::InitApply(raw(&name, &ip, &cidr)));
-        }
-        rec.on_event(SourceEvent::InitDone);
+        let nodes = [("n1", 1), ("n2", 2), ("n3", 3), ("n4", 4)];
+        let mut rec = reconciler_with(config(), kernel, &nodes);
         rec.reconcile().await.unwrap();
         assert_eq!(count(&mut rec, ObjectKind::Nexthop), 4);
         rec.on_event(SourceEvent::Apply(raw("n5", "10.0.0.5", "10.1.5.0/24")));
