@@ -539,40 +539,66 @@ fn common_suffix(a: &[u8], b: &[u8]) -> usize {
         .count()
 }
 
-/// Where each byte's two hex digits start in a UUID's text (`8-4-4-4-12` digits).
-const UUID_HEX_AT: [usize; 16] = [0, 2, 4, 6, 9, 11, 14, 16, 19, 21, 24, 26, 28, 30, 32, 34];
-const UUID_DASH_AT: [usize; 4] = [8, 13, 18, 23];
+// A UUID's text is 8-4-4-4-12 lowercase hex digits: four groups of eight digits (the middle
+// two split by a dash), each the text of four of its bytes. Parsing checks and converts eight
+// digits at a time in a `u64`, the first digit in the lowest byte.
 
-/// The value of each lowercase hex digit; 0xFF for any other byte.
-static HEX_VALUE: [u8; 256] = {
-    let mut t = [0xFF; 256];
-    let mut i = 0;
-    while i < 16 {
-        t[b"0123456789abcdef"[i] as usize] = i as u8;
-        i += 1;
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGH: u64 = 0x8080_8080_8080_8080;
+
+/// The first up to eight bytes of `b` as a little-endian `u64`.
+#[inline(always)]
+fn le_u64(b: &[u8]) -> u64 {
+    let mut w = [0; 8];
+    w[..b.len()].copy_from_slice(b);
+    u64::from_le_bytes(w)
+}
+
+/// The four bytes eight lowercase hex digits spell (in a `u64`, first digit lowest), or `None`
+/// if one is anything else.
+#[inline(always)]
+fn unhex8(x: u64) -> Option<[u8; 4]> {
+    if x & HIGH != 0 {
+        return None;
     }
-    t
-};
+    // Every byte is below 0x80, so adding 0x80 - c (at most 0x50) carries into no other byte,
+    // and sets a byte's high bit exactly when it is at least c.
+    let at_least = |c: u8| x + ONES * u64::from(0x80 - c);
+    let digit = at_least(b'0') & !at_least(b'9' + 1) & HIGH;
+    let letter = at_least(b'a') & !at_least(b'f' + 1) & HIGH;
+    if digit | letter != HIGH {
+        return None;
+    }
+    // '0'..='9' is its low nibble, 'a'..='f' its low nibble plus 9.
+    let v = (x & (ONES * 0x0F)) + (letter >> 7) * 9;
+    // Each pair of nibbles to a byte, first one high; then the four bytes together.
+    let v = (v << 4 | v >> 8) & 0x00FF_00FF_00FF_00FF;
+    let v = (v | v >> 8) & 0x0000_FFFF_0000_FFFF;
+    Some(((v | v >> 16) as u32).to_le_bytes())
+}
 
 /// The 16 bytes of `s` if it is a UUID in exactly the form [`format_uuid`] writes back
 /// (lowercase), so that every UID stored as bytes decodes to the text it came from.
 fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let text: &[u8; 36] = s.as_bytes().try_into().ok()?;
-    if UUID_DASH_AT.iter().any(|&i| text[i] != b'-') {
+    let t: &[u8; 36] = s.as_bytes().try_into().ok()?;
+    if [t[8], t[13], t[18], t[23]] != [b'-'; 4] {
         return None;
     }
+    let groups = [
+        le_u64(&t[0..8]),
+        le_u64(&t[9..13]) | le_u64(&t[14..18]) << 32,
+        le_u64(&t[19..23]) | le_u64(&t[24..28]) << 32,
+        le_u64(&t[28..36]),
+    ];
     let mut out = [0; 16];
-    let mut bad = 0;
-    for (byte, &at) in out.iter_mut().zip(&UUID_HEX_AT) {
-        let (hi, lo) = (
-            HEX_VALUE[usize::from(text[at])],
-            HEX_VALUE[usize::from(text[at + 1])],
-        );
-        bad |= hi | lo;
-        *byte = hi << 4 | lo;
+    for (bytes, g) in out.chunks_exact_mut(4).zip(groups) {
+        bytes.copy_from_slice(&unhex8(g)?);
     }
-    (bad & 0xF0 == 0).then_some(out)
+    Some(out)
 }
+
+/// Where each byte's two hex digits start in a UUID's text.
+const UUID_HEX_AT: [usize; 16] = [0, 2, 4, 6, 9, 11, 14, 16, 19, 21, 24, 26, 28, 30, 32, 34];
 
 /// Each byte's two lowercase hex digits.
 static HEX_PAIR: [[u8; 2]; 256] = {
@@ -1008,6 +1034,39 @@ mod tests {
         };
         let e = bad.decode("abcde", at, &mut decoder(&[])).unwrap_err();
         assert!(e.to_string().starts_with("nodes[4].name:"), "{e}");
+    }
+
+    #[test]
+    fn uuids_convert_every_byte_and_refuse_every_other_character() {
+        for v in 0..=255u8 {
+            let mut b = [0u8; 16];
+            for (i, x) in b.iter_mut().enumerate() {
+                *x = v.wrapping_add(i as u8 * 17);
+            }
+            let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+            let text = format!(
+                "{}-{}-{}-{}-{}",
+                &hex[0..8],
+                &hex[8..12],
+                &hex[12..16],
+                &hex[16..20],
+                &hex[20..32]
+            );
+            assert_eq!(format_uuid(&b), text);
+            assert_eq!(parse_uuid(&text), Some(b));
+        }
+        let good = "0a1b2c3d-4e5f-6789-abcd-ef0123456789";
+        for at in [0, 7, 9, 12, 14, 17, 19, 22, 24, 27, 28, 35] {
+            for c in 0..=255u8 {
+                let mut t = good.as_bytes().to_vec();
+                t[at] = c;
+                let Ok(t) = String::from_utf8(t) else {
+                    continue;
+                };
+                let hex = c.is_ascii_digit() || (b'a'..=b'f').contains(&c);
+                assert_eq!(parse_uuid(&t).is_some(), hex, "{t}");
+            }
+        }
     }
 
     #[test]
