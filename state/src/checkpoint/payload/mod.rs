@@ -233,7 +233,9 @@ const MIN_RECORD_LEN: usize = 3 + 2 + 2 + 1 + 1 + 1;
 //
 // bincode's varint writes any integer up to 250 as that one byte, and every tag and array length
 // here, and most lengths, prefixes and IDs, are that small: the impls read and write that form
-// in place and leave larger values to bincode's own integer impls.
+// in place and leave larger values to bincode's own integer impls. Decoding a name code, UUID,
+// address or CIDR also looks at its whole usual form at once (one-byte tag and lengths) and
+// reads any other field by field.
 
 /// Values up to this are one byte in bincode's varint encoding.
 const ONE_BYTE_MAX: u8 = 250;
@@ -280,6 +282,15 @@ fn decode_len<D: Decoder>(d: &mut D) -> Result<usize, WireDecodeError> {
 #[inline(always)]
 fn decode_str<'de, D: BorrowDecoder<'de>>(d: &mut D) -> Result<&'de str, WireDecodeError> {
     let len = decode_len(d)?;
+    take_str(d, len)
+}
+
+/// A string's `len` bytes, its length read.
+#[inline(always)]
+fn take_str<'de, D: BorrowDecoder<'de>>(
+    d: &mut D,
+    len: usize,
+) -> Result<&'de str, WireDecodeError> {
     d.claim_bytes_read(len)?;
     let bytes = d.borrow_reader().take_bytes(len)?;
     std::str::from_utf8(bytes).map_err(|inner| WireDecodeError::Utf8 { inner })
@@ -365,6 +376,18 @@ impl<'de, C> BorrowDecode<'de, C> for Name<'de> {
     fn borrow_decode<D: BorrowDecoder<'de, Context = C>>(
         d: &mut D,
     ) -> Result<Self, WireDecodeError> {
+        // The usual form at once: three one-byte varints, then the rest's bytes.
+        if let Some(&[prefix, suffix, len]) = d.reader().peek_read(3)
+            && prefix.max(suffix).max(len) <= ONE_BYTE_MAX
+        {
+            d.claim_bytes_read(4 + 4 + 8)?;
+            d.reader().consume(3);
+            return Ok(Self {
+                prefix: prefix.into(),
+                suffix: suffix.into(),
+                rest: take_str(d, len.into())?,
+            });
+        }
         Ok(Self {
             prefix: decode_uint(d)?,
             suffix: decode_uint(d)?,
@@ -392,6 +415,15 @@ impl<'de, C> BorrowDecode<'de, C> for Ident<'de> {
     fn borrow_decode<D: BorrowDecoder<'de, Context = C>>(
         d: &mut D,
     ) -> Result<Self, WireDecodeError> {
+        // The usual form at once: a UUID's tag, length and bytes.
+        if let Some(bytes) = d.reader().peek_read(2 + 16)
+            && let [0, 16, uuid @ ..] = bytes
+            && let Ok(uuid) = uuid.try_into()
+        {
+            d.claim_bytes_read(4 + 8 + 16)?;
+            d.reader().consume(2 + 16);
+            return Ok(Ident::Uuid(uuid));
+        }
         const ALLOWED: AllowedEnumVariants = AllowedEnumVariants::Range { min: 0, max: 1 };
         Ok(match decode_variant(d, "Ident", &ALLOWED)? {
             0 => Ident::Uuid(decode_raw(d)?),
@@ -415,6 +447,28 @@ impl Encode for Address {
 impl<C> Decode<C> for Address {
     #[inline]
     fn decode<D: Decoder<Context = C>>(d: &mut D) -> Result<Self, WireDecodeError> {
+        // The usual forms at once: tag, length and bytes.
+        if let Some(&[tag @ (0 | 2), 4, a, b, c, e]) = d.reader().peek_read(2 + 4) {
+            d.claim_bytes_read(4 + 8 + 4)?;
+            d.reader().consume(2 + 4);
+            let ip = [a, b, c, e];
+            return Ok(match tag {
+                0 => Address::InternalV4(ip),
+                _ => Address::ExternalV4(ip),
+            });
+        }
+        if let Some(bytes) = d.reader().peek_read(2 + 16)
+            && let [tag @ (1 | 3), 16, ip @ ..] = bytes
+            && let Ok(ip) = ip.try_into()
+        {
+            let tag = *tag;
+            d.claim_bytes_read(4 + 8 + 16)?;
+            d.reader().consume(2 + 16);
+            return Ok(match tag {
+                1 => Address::InternalV6(ip),
+                _ => Address::ExternalV6(ip),
+            });
+        }
         const ALLOWED: AllowedEnumVariants = AllowedEnumVariants::Range { min: 0, max: 3 };
         Ok(match decode_variant(d, "Address", &ALLOWED)? {
             0 => Address::InternalV4(decode_raw(d)?),
@@ -440,6 +494,21 @@ impl Encode for Cidr {
 impl<C> Decode<C> for Cidr {
     #[inline]
     fn decode<D: Decoder<Context = C>>(d: &mut D) -> Result<Self, WireDecodeError> {
+        // The usual forms at once: tag, prefix length, length and bytes.
+        if let Some(&[0, len, 4, a, b, c, e]) = d.reader().peek_read(3 + 4) {
+            d.claim_bytes_read(4 + 1 + 8 + 4)?;
+            d.reader().consume(3 + 4);
+            return Ok(Cidr::V4(len, [a, b, c, e]));
+        }
+        if let Some(bytes) = d.reader().peek_read(3 + 16)
+            && let [1, len, 16, ip @ ..] = bytes
+            && let Ok(ip) = ip.try_into()
+        {
+            let len = *len;
+            d.claim_bytes_read(4 + 1 + 8 + 16)?;
+            d.reader().consume(3 + 16);
+            return Ok(Cidr::V6(len, ip));
+        }
         const ALLOWED: AllowedEnumVariants = AllowedEnumVariants::Range { min: 0, max: 1 };
         Ok(match decode_variant(d, "Cidr", &ALLOWED)? {
             0 => Cidr::V4(u8::decode(d)?, decode_raw(d)?),
@@ -1206,16 +1275,39 @@ mod tests {
         ] {
             assert_eq!(v.size(), fields);
         }
-        // Borrowed values decode from the bytes they borrow.
-        let bytes = bytes_of(&Ident::Text("uid-1"));
-        let back: Ident<'_> = bincode::borrow_decode_from_slice(&bytes, config())
-            .unwrap()
-            .0;
-        assert_eq!(back, Ident::Text("uid-1"));
+        // Borrowed values decode from the bytes they borrow, in their usual form (read at once)
+        // and in any other (read field by field).
+        let short = Name {
+            prefix: 11,
+            suffix: 27,
+            rest: "7",
+        };
+        for ident in [Ident::Text("uid-1"), Ident::Uuid(b16)] {
+            let bytes = bytes_of(&ident);
+            let back: Ident<'_> = bincode::borrow_decode_from_slice(&bytes, config())
+                .unwrap()
+                .0;
+            assert_eq!(back, ident);
+        }
+        for name in [name, short] {
+            let bytes = bytes_of(&name);
+            let back: Name<'_> = bincode::borrow_decode_from_slice(&bytes, config())
+                .unwrap()
+                .0;
+            assert_eq!(back, name);
+        }
         // A longer form than needed of a tag or a length is still bincode's, and reads the same.
         let long = [251, 2, 0, 251, 4, 0, 203, 0, 113, 1];
         let back: Address = bincode::decode_from_slice(&long, config()).unwrap().0;
         assert_eq!(back, Address::ExternalV4([203, 0, 113, 1]));
+        let long = [[251, 1, 0, 64, 251, 16, 0].as_slice(), &b16].concat();
+        let back: Cidr = bincode::decode_from_slice(&long, config()).unwrap().0;
+        assert_eq!(back, Cidr::V6(64, b16));
+        let long = [[251, 0, 0, 16].as_slice(), &b16].concat();
+        let back: Ident<'_> = bincode::borrow_decode_from_slice(&long, config())
+            .unwrap()
+            .0;
+        assert_eq!(back, Ident::Uuid(b16));
     }
 
     trait Ser {
