@@ -1,33 +1,24 @@
 //! Format version 2, the one written now: version 1 plus the brake's window (removals carried
 //! out recently) and the IPsec keys seen, with when each was first seen.
+//!
+//! The payload, in order: agent version (string), written at ([`Time`]), local node (string),
+//! live records (local node excluded), pending deletes (local node excluded; names coded
+//! against the previous pending one), freed IDs ([`super::Freed`]), removals ([`Removals`]), IPsec
+//! keys ([`Key`]).
 
-use serde::{Deserialize, Serialize};
+use bincode::de::{Decode, Decoder};
+use bincode::enc::{Encode, Encoder};
+use bincode::error::{DecodeError as WireDecodeError, EncodeError as WireEncodeError};
 
 use super::{
-    Freed, Pending, Record, Time, decode_freed, decode_lists, encode_freed, encode_lists, invalid,
+    Dec, Enc, MinLen, Time, decode_freed, decode_list, decode_seq, decode_uint, encode_freed,
+    encode_list, encode_seq, encode_uint, invalid, owned, read,
 };
 use crate::checkpoint::format::DecodeError;
 use crate::checkpoint::{Checkpoint, KeySeen, RecentRemovals};
 
-/// The whole payload of version 2.
-#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(in crate::checkpoint) struct PayloadV2<'a> {
-    pub(super) agent_version: &'a str,
-    pub(super) written_at: Time,
-    pub(super) local_node: &'a str,
-    /// The live records, local node excluded.
-    #[serde(borrow)]
-    pub(super) nodes: Vec<Record<'a>>,
-    /// Pending deletes, local node excluded; names are coded against the previous pending one.
-    #[serde(borrow)]
-    pub(super) pending_deletes: Vec<Pending<'a>>,
-    pub(super) freed: Vec<Freed>,
-    pub(super) removals: Vec<Removals>,
-    pub(super) ipsec_keys: Vec<Key>,
-}
-
 /// Removals the brake let through at one time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Removals {
     pub(super) at: Time,
     pub(super) nodes: u32,
@@ -35,76 +26,117 @@ pub(super) struct Removals {
 }
 
 /// An IPsec key seen: its SPI (1..=15) and when.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Key {
     pub(super) spi: u8,
     pub(super) first_seen: Time,
 }
 
-impl<'a> PayloadV2<'a> {
-    /// The wire form of `cp`, borrowing its strings, without the local node's record.
-    pub(super) fn from_checkpoint(cp: &'a Checkpoint) -> Self {
-        let (nodes, pending_deletes) = encode_lists(cp);
-        Self {
-            agent_version: &cp.agent_version,
-            written_at: cp.written_at.into(),
-            local_node: &cp.local_node,
-            nodes,
-            pending_deletes,
-            freed: encode_freed(&cp.ids),
-            removals: cp
-                .removals
-                .iter()
-                .map(|r| Removals {
-                    at: r.at.into(),
-                    nodes: r.nodes,
-                    objects: r.objects,
-                })
-                .collect(),
-            ipsec_keys: cp
-                .ipsec_keys
-                .iter()
-                .map(|k| Key {
-                    spi: k.spi,
-                    first_seen: k.first_seen.into(),
-                })
-                .collect(),
-        }
-    }
+impl MinLen for Removals {
+    const MIN_LEN: usize = Time::MIN_LEN + 1 + 1;
+}
 
-    /// The checkpoint, every field checked, a record of the local node dropped.
-    pub(super) fn into_checkpoint(self) -> Result<Checkpoint, DecodeError> {
-        let (nodes, pending_deletes) =
-            decode_lists(&self.nodes, &self.pending_deletes, self.local_node)?;
-        let mut removals = Vec::with_capacity(self.removals.len());
-        for (i, r) in self.removals.iter().enumerate() {
-            removals.push(RecentRemovals {
-                at: r.at.duration(|| format!("removals[{i}].at"))?,
-                nodes: r.nodes,
-                objects: r.objects,
-            });
-        }
-        let mut ipsec_keys = Vec::with_capacity(self.ipsec_keys.len());
-        for (i, k) in self.ipsec_keys.iter().enumerate() {
-            if !(1..=15).contains(&k.spi) {
-                return Err(invalid(format!("ipsec_keys[{i}].spi"), "an SPI is 1 to 15").into());
-            }
-            ipsec_keys.push(KeySeen {
-                spi: k.spi,
-                first_seen: k
-                    .first_seen
-                    .duration(|| format!("ipsec_keys[{i}].first_seen"))?,
-            });
-        }
-        Ok(Checkpoint {
-            agent_version: self.agent_version.to_owned(),
-            written_at: self.written_at.duration(|| "written_at".into())?,
-            local_node: self.local_node.to_owned(),
-            nodes,
-            pending_deletes,
-            ids: decode_freed(&self.freed)?,
-            removals,
-            ipsec_keys,
+impl MinLen for Key {
+    const MIN_LEN: usize = 1 + Time::MIN_LEN;
+}
+
+impl Encode for Removals {
+    fn encode<E: Encoder>(&self, e: &mut E) -> Result<(), WireEncodeError> {
+        self.at.encode(e)?;
+        encode_uint(self.nodes, e)?;
+        encode_uint(self.objects, e)
+    }
+}
+
+impl<C> Decode<C> for Removals {
+    fn decode<D: Decoder<Context = C>>(d: &mut D) -> Result<Self, WireDecodeError> {
+        Ok(Self {
+            at: Time::decode(d)?,
+            nodes: decode_uint(d)?,
+            objects: decode_uint(d)?,
         })
     }
+}
+bincode::impl_borrow_decode!(Removals);
+
+impl Encode for Key {
+    fn encode<E: Encoder>(&self, e: &mut E) -> Result<(), WireEncodeError> {
+        self.spi.encode(e)?;
+        self.first_seen.encode(e)
+    }
+}
+
+impl<C> Decode<C> for Key {
+    fn decode<D: Decoder<Context = C>>(d: &mut D) -> Result<Self, WireDecodeError> {
+        Ok(Self {
+            spi: u8::decode(d)?,
+            first_seen: Time::decode(d)?,
+        })
+    }
+}
+bincode::impl_borrow_decode!(Key);
+
+/// Writes `cp`, without the local node's record.
+pub(super) fn encode(cp: &Checkpoint, e: &mut Enc<'_>) -> Result<(), WireEncodeError> {
+    cp.agent_version.encode(e)?;
+    Time::from(cp.written_at).encode(e)?;
+    cp.local_node.encode(e)?;
+    encode_list(&cp.nodes, &cp.local_node, e)?;
+    encode_list(&cp.pending_deletes, &cp.local_node, e)?;
+    encode_freed(&cp.ids, e)?;
+    encode_seq(
+        &cp.removals,
+        |r| Removals {
+            at: r.at.into(),
+            nodes: r.nodes,
+            objects: r.objects,
+        },
+        e,
+    )?;
+    encode_seq(
+        &cp.ipsec_keys,
+        |k| Key {
+            spi: k.spi,
+            first_seen: k.first_seen.into(),
+        },
+        e,
+    )
+}
+
+/// The checkpoint, every field checked, a record of the local node dropped.
+pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {
+    let agent_version: &str = read(d)?;
+    let written_at = read::<Time>(d)?.duration(|| "written_at".into())?;
+    let local_node: &str = read(d)?;
+    let nodes = decode_list("nodes", local_node, d)?;
+    let pending_deletes = decode_list("pending_deletes", local_node, d)?;
+    let ids = decode_freed(d)?;
+    let removals = decode_seq(d, |i, r: Removals| {
+        Ok::<_, DecodeError>(RecentRemovals {
+            at: r.at.duration(|| format!("removals[{i}].at"))?,
+            nodes: r.nodes,
+            objects: r.objects,
+        })
+    })?;
+    let ipsec_keys = decode_seq(d, |i, k: Key| {
+        if !(1..=15).contains(&k.spi) {
+            return Err(invalid(format!("ipsec_keys[{i}].spi"), "an SPI is 1 to 15"));
+        }
+        Ok(KeySeen {
+            spi: k.spi,
+            first_seen: k
+                .first_seen
+                .duration(|| format!("ipsec_keys[{i}].first_seen"))?,
+        })
+    })?;
+    Ok(Checkpoint {
+        agent_version: owned(d, agent_version)?,
+        written_at,
+        local_node: owned(d, local_node)?,
+        nodes,
+        pending_deletes,
+        ids,
+        removals,
+        ipsec_keys,
+    })
 }
