@@ -359,6 +359,13 @@ pub fn cluster(n: u32) -> Vec<TestNode> {
         .collect()
 }
 
+/// Whether the kernel holds exactly what `nodes` need: for waiting on a daemon, which writes map
+/// entries, nexthops and routes one after the other.
+pub fn is_exact(env: &AgentEnv, nodes: &[TestNode]) -> bool {
+    env.map().keys().cloned().collect::<Vec<_>>() == expected_ips(nodes)
+        && env.routes() == expected_routes(nodes)
+}
+
 /// The kernel holds exactly what `nodes` need, and nothing else of ours.
 pub fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
     let map = env.map();

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use node_agent_tests::agent::{AgentEnv, Daemon, assert_exact, cluster};
+use node_agent_tests::agent::{AgentEnv, Daemon, assert_exact, cluster, is_exact};
 use node_agent_tests::{report, require_sandbox, run, sandbox, skip, which};
 
 /// The tag the test builds; `cargo xtask image`'s default tag stays the user's.
@@ -215,7 +215,7 @@ fn restart_scenario(image: &Mounted, bpffs: &Path) {
         .unwrap(),
     );
     env.wait("the four nodes programmed", TIMEOUT, || {
-        env.checkpoint().exists() && env.map().len() == 2 * nodes.len()
+        env.checkpoint().exists() && is_exact(&env, &nodes)
     });
     assert_exact(&env, &nodes);
 

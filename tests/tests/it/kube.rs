@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use node_agent_tests::agent::assert_exact;
 use node_agent_tests::agent::cluster;
 use node_agent_tests::agent::{AgentEnv, TestNode, http_get, k8s_node, local_node, metric};
+use node_agent_tests::agent::{assert_exact, is_exact};
 use node_agent_tests::apiserver::ApiServer;
 use node_agent_tests::require_sandbox;
 use node_agent_tests::sandbox;
@@ -70,7 +70,7 @@ fn forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list() {
 
         server.set_forbidden(false);
         env.wait("the prune after the first full list", TIMEOUT, || {
-            env.map().len() == 14
+            is_exact(&env, &nodes[3..])
         });
         assert_exact(&env, &nodes[3..]);
         env.wait("readiness", TIMEOUT, || readyz().0 == 200);
@@ -103,7 +103,7 @@ fn a_node_deleted_while_the_watch_is_broken_is_pruned_after_the_410_relist() {
         let mut left = nodes.clone();
         left.remove(4);
         env.wait("the prune after the relist", TIMEOUT, || {
-            env.map().len() == 18
+            is_exact(&env, &left)
         });
         assert_exact(&env, &left);
         assert!(server.requests().list > lists, "the agent relisted");
@@ -129,7 +129,7 @@ fn a_dropped_watch_resumes_and_prunes_nothing_extra() {
         more.push(TestNode::dual("node-0077", 77));
         server.apply(k8s_node(&more[6]));
         env.wait("the node added after the reconnects", TIMEOUT, || {
-            env.map().len() == 14
+            is_exact(&env, &more)
         });
         assert_exact(&env, &more);
         assert_eq!(
