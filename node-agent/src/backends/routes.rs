@@ -57,33 +57,28 @@ impl RouteBackend {
     }
 
     fn message(&self, route: &Route) -> Result<RouteMessage, OpError> {
-        let mut msg = match (route.dst, route.via) {
-            (IpNet::V4(dst), Via::Nexthop(_)) => RouteMessageBuilder::<Ipv4Addr>::new()
+        let mut msg = match route.dst {
+            IpNet::V4(dst) => RouteMessageBuilder::<Ipv4Addr>::new()
                 .destination_prefix(dst.network(), dst.prefix_len())
                 .priority(route.metric)
                 .build(),
-            (IpNet::V6(dst), Via::Nexthop(_)) => RouteMessageBuilder::<Ipv6Addr>::new()
+            IpNet::V6(dst) => RouteMessageBuilder::<Ipv6Addr>::new()
                 .destination_prefix(dst.network(), dst.prefix_len())
                 .priority(route.metric)
                 .build(),
-            (IpNet::V4(dst), Via::Gateway(IpAddr::V4(gw))) => {
-                RouteMessageBuilder::<Ipv4Addr>::new()
-                    .destination_prefix(dst.network(), dst.prefix_len())
-                    .gateway(gw)
-                    .priority(route.metric)
-                    .build()
+        };
+        let via = match route.via {
+            Via::Nexthop(id) => RouteAttribute::NhId(id.0),
+            Via::Gateway(IpAddr::V4(gw)) if route.dst.addr().is_ipv4() => {
+                RouteAttribute::Gateway(RouteAddress::Inet(gw))
             }
-            (IpNet::V6(dst), Via::Gateway(IpAddr::V6(gw))) => {
-                RouteMessageBuilder::<Ipv6Addr>::new()
-                    .destination_prefix(dst.network(), dst.prefix_len())
-                    .gateway(gw)
-                    .priority(route.metric)
-                    .build()
+            Via::Gateway(IpAddr::V6(gw)) if route.dst.addr().is_ipv6() => {
+                RouteAttribute::Gateway(RouteAddress::Inet6(gw))
             }
             // The planner pairs a CIDR only with a gateway of its own family.
-            (dst, via) => {
+            Via::Gateway(_) => {
                 return Err(OpError::Kernel {
-                    what: format!("route {dst} {via}"),
+                    what: format!("route {} {}", route.dst, route.via),
                     source: std::io::Error::new(
                         std::io::ErrorKind::InvalidInput,
                         "gateway and destination are of different families",
@@ -91,9 +86,7 @@ impl RouteBackend {
                 });
             }
         };
-        if let Via::Nexthop(id) = route.via {
-            msg.attributes.push(RouteAttribute::NhId(id.0));
-        }
+        msg.attributes.push(via);
         Ok(self.stamp(msg))
     }
 
