@@ -85,11 +85,15 @@ impl IdSet {
 
     /// The IDs in ascending order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.0.iter().enumerate().flat_map(|(w, &bits)| {
-            (0..64)
-                .filter(move |b| bits & (1 << b) != 0)
-                .filter_map(move |b| NodeId::new((w * 64 + b) as u16))
-        })
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|(_, bits)| **bits != 0)
+            .flat_map(|(w, &bits)| {
+                (0..64)
+                    .filter(move |b| bits & (1 << b) != 0)
+                    .filter_map(move |b| NodeId::new((w * 64 + b) as u16))
+            })
     }
 }
 

@@ -25,6 +25,9 @@ pub struct Inventory {
     /// Identity of ours -> a foreign object that uses it (a route of someone else's through one
     /// of our nexthops), in words: deleting ours would take that along.
     used_by: HashMap<ObjectId, String>,
+    /// Our objects by kind, kept as they come and go: metrics and map room read them at every
+    /// reconcile, and counting a large inventory each time is work that grows with the cluster.
+    counts: [usize; ObjectKind::ALL.len()],
 }
 
 impl Inventory {
@@ -38,7 +41,26 @@ impl Inventory {
             slots: Vec::with_capacity(objects),
             foreign: HashMap::new(),
             used_by: HashMap::new(),
+            counts: [0; ObjectKind::ALL.len()],
         }
+    }
+
+    /// Our objects at `ids` (those that are there), and every foreign object and foreign user:
+    /// the part of the kernel an event-sized plan looks at. Foreign objects come whole because
+    /// they are few and a node's new identities (its nexthop's, for one) are known only once the
+    /// plan has given it an ID.
+    pub fn part(&self, ids: impl IntoIterator<Item = ObjectId>) -> Self {
+        let mut part = Self {
+            foreign: self.foreign.clone(),
+            used_by: self.used_by.clone(),
+            ..Self::default()
+        };
+        for id in ids {
+            if let Some(o) = self.get(&id) {
+                part.insert(o.clone());
+            }
+        }
+        part
     }
 
     /// Adds an object of ours. A dump that lists an identity twice keeps the last copy.
@@ -47,6 +69,7 @@ impl Inventory {
             Entry::Occupied(e) => self.slots[*e.get() as usize] = object,
             Entry::Vacant(e) => {
                 e.insert(self.slots.len() as u32);
+                self.counts[object.kind() as usize] += 1;
                 self.slots.push(object);
             }
         }
@@ -57,7 +80,8 @@ impl Inventory {
         let Some(slot) = self.index.remove(id) else {
             return;
         };
-        self.slots.swap_remove(slot as usize);
+        let gone = self.slots.swap_remove(slot as usize);
+        self.counts[gone.kind() as usize] -= 1;
         if let Some(moved) = self.slots.get(slot as usize) {
             self.index.insert(moved.id(), slot);
         }
@@ -127,7 +151,7 @@ impl Inventory {
 
     /// How many objects of ours of `kind` there are.
     pub fn count(&self, kind: ObjectKind) -> usize {
-        self.slots.iter().filter(|o| o.kind() == kind).count()
+        self.counts[kind as usize]
     }
 
     /// Folds in an operation the kernel carried out.

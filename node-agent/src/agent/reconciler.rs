@@ -16,7 +16,10 @@ use state::ids::{AllocatorState, FreedId};
 use state::inventory::Inventory;
 use state::node::AddressKind;
 use state::objects::{KernelObject, ObjectId, ObjectKind, Op, XfrmDir};
-use state::plan::{BrakeHold, BrakeMemory, DeleteReason, HoldKind, InputProblem, Plan, PlanConfig};
+use state::plan::{
+    BrakeHold, BrakeMemory, DeleteReason, HoldKind, InputProblem, LiveView, Plan, PlanConfig,
+    PlanInput,
+};
 use state::rotation::rotation;
 
 use super::apply::{OpResult, apply_plan};
@@ -25,7 +28,7 @@ use super::drift::{Drift, Found};
 use super::kernel::Kernel;
 use super::{AgentError, report};
 use crate::source::SourceEvent;
-use crate::source::live::LiveState;
+use crate::source::live::{Changes, LiveState};
 use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::{KindLabel, OpLabels, StateLabel};
 
@@ -80,6 +83,9 @@ pub struct Reconciler<K: Kernel> {
     keys: Option<KeysUsed>,
     /// A map capacity the kernel refused to grow to: not asked for again.
     grow_refused: Option<u32>,
+    /// The last plan was settled and applied without a failure, with this configuration: a
+    /// change to a few nodes under the same configuration may be planned event-sized.
+    settled: Option<PlanConfig>,
 }
 
 /// What the last plan made of the IPsec key file.
@@ -143,6 +149,7 @@ impl<K: Kernel> Reconciler<K> {
             telemetry,
             keys: None,
             grow_refused: None,
+            settled: None,
         }
     }
 
@@ -234,15 +241,19 @@ impl<K: Kernel> Reconciler<K> {
     }
 
     /// Reads the IPsec keys again and works out where the rotation stands at `now`: the keys
-    /// the next plan writes states for, and the one it sends with.
-    fn refresh_ipsec(&mut self, now: Duration) {
+    /// the next plan writes states for, and the one it sends with. Before a plan of the whole
+    /// cluster (`full`), the key book may forget derived keys no plan asks for any more; an
+    /// event-sized plan asks for a few pairs only, so it leaves the book as it is.
+    fn refresh_ipsec(&mut self, now: Duration, full: bool) {
         let Some(read) = self.kernel.ipsec_keys() else {
             self.plan_config.ipsec = None;
             return;
         };
         self.telemetry.set_key_file_error(read.error.clone());
         let seen = self.record.as_ref().map_or(&[][..], |c| &c.ipsec_keys[..]);
-        read.tags.plan_begins();
+        if full {
+            read.tags.plan_begins();
+        }
         let r = rotation(&read.keys, seen, now, self.config.key_delays, read.tags);
         let same_file = self.keys.as_ref().is_some_and(|k| k.digest == read.digest);
         let reported = same_file && self.keys.as_ref().is_some_and(|k| k.abrupt_reported);
@@ -282,19 +293,46 @@ impl<K: Kernel> Reconciler<K> {
         self.keys.as_ref().and_then(|k| k.next_change)
     }
 
-    fn make_plan(&self, inventory: &Inventory, now: Duration) -> Plan {
-        let view = self.live.view();
-        let config = self.plan_config();
-        state::plan::plan(&state::plan::PlanInput {
+    fn input<'a>(
+        &'a self,
+        live: &'a LiveView,
+        inventory: &'a Inventory,
+        now: Duration,
+        config: &'a PlanConfig,
+    ) -> PlanInput<'a> {
+        PlanInput {
             record: self.record.as_ref(),
-            live: &view,
+            live,
             inventory,
             allocator: &self.ids,
             brake: &self.brake,
             confirmed_hold: self.confirmed_hold.as_deref(),
             now,
-            config: &config,
-        })
+            config,
+        }
+    }
+
+    fn make_plan(&self, inventory: &Inventory, now: Duration, config: &PlanConfig) -> Plan {
+        let view = self.live.view();
+        state::plan::plan(&self.input(&view, inventory, now, config))
+    }
+
+    /// The event-sized plan for a change to the nodes `names`, where one will do: the last plan
+    /// settled under the same configuration, the view is the one it left, and the change is
+    /// small next to the cluster (a large one costs a full plan's work anyway).
+    fn plan_event(
+        &self,
+        names: &BTreeSet<String>,
+        inventory: &Inventory,
+        now: Duration,
+        config: &PlanConfig,
+    ) -> Option<Plan> {
+        let known = self.record.as_ref().map_or(0, |r| r.nodes.len());
+        if self.settled.as_ref() != Some(config) || names.len() > (known / 8).max(16) {
+            return None;
+        }
+        let view = self.live.view_of(names);
+        state::plan::plan_scoped(&self.input(&view, inventory, now, config), names)
     }
 
     /// Plans against the kernel as it is now, without changing anything.
@@ -302,8 +340,8 @@ impl<K: Kernel> Reconciler<K> {
         let inventory = self.kernel.dump().await?;
         self.record_objects(&inventory);
         let now = wall_clock();
-        self.refresh_ipsec(now);
-        Ok(self.make_plan(&inventory, now))
+        self.refresh_ipsec(now, true);
+        Ok(self.make_plan(&inventory, now, &self.plan_config()))
     }
 
     /// Dumps, plans, applies. The record the outcome implies becomes the agent's record; the
@@ -324,6 +362,7 @@ impl<K: Kernel> Reconciler<K> {
 
     async fn reconcile_with(&mut self, from: InventoryFrom) -> Result<Outcome, AgentError> {
         let started = Instant::now();
+        let changes = self.live.take_changes();
         let cached = match from {
             InventoryFrom::Cached if self.expected_exact => self.expected.take(),
             _ => None,
@@ -334,16 +373,25 @@ impl<K: Kernel> Reconciler<K> {
             None => self.dump().await?,
         };
         let now = wall_clock();
-        self.refresh_ipsec(now);
-        let mut plan = self.make_plan(&inventory, now);
+        let names = match &changes {
+            Changes::Names(names) if !dumped => Some(names),
+            _ => None,
+        };
+        self.refresh_ipsec(now, names.is_none());
+        let mut config = self.plan_config();
+        let mut plan = match names.and_then(|n| self.plan_event(n, &inventory, now, &config)) {
+            Some(plan) => plan,
+            None => self.make_plan(&inventory, now, &config),
+        };
         if !dumped && needs_a_fresh_view(&plan) {
             self.expected = Some(inventory);
             (inventory, drift) = self.dump().await?;
             dumped = true;
-            plan = self.make_plan(&inventory, now);
+            plan = self.make_plan(&inventory, now, &config);
         }
         if self.grow_maps_for(&plan, &inventory) {
-            plan = self.make_plan(&inventory, now);
+            config = self.plan_config();
+            plan = self.make_plan(&inventory, now, &config);
         }
         self.confirmed_hold = None;
         if dumped && self.live.synced() {
@@ -406,24 +454,34 @@ impl<K: Kernel> Reconciler<K> {
             .collect();
         let cp = plan.checkpoint_after(&failed_ops);
         self.remember_freed(&plan, &cp);
-        self.record_outcome(&plan, &cp, &inventory, started);
+        let record_changed = match (&plan.scope, self.record.as_mut()) {
+            (Some(names), Some(record)) => record.splice(names, cp),
+            _ => {
+                let changed = self
+                    .record
+                    .as_ref()
+                    .is_none_or(|old| !old.same_content(&cp));
+                self.record = Some(cp);
+                changed
+            }
+        };
+        if let Some(record) = &self.record {
+            self.ids = record.ids.clone();
+            self.record_outcome(&plan, record, &inventory, started);
+        }
         self.expected = Some(inventory);
         self.expected_exact = failed.is_empty();
-        self.ids = cp.ids.clone();
+        self.settled = (plan.settled && failed.is_empty()).then_some(config);
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
-        let record_changed = self
-            .record
-            .as_ref()
-            .is_none_or(|old| !old.same_content(&cp));
-        self.record = Some(cp);
         self.total_writes += writes;
         self.pruned.extend(pruned.iter().cloned());
         let elapsed_ms = started.elapsed().as_millis() as u64;
         let (deletes, upserts, failures) = (plan.deletes.len(), plan.upserts.len(), failed.len());
+        let event_sized = plan.scope.is_some();
         if plan.is_empty() && failed.is_empty() {
             // A resync or a relist that found nothing to do: not worth a line at info.
-            tracing::debug!(writes, elapsed_ms, dumped, "reconciled");
+            tracing::debug!(writes, elapsed_ms, dumped, event_sized, "reconciled");
         } else {
             tracing::info!(
                 writes,
@@ -432,6 +490,8 @@ impl<K: Kernel> Reconciler<K> {
                 upserts,
                 elapsed_ms,
                 dumped,
+                event_sized,
+                settled = plan.settled,
                 "reconciled"
             );
         }
@@ -631,21 +691,16 @@ impl<K: Kernel> Reconciler<K> {
     /// Sets the kernel-object gauges from what the kernel holds.
     fn record_objects(&self, inventory: &Inventory) {
         let m = &self.telemetry.metrics;
-        let mut by_kind: BTreeMap<ObjectKind, i64> =
-            ObjectKind::ALL.iter().map(|k| (*k, 0)).collect();
-        for o in inventory.objects() {
-            *by_kind.entry(o.kind()).or_default() += 1;
-        }
-        for (kind, n) in &by_kind {
+        for kind in ObjectKind::ALL {
             m.kernel_objects
                 .get_or_create(&KindLabel {
                     kind: kind.name().into(),
                 })
-                .set(*n);
+                .set(inventory.count(kind) as i64);
         }
         let capacity = f64::from(self.config.datapath.node_map_max.max(1));
         m.node_map_fill_ratio
-            .set(by_kind[&ObjectKind::MapEntry] as f64 / capacity);
+            .set(inventory.count(ObjectKind::MapEntry) as f64 / capacity);
     }
 
     /// The run report for `--once --output json`.
@@ -1140,6 +1195,41 @@ mod tests {
             3,
             "the resync repaired b and c"
         );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn after_a_settled_reconcile_an_event_is_planned_event_sized_and_the_record_follows() {
+        let mut rec = reconciler(&[("a", 1), ("b", 2)]);
+        let first = rec.reconcile().await.unwrap();
+        assert!(first.plan.scope.is_none() && first.plan.settled);
+        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.3", "10.1.3.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert_eq!(out.plan.scope.as_deref(), Some(&["c".to_string()][..]));
+        assert!(out.record_changed);
+        // A conflict with an untouched node brings that node into the plan, and is reported.
+        rec.on_event(SourceEvent::Apply(raw("d", "10.0.0.4", "10.1.1.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        let scope = out.plan.scope.clone().expect("event-sized");
+        assert_eq!(scope, ["d", "a"]);
+        assert_eq!(out.plan.errors.len(), 1, "{:?}", out.plan.errors);
+        assert!(!out.plan.settled);
+        // With a conflict standing, the next event is planned in full.
+        rec.on_event(SourceEvent::Apply(raw("e", "10.0.0.5", "10.1.5.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert!(out.plan.scope.is_none());
+        let names: Vec<&str> = rec
+            .record()
+            .unwrap()
+            .nodes
+            .iter()
+            .map(|n| n.name.as_str())
+            .collect();
+        assert_eq!(names, ["a", "b", "c", "e"], "d is held and has no record");
+        // The record the event-sized plans left is the one a full plan makes.
+        let full = rec.plan().await.unwrap();
+        assert!(full.is_empty());
+        assert!(rec.record().unwrap().same_content(&full.checkpoint));
+        assert_eq!(count(&mut rec, ObjectKind::Route), 4);
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -7,7 +7,7 @@
 //! own record says it had (invariants 8 and 12). And only full lists that contain the local node
 //! count as confirmations for the brake (invariant 15).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use state::node::{Node, NodeError, RawNode};
 use state::plan::LiveView;
@@ -32,6 +32,18 @@ pub struct LiveState {
     last_error: Option<String>,
     /// The source's error since its last success: it cannot see node changes now.
     failing: Option<String>,
+    /// What changed since [`Self::take_changes`] last ran.
+    changes: Changes,
+}
+
+/// What changed in the live view since the last reconcile took its changes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Changes {
+    /// A full list arrived (or none has yet): anything may have changed.
+    #[default]
+    Everything,
+    /// Only the nodes of these names (changed, added, deleted or turned malformed).
+    Names(BTreeSet<String>),
 }
 
 impl LiveState {
@@ -56,7 +68,7 @@ impl LiveState {
             SourceEvent::InitApply(raw) => {
                 let previous = &self.nodes;
                 if let Some(buf) = self.relist.as_mut() {
-                    Self::fold(buf, &mut self.relist_errors, previous, raw);
+                    Self::fold(buf, &mut self.relist_errors, Some(previous), raw);
                 }
                 false
             }
@@ -68,6 +80,7 @@ impl LiveState {
                 let with_local =
                     new.contains_key(&self.local) || self.relist_errors.contains_key(&self.local);
                 self.nodes = new;
+                self.changes = Changes::Everything;
                 self.errors = std::mem::take(&mut self.relist_errors);
                 self.synced = true;
                 self.relists += 1;
@@ -78,13 +91,16 @@ impl LiveState {
                 changed
             }
             SourceEvent::Apply(raw) => {
-                let before = self.nodes.get(&raw.name).cloned();
-                let previous = self.nodes.clone();
-                Self::fold(&mut self.nodes, &mut self.errors, &previous, raw.clone());
-                self.nodes.get(&raw.name) != before.as_ref()
+                let name = raw.name.clone();
+                let before = self.nodes.get(&name).cloned();
+                // A malformed record leaves the good one in place: nothing to copy it from.
+                Self::fold(&mut self.nodes, &mut self.errors, None, raw);
+                self.touch(&name);
+                self.nodes.get(&name) != before.as_ref()
             }
             SourceEvent::Delete(name) => {
                 self.errors.remove(&name);
+                self.touch(&name);
                 self.nodes.remove(&name).is_some()
             }
             SourceEvent::Error(msg) => {
@@ -97,10 +113,23 @@ impl LiveState {
         }
     }
 
+    fn touch(&mut self, name: &str) {
+        if let Changes::Names(names) = &mut self.changes {
+            names.insert(name.to_owned());
+        }
+    }
+
+    /// What changed since the last call, and starts over.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::replace(&mut self.changes, Changes::Names(BTreeSet::new()))
+    }
+
+    /// Folds `raw` into `into`. A malformed record keeps the good one `previous` had (`None`:
+    /// `into` is the map the good one is already in).
     fn fold(
         into: &mut BTreeMap<String, Node>,
         errors: &mut BTreeMap<String, NodeError>,
-        previous: &BTreeMap<String, Node>,
+        previous: Option<&BTreeMap<String, Node>>,
         raw: RawNode,
     ) {
         let name = raw.name.clone();
@@ -110,7 +139,7 @@ impl LiveState {
                 into.insert(name, node);
             }
             Err(e) => {
-                if let Some(good) = previous.get(&name) {
+                if let Some(good) = previous.and_then(|p| p.get(&name)) {
                     into.insert(name.clone(), good.clone());
                 }
                 errors.insert(name, e);
@@ -125,6 +154,25 @@ impl LiveState {
                 .errors
                 .keys()
                 .filter(|n| !self.nodes.contains_key(*n))
+                .cloned()
+                .collect(),
+            synced: self.synced,
+            relists: self.confirming_relists,
+        }
+    }
+
+    /// The view of the nodes named in `names` and of the local node: what an event-sized plan
+    /// reads ([`state::plan::plan_scoped`]).
+    pub fn view_of(&self, names: &BTreeSet<String>) -> LiveView {
+        let wanted = names.iter().chain(std::iter::once(&self.local));
+        LiveView {
+            nodes: wanted
+                .clone()
+                .filter_map(|n| self.nodes.get(n))
+                .cloned()
+                .collect(),
+            malformed: wanted
+                .filter(|n| self.errors.contains_key(*n) && !self.nodes.contains_key(*n))
                 .cloned()
                 .collect(),
             synced: self.synced,

@@ -76,6 +76,50 @@ impl Checkpoint {
             && *removals == other.removals
             && *ipsec_keys == other.ipsec_keys
     }
+
+    /// Puts the record of an event-sized plan into this one: the nodes and pending deletes
+    /// named in `names` are replaced by `part`'s, everything that is not per node (IDs,
+    /// removals, keys, version, time) comes from `part`. Returns whether anything but the time
+    /// changed. Works name by name, so the cost follows the names, not the whole record.
+    pub fn splice(&mut self, names: &[String], part: Checkpoint) -> bool {
+        let Checkpoint {
+            agent_version,
+            written_at,
+            local_node: _,
+            nodes,
+            pending_deletes,
+            ids,
+            removals,
+            ipsec_keys,
+        } = part;
+        let mut changed = self.agent_version != agent_version
+            || self.ids != ids
+            || self.removals != removals
+            || self.ipsec_keys != ipsec_keys;
+        let mut old: Vec<Node> = Vec::new();
+        for name in names {
+            if let Ok(at) = self.nodes.binary_search_by(|n| n.name.as_str().cmp(name)) {
+                old.push(self.nodes.remove(at));
+            }
+        }
+        old.sort_by(|a, b| a.name.cmp(&b.name));
+        changed |= old != nodes;
+        for n in nodes {
+            let at = self.nodes.partition_point(|o| o.name < n.name);
+            self.nodes.insert(at, n);
+        }
+        let before = self.pending_deletes.len();
+        self.pending_deletes
+            .retain(|p| !names.contains(&p.node.name));
+        changed |= self.pending_deletes.len() != before || !pending_deletes.is_empty();
+        self.pending_deletes.extend(pending_deletes);
+        self.agent_version = agent_version;
+        self.written_at = written_at;
+        self.ids = ids;
+        self.removals = removals;
+        self.ipsec_keys = ipsec_keys;
+        changed
+    }
 }
 
 /// Removals the brake let through at one time.

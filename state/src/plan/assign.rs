@@ -12,7 +12,7 @@ use super::brake::{Brake, is_local_entry};
 use super::claims::{Blocker, Claims, ConflictWhy, Holder, Resource, mapped_ips, resources};
 use super::classify::{HeldWhy, Live, LiveClass};
 use super::records::Record;
-use super::{Allocation, InputError, InputProblem, Local, PlanInput, err};
+use super::{Allocation, Elsewhere, InputError, InputProblem, Local, PlanInput, err};
 use crate::ids::{IdAllocator, IdError, IdSet};
 use crate::inventory::Inventory;
 use crate::objects::{KernelObject, NodeId, ObjectId};
@@ -105,6 +105,8 @@ struct Ids<'a> {
     claimed: IdSet,
     /// ID -> the record that carries it; `None` when records of several names carry it.
     recorded: HashMap<NodeId, Option<usize>>,
+    /// IDs records outside an event-sized plan's part carry.
+    elsewhere: Option<&'a IdSet>,
     inventory: &'a Inventory,
 }
 
@@ -131,7 +133,11 @@ impl Ids<'_> {
                     Some(KernelObject::MapEntry(e)) => Some(e.node_id),
                     _ => None,
                 })
-                .find(|id| !self.claimed.contains(*id) && !self.recorded.contains_key(id));
+                .find(|id| {
+                    !self.claimed.contains(*id)
+                        && !self.recorded.contains_key(id)
+                        && !self.elsewhere.is_some_and(|e| e.contains(*id))
+                });
             if let Some(id) = inherited {
                 return Ok((id, None));
             }
@@ -155,6 +161,7 @@ pub(super) fn admit(
     records: &[Record<'_>],
     brake: &Brake,
     local: &Local,
+    elsewhere: Option<&Elsewhere>,
     errors: &mut Vec<InputError>,
 ) -> Admitted {
     let cfg = input.config;
@@ -169,6 +176,7 @@ pub(super) fn admit(
         alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator),
         claimed: IdSet::new(),
         recorded: HashMap::with_capacity(records.len()),
+        elsewhere: elsewhere.map(|e| &e.ids),
         inventory: input.inventory,
     };
     let mut seen_ids = IdSet::new();
@@ -184,7 +192,10 @@ pub(super) fn admit(
                 .or_insert(Some(r));
         }
     }
-    for id in seen_ids.iter() {
+    for id in seen_ids
+        .iter()
+        .chain(elsewhere.iter().flat_map(|e| e.ids.iter()))
+    {
         ids.alloc.reserve(id);
     }
     // Held live nodes and held removals keep what their records list, IDs included.
@@ -216,7 +227,8 @@ pub(super) fn admit(
     let address_claims = address_claims(live, records, input);
     let mut room = MapRoom {
         capacity: cfg.map_capacity,
-        used: staying_entries(input, records, brake, local, &address_claims),
+        used: staying_entries(input, records, brake, local, &address_claims)
+            + elsewhere.map_or(0, |e| e.map_entries),
     };
 
     // Nodes the record knows first, then new ones; each group in name order.

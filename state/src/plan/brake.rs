@@ -21,7 +21,7 @@ use foldhash::{HashSet, HashSetExt};
 
 use super::claims::ClaimedAnywhere;
 use super::records::Record;
-use super::{Delete, Local, PlanConfig, PlanInput};
+use super::{Delete, Elsewhere, Local, PlanConfig, PlanInput};
 use crate::checkpoint::{Checkpoint, RecentRemovals};
 use crate::ids::AllocatorState;
 use crate::objects::{KernelObject, ObjectId};
@@ -391,6 +391,7 @@ impl Brake {
         records: &[Record<'_>],
         claimed: &ClaimedAnywhere,
         local: &Local,
+        elsewhere: Option<&Elsewhere>,
     ) -> Self {
         let mut brake = Self {
             synced: input.live.synced,
@@ -433,11 +434,11 @@ impl Brake {
             }
         }
         let mut counts = Ask {
-            known_nodes: known,
-            our_objects: input.inventory.len(),
+            known_nodes: known + elsewhere.map_or(0, |e| e.known_nodes),
+            our_objects: input.inventory.len() + elsewhere.map_or(0, |e| e.objects),
             orphan_nodes: 0,
         };
-        if records.is_empty() {
+        if records.is_empty() && elsewhere.is_none_or(|e| e.known_nodes == 0) {
             counts = without_record(counts, input, claimed, local);
         }
         brake.decision = decide(

@@ -20,6 +20,7 @@ mod assign;
 mod classify;
 mod deletes;
 mod records;
+mod scope;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -32,13 +33,14 @@ use ipnet::IpNet;
 
 use crate::checkpoint::{Checkpoint, KeySeen, PendingDelete};
 use crate::desired::{desired_objects, global_objects};
-use crate::ids::{AllocatorState, IdError, MAX_ID};
+use crate::ids::{AllocatorState, IdError, IdSet, MAX_ID};
 use crate::inventory::{Inventory, Marks};
 use crate::node::{Family, Node};
 use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
 
 pub use brake::{BrakeHold, BrakeMemory, HoldKind, Removal};
 pub use claims::{ConflictWhy, Resource};
+pub use scope::plan_scoped;
 
 use self::classify::LiveClass;
 
@@ -352,6 +354,13 @@ pub struct Plan {
     /// Stale records whose deletes are in this plan, with their previous attempt counts, so a
     /// failure can put them back as pending deletes.
     stale_attempted: BTreeMap<String, PendingDelete>,
+    /// Once applied without a failure, the kernel and the record are exactly what the live
+    /// nodes need, with nothing held or pending: the next change may be planned event-sized
+    /// ([`plan_scoped`]).
+    pub settled: bool,
+    /// For an event-sized plan: the names [`Plan::checkpoint`] covers. The rest of the record
+    /// stands as it was; [`Checkpoint::splice`] puts the two together.
+    pub scope: Option<Vec<String>>,
 }
 
 impl Plan {
@@ -467,6 +476,8 @@ impl Plan {
             released_nodes: Vec::new(),
             checkpoint,
             stale_attempted: BTreeMap::new(),
+            settled: false,
+            scope: None,
         }
     }
 }
@@ -507,6 +518,25 @@ fn err(errors: &mut Vec<InputError>, node: &str, problem: InputProblem) {
 /// sets are bit sets. Maps use foldhash rather than SipHash (its per-process random seed still
 /// keeps node data from choosing collisions). `cargo bench -p state` measures it.
 pub fn plan(input: &PlanInput<'_>) -> Plan {
+    plan_with(input, None)
+}
+
+/// What lies outside the part of the cluster an event-sized plan looks at and still counts in
+/// it ([`scope`]): the totals the brake's ratios and the map's room are taken over, and the node
+/// IDs the records there carry.
+pub(crate) struct Elsewhere {
+    /// Records, each a known remote node.
+    pub known_nodes: usize,
+    /// Our objects in the kernel.
+    pub objects: usize,
+    /// Our map entries: they stay, so they take room.
+    pub map_entries: usize,
+    /// Node IDs in use: never handed out, never freed, never inherited.
+    pub ids: IdSet,
+}
+
+/// [`plan`], of the whole cluster (`elsewhere` is `None`) or of one part of it.
+pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) -> Plan {
     let cfg = input.config;
     let synced = input.live.synced;
     let local = Local::new(cfg, input.live);
@@ -521,10 +551,18 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
 
     // 3. The brake: which removals may happen now.
     let claimed = claims::ClaimedAnywhere::new(&live, &records, cfg);
-    let brake = brake::Brake::new(cfg, input, &records, &claimed, &local);
+    let brake = brake::Brake::new(cfg, input, &records, &claimed, &local, elsewhere);
 
     // 4. Conflicts, map room and IDs, candidate by candidate.
-    let admitted = assign::admit(input, &mut live, &records, &brake, &local, &mut errors);
+    let admitted = assign::admit(
+        input,
+        &mut live,
+        &records,
+        &brake,
+        &local,
+        elsewhere,
+        &mut errors,
+    );
 
     // 5. Desired objects of programmed nodes, and the upserts they need.
     // Desired objects already in the kernel, by slot: what the deletes leave alone.
@@ -634,13 +672,26 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     cp_nodes.sort_by(|a, b| a.name.cmp(&b.name));
     let mut alloc = admitted.allocator;
     let mut frees = Vec::new();
+    let used_elsewhere = |id| elsewhere.is_some_and(|e| e.ids.contains(id));
     for id in admitted.seen_ids.iter() {
-        if !kept_ids.contains(id) && !admitted.claimed.contains(id) {
+        if !kept_ids.contains(id) && !admitted.claimed.contains(id) && !used_elsewhere(id) {
             alloc.free(id, input.now);
             frees.push(id);
         }
     }
     let (brake_hold, brake_memory) = brake.finish(deleted.held);
+    let settled = synced
+        && errors.is_empty()
+        && brake_hold.is_none()
+        && pending.is_empty()
+        && live.iter().all(|l| match l.class {
+            LiveClass::Programmed(_) => true,
+            // Registering with nothing recorded and no pod CIDR: it claims nothing.
+            LiveClass::Held(classify::HeldWhy::Registering) => {
+                l.record.is_none() && l.node.pod_cidrs.is_empty()
+            }
+            LiveClass::Held(_) | LiveClass::Candidate => false,
+        });
     let checkpoint = Checkpoint {
         agent_version: cfg.agent_version.clone(),
         written_at: input.now,
@@ -666,6 +717,8 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         released_nodes,
         checkpoint,
         stale_attempted,
+        settled,
+        scope: None,
     }
 }
 
