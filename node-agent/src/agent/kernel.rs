@@ -139,7 +139,20 @@ pub mod fake {
                 Op::Replace(o) => {
                     self.ours.insert(id, o.clone());
                 }
-                Op::Delete(_) => {
+                Op::Delete(o) => {
+                    // As the backend does: a nexthop something goes through is left alone.
+                    let user = self.used_by.get(&id).cloned().or_else(|| {
+                        self.ours
+                            .values()
+                            .find(|r| r.uses().as_ref() == Some(&id))
+                            .map(ToString::to_string)
+                    });
+                    if let Some(user) = user {
+                        return Err(OpError::InUse {
+                            what: o.to_string(),
+                            user,
+                        });
+                    }
                     self.ours.remove(&id);
                     // The kernel deletes the routes through a nexthop with it.
                     self.ours.retain(|_, o| o.uses().as_ref() != Some(&id));

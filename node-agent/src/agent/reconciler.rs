@@ -172,6 +172,13 @@ impl<K: Kernel> Reconciler<K> {
     }
 
     /// The record the last reconcile implied: what the checkpoint should say.
+    /// The record, marked as written at `now` (since the Unix epoch): about to be written.
+    pub fn stamp_record(&mut self, now: Duration) -> Option<&Checkpoint> {
+        let record = self.record.as_mut()?;
+        record.written_at = now;
+        Some(record)
+    }
+
     pub fn record(&self) -> Option<&Checkpoint> {
         self.record.as_ref()
     }
@@ -757,16 +764,14 @@ fn map_growth(plan: &Plan, inventory: &Inventory, capacity: usize) -> Option<u32
     (target > capacity).then_some(target as u32)
 }
 
-/// Whether a plan made from the last reconcile's view must be made again from a dump: it deletes
-/// a nexthop (a foreign route may have come to use it since, and the kernel would delete that
-/// route with it) or replaces a route (a replace matches the destination, whoever's route is
-/// there now).
+/// Whether a plan made from the last reconcile's view must be made again from a dump: it
+/// replaces a route (a replace matches the destination, whoever's route is there now). A plan
+/// that deletes a nexthop needs none: the backend reads the routes before it deletes one, and
+/// leaves alone a nexthop something goes through.
 fn needs_a_fresh_view(plan: &Plan) -> bool {
-    plan.deletes.iter().any(|d| d.object.kind().deleted_last())
-        || plan
-            .upserts
-            .iter()
-            .any(|u| u.update && u.object.kind() == ObjectKind::Route)
+    plan.upserts
+        .iter()
+        .any(|u| u.update && u.object.kind() == ObjectKind::Route)
 }
 
 /// Where a reconcile's view of the kernel comes from.
@@ -1233,7 +1238,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn an_event_plan_that_deletes_a_nexthop_is_made_again_from_a_dump() {
+    async fn an_event_plan_never_deletes_a_nexthop_a_route_came_to_use_since_the_last_dump() {
         let kernel = FakeKernel {
             nexthops: true,
             ..FakeKernel::default()
@@ -1242,9 +1247,10 @@ mod tests {
         let mut rec = reconciler_with(config(), kernel, &nodes);
         rec.reconcile().await.unwrap();
         assert_eq!(count(&mut rec, ObjectKind::Nexthop), 4);
-        rec.on_event(SourceEvent::Apply(raw("n5", "10.0.0.5", "10.1.5.0/24")));
+        rec.on_event(SourceEvent::Delete("n4".into()));
         rec.reconcile_event().await.unwrap();
-        assert_eq!(rec.kernel().dumps, 1, "adding needs no dump");
+        assert_eq!(rec.kernel().dumps, 1, "a removal needs no dump");
+        assert_eq!(count(&mut rec, ObjectKind::Nexthop), 3);
         // A foreign route came to use n1's nexthop since the last dump.
         let n1 = ObjectId::Nexthop {
             id: state::objects::NexthopId(201_400_001),
@@ -1254,15 +1260,19 @@ mod tests {
             .insert(n1.clone(), "route 192.168.7.0/24 table 100".into());
         rec.on_event(SourceEvent::Delete("n1".into()));
         let out = rec.reconcile_event().await.unwrap();
-        assert_eq!(
-            rec.kernel().dumps,
-            2,
-            "deleting a nexthop plans from a fresh dump"
+        assert!(
+            matches!(&out.failed[..], [f] if matches!(f.result, Err(crate::backends::OpError::InUse { .. }))),
+            "{:?}",
+            out.failed
         );
         assert!(
             rec.kernel().ours.contains_key(&n1),
             "kept for the route that uses it"
         );
+        // The failure makes the next reconcile dump, see the user and report it.
+        let out = rec.reconcile_event().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 2);
+        assert!(rec.kernel().ours.contains_key(&n1));
         assert!(
             out.plan.errors.iter().any(|e| e.node == "n1"),
             "{:?}",

@@ -10,7 +10,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use state::checkpoint::Checkpoint;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio::time::sleep_until;
@@ -144,8 +143,8 @@ pub async fn run_once(
             break;
         }
     }
-    if let Some(cp) = rec.record() {
-        checkpointer.write(&stamped(cp))?;
+    if let Some(cp) = rec.stamp_record(wall_clock()) {
+        checkpointer.write(cp)?;
     }
     let outcome = last.expect("at least one pass");
     // Converged means a pass that found nothing left to do, apart from what the brake holds.
@@ -164,13 +163,6 @@ pub async fn run_once(
 }
 
 /// The record as it is written: stamped with the time of writing.
-fn stamped(cp: &Checkpoint) -> Checkpoint {
-    Checkpoint {
-        written_at: wall_clock(),
-        ..cp.clone()
-    }
-}
-
 /// The signals the daemon handles.
 struct Signals {
     term: Signal,
@@ -401,11 +393,12 @@ impl<K: Kernel> Daemon<K> {
     }
 
     fn write_checkpoint(&mut self) {
-        let Some(cp) = self.rec.record() else {
+        // Stamped in place: a copy of a large record would cost as much as writing it.
+        let Some(cp) = self.rec.stamp_record(wall_clock()) else {
             return;
         };
         let now = Instant::now();
-        let result = self.checkpointer.write(&stamped(cp));
+        let result = self.checkpointer.write(cp);
         let ok = result.is_ok();
         let label = if ok { "ok" } else { "error" };
         self.telemetry
@@ -439,14 +432,14 @@ impl<K: Kernel> Daemon<K> {
     }
 
     /// The final checkpoint write: tried once; a failure is the exit status.
-    fn shutdown(self) -> Result<(), AgentError> {
+    fn shutdown(mut self) -> Result<(), AgentError> {
         if !self.schedule.dirty() {
             return Ok(());
         }
-        let Some(cp) = self.rec.record() else {
+        let Some(cp) = self.rec.stamp_record(wall_clock()) else {
             return Ok(());
         };
-        self.checkpointer.write(&stamped(cp)).map_err(|e| {
+        self.checkpointer.write(cp).map_err(|e| {
             tracing::error!("final checkpoint write failed: {e}; the record on disk is stale (the kernel state is right)");
             AgentError::from(e)
         })?;

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 
 use state::ids::FreedId;
 use state::inventory::Inventory;
-use state::objects::{KernelObject, ObjectKind, Op};
+use state::objects::{KernelObject, ObjectId, ObjectKind, Op};
 use state::rotation::FileKey;
 
 use std::sync::Arc;
@@ -53,6 +53,12 @@ pub enum OpError {
         "{what} is not written: something else is there (it appeared since the last dump) and is left alone"
     )]
     Occupied { what: String },
+    /// A delete found a route using the object (a route through a nexthop), which the kernel
+    /// would delete along: the object is left alone and the next reconcile dumps and reports it.
+    #[error(
+        "{what} is not deleted: {user} goes through it now, and the kernel would delete it along; left alone"
+    )]
+    InUse { what: String, user: String },
     #[error("{what}: {source}")]
     Kernel {
         what: String,
@@ -373,7 +379,7 @@ impl Kernel for Backends {
                     None => results.extend(disabled()),
                 },
                 ObjectKind::Nexthop => match &mut self.nexthops {
-                    Some(n) => results.extend(n.apply(chunk).await),
+                    Some(n) => results.extend(apply_nexthops(n, self.routes.as_mut(), chunk).await),
                     None => results.extend(disabled()),
                 },
                 ObjectKind::Route => match &mut self.routes {
@@ -455,6 +461,77 @@ impl Kernel for Backends {
             .map(|d| d.attach_pending().to_vec())
             .unwrap_or_default()
     }
+}
+
+/// Applies nexthop operations. Deleting a nexthop deletes every route through it (and changes
+/// every group holding it), and the kernel has no lookup of a nexthop's users, so before any
+/// delete every route and group is read (a dump of the routes and of the groups alone, not of
+/// the whole kernel): a nexthop something still goes through is left alone
+/// ([`OpError::InUse`]), whoever's the user is. If they cannot be read, no nexthop is deleted.
+pub async fn apply_nexthops(
+    nexthops: &mut nexthops::NexthopBackend,
+    routes: Option<&mut routes::RouteBackend>,
+    ops: &[Op],
+) -> Vec<Result<(), OpError>> {
+    let deleting: Vec<ObjectId> = ops
+        .iter()
+        .filter(|op| matches!(op, Op::Delete(_)))
+        .map(|op| op.object().id())
+        .collect();
+    if deleting.is_empty() {
+        return nexthops.apply(ops).await;
+    }
+    let users = users_of(nexthops, routes, &deleting).await;
+    let blocked = |op: &Op| -> Option<OpError> {
+        if !matches!(op, Op::Delete(_)) {
+            return None;
+        }
+        match &users {
+            Err(e) => Some(OpError::Kernel {
+                what: format!(
+                    "{} {}: reading what might go through it: {e}",
+                    op.verb(),
+                    op.object()
+                ),
+                source: std::io::Error::from_raw_os_error(libc::EAGAIN),
+            }),
+            Ok(users) => users.get(&op.object().id()).map(|user| OpError::InUse {
+                what: op.object().to_string(),
+                user: user.clone(),
+            }),
+        }
+    };
+    let mut results: Vec<Option<Result<(), OpError>>> =
+        ops.iter().map(|op| blocked(op).map(Err)).collect();
+    let allowed: Vec<Op> = ops
+        .iter()
+        .zip(&results)
+        .filter(|(_, r)| r.is_none())
+        .map(|(op, _)| op.clone())
+        .collect();
+    let mut applied = nexthops.apply(&allowed).await.into_iter();
+    for r in results.iter_mut().filter(|r| r.is_none()) {
+        *r = applied.next();
+    }
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or(Err(OpError::Skipped)))
+        .collect()
+}
+
+/// What goes through each of the nexthops `ids` now: routes, and groups.
+async fn users_of(
+    nexthops: &mut nexthops::NexthopBackend,
+    routes: Option<&mut routes::RouteBackend>,
+    ids: &[ObjectId],
+) -> Result<std::collections::HashMap<ObjectId, String>, DumpError> {
+    let mut users = nexthops.groups_holding(ids).await?;
+    if let Some(r) = routes {
+        for (id, user) in r.users_of(ids).await? {
+            users.entry(id).or_insert(user);
+        }
+    }
+    Ok(users)
 }
 
 fn freed_error(e: FreedIdsError) -> OpError {

@@ -21,6 +21,7 @@
 
 pub mod message;
 
+use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
 
@@ -256,6 +257,39 @@ fn describe(m: &NexthopMessage, id: NexthopId) -> String {
     match m.gateway {
         Some(gw) => format!("nexthop {id} via {gw} proto {proto}"),
         None => format!("nexthop {id} proto {proto}"),
+    }
+}
+
+impl NexthopBackend {
+    /// Every group, ours or not, that holds one of the nexthops `ids`, by nexthop, in words:
+    /// deleting the nexthop would change the group (or delete it, with its routes).
+    pub async fn groups_holding(
+        &mut self,
+        ids: &[ObjectId],
+    ) -> Result<HashMap<ObjectId, String>, DumpError> {
+        let groups = request(&self.handle, NexthopMessage::dump_groups(), NLM_F_DUMP)
+            .await
+            .map_err(|e| DumpError::Kernel {
+                kind: ObjectKind::Nexthop,
+                source: e.into_io(),
+            })?;
+        let mut users = HashMap::new();
+        for g in &groups {
+            let Some(gid) = g.id.map(NexthopId) else {
+                continue;
+            };
+            for member in &g.group {
+                let id = ObjectId::Nexthop {
+                    id: NexthopId(*member),
+                };
+                if ids.contains(&id) {
+                    users
+                        .entry(id)
+                        .or_insert_with(|| format!("group {}", describe(g, gid)));
+                }
+            }
+        }
+        Ok(users)
     }
 }
 

@@ -16,6 +16,7 @@
 //! delete-then-add gap. Deletes carry our protocol, so the kernel matches only ours. Requests are
 //! pipelined over one netlink socket.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use futures::{StreamExt, TryStreamExt};
@@ -225,6 +226,28 @@ fn table_of(msg: &RouteMessage) -> u32 {
             _ => None,
         })
         .unwrap_or(u32::from(msg.header.table))
+}
+
+impl RouteBackend {
+    /// Every route, of any table and protocol, that goes through one of the nexthops `ids`, by
+    /// nexthop, in words: what deleting the nexthop would delete along.
+    pub async fn users_of(
+        &mut self,
+        ids: &[ObjectId],
+    ) -> Result<HashMap<ObjectId, String>, DumpError> {
+        let mut routes = Inventory::new();
+        self.dump_into(&mut routes).await?;
+        let mut users: HashMap<ObjectId, String> = ids
+            .iter()
+            .filter_map(|id| Some((id.clone(), routes.foreign_user(id)?.to_owned())))
+            .collect();
+        for r in routes.objects() {
+            if let Some(used) = r.uses().filter(|u| ids.contains(u)) {
+                users.entry(used).or_insert_with(|| r.to_string());
+            }
+        }
+        Ok(users)
+    }
 }
 
 impl Backend for RouteBackend {

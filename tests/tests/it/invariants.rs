@@ -109,8 +109,8 @@ fn event_sized_reconciles_leave_what_a_full_reconcile_would() {
         let log = std::fs::read_to_string(env.log()).unwrap_or_default();
         let event_sized = log.matches("event_sized=true").count();
         println!("event-sized: {event_sized} event-sized reconciles over {rounds} rounds");
-        // Deletes dump (a nexthop goes) and a standing conflict plans in full: about half the
-        // rounds are event-sized.
+        // A round that mends a conflict plans in full (the conflict stood): most of the others
+        // are event-sized.
         assert!(
             event_sized * 4 >= rounds as usize,
             "only {event_sized} of {rounds} changes were planned event-sized:\n{log}"

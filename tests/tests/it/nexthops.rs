@@ -5,7 +5,7 @@
 use ipnet::IpNet;
 use node_agent::backends::nexthops::NexthopBackend;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
-use node_agent::backends::{Backend, OpError};
+use node_agent::backends::{Backend, OpError, apply_nexthops};
 use node_agent_tests::{ip, require_sandbox, runtime, sandbox};
 use state::inventory::Inventory;
 use state::node::Family;
@@ -248,5 +248,62 @@ fn a_nexthop_gateway_on_no_connected_prefix_is_unreachable_and_the_others_go_in(
             results[2].as_ref().expect("the reachable one goes in");
             assert_eq!(n.dump().await.unwrap(), vec![nh(1, "10.88.0.2")]);
         });
+    });
+}
+
+#[test]
+fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
+    require_sandbox!("a_nexthop_a_route_or_a_group_goes_through_is_never_deleted");
+    sandbox(|_| {
+        link_with_gateways();
+        runtime().block_on(async {
+            let mut n = open().await;
+            let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            let hops = [nh(1, "10.88.0.2"), nh(2, "10.88.0.3"), nh(3, "10.88.0.4")];
+            all_ok(n.apply(&ops(Op::Create, &hops)).await);
+            // Since the agent last looked: someone's route through node 1's nexthop, and
+            // someone's group holding node 2's.
+            ip(&[
+                "route",
+                "add",
+                "192.168.7.0/24",
+                "nhid",
+                "201400001",
+                "table",
+                "100",
+                "proto",
+                "static",
+            ]);
+            ip(&[
+                "nexthop",
+                "add",
+                "id",
+                "900",
+                "group",
+                "201400002",
+                "proto",
+                "static",
+            ]);
+            let results = apply_nexthops(&mut n, Some(&mut r), &ops(Op::Delete, &hops)).await;
+            match &results[..] {
+                [
+                    Err(OpError::InUse { user: route, .. }),
+                    Err(OpError::InUse { user: group, .. }),
+                    Ok(()),
+                ] => {
+                    assert!(route.contains("192.168.7.0/24"), "{route}");
+                    assert!(group.contains("group") && group.contains("900"), "{group}");
+                }
+                other => panic!("{other:?}"),
+            }
+        });
+        let all = shown(&["nexthop", "show"]);
+        assert!(
+            all.contains("id 201400001 ") && all.contains("id 201400002 "),
+            "the used nexthops stay: {all}"
+        );
+        assert!(!all.contains("id 201400003 "), "the unused one goes: {all}");
+        let t100 = shown(&["route", "show", "table", "100"]);
+        assert!(t100.contains("192.168.7.0/24 nhid 201400001"), "{t100}");
     });
 }

@@ -18,6 +18,7 @@ const NHA_BLACKHOLE: u16 = 4;
 const NHA_OIF: u16 = 5;
 const NHA_GATEWAY: u16 = 6;
 const NHA_ENCAP: u16 = 8;
+const NHA_GROUPS: u16 = 9;
 const NHA_FDB: u16 = 11;
 
 /// `sizeof(struct nhmsg)`: family, scope, protocol, a reserved byte and 32 bits of flags.
@@ -51,12 +52,22 @@ pub struct NexthopMessage {
     /// A group's members (`NHA_GROUP`): deleting one of them changes the group, and the last
     /// one deletes it with every route through it.
     pub group: Vec<u32>,
+    /// On a dump request: groups only (`NHA_GROUPS`, a filter the kernel applies).
+    pub groups_only: bool,
 }
 
 impl NexthopMessage {
     /// A request for every nexthop of the namespace (with `NLM_F_DUMP`).
     pub fn dump() -> Self {
         Self::default()
+    }
+
+    /// A request for every nexthop group of the namespace (with `NLM_F_DUMP`).
+    pub fn dump_groups() -> Self {
+        Self {
+            groups_only: true,
+            ..Self::default()
+        }
     }
 
     /// A nexthop through `gateway` on device `oif`, marked with `protocol`.
@@ -70,6 +81,7 @@ impl NexthopMessage {
             gateway: Some(gateway),
             other: false,
             group: Vec::new(),
+            groups_only: false,
         }
     }
 
@@ -95,6 +107,9 @@ impl NexthopMessage {
             Some(IpAddr::V4(a)) => out.push((NHA_GATEWAY, a.octets().to_vec())),
             Some(IpAddr::V6(a)) => out.push((NHA_GATEWAY, a.octets().to_vec())),
             None => {}
+        }
+        if self.groups_only {
+            out.push((NHA_GROUPS, Vec::new()));
         }
         out
     }

@@ -508,7 +508,7 @@ fn at_size(n: u32) -> Figures {
         );
         // Let the start-up checkpoint write and the first reconcile settle.
         std::thread::sleep(Duration::from_secs(3));
-        let (event_ms, cpu_ms) = events(&env, &server, &after, child.id());
+        let (event_ms, by_kind, cpu_ms) = events(&env, &server, &after, child.id());
         f.event_ms = event_ms;
         f.event_cpu_ms = cpu_ms;
         bench(
@@ -516,6 +516,13 @@ fn at_size(n: u32) -> Figures {
             event_ms,
             "ms (add, remove, readdress one node; --debounce 0; target <= 20 ms)",
         );
+        for (kind, median) in by_kind {
+            bench(
+                &name(&format!("daemon_event_to_kernel_{kind}_median")),
+                median,
+                "ms",
+            );
+        }
         bench(&name("daemon_cpu_per_event"), cpu_ms, "ms of CPU");
         let idle: u64 = std::env::var("NODE_AGENT_BENCH_IDLE_SECS")
             .ok()
@@ -548,12 +555,18 @@ fn at_size(n: u32) -> Figures {
 }
 
 /// Ten each of: a node added, a node removed, a node readdressed, through the stand-in's watch;
-/// each timed from the change until the map holds what it asks for. The median latency and the
-/// daemon's CPU per event.
-fn events(env: &AgentEnv, server: &ApiServer, nodes: &[TestNode], pid: u32) -> (f64, f64) {
+/// each timed from the change until the map holds what it asks for. The median latency, the
+/// median of each kind, and the daemon's CPU per event.
+fn events(
+    env: &AgentEnv,
+    server: &ApiServer,
+    nodes: &[TestNode],
+    pid: u32,
+) -> (f64, [(&'static str, f64); 3], f64) {
     let fd = obj_get(&node_ids_pin(&env.bpffs));
     let n = nodes.len() as u32;
     let mut latencies = Vec::new();
+    let mut kinds: [Vec<Duration>; 3] = Default::default();
     let cpu_before = cpu_ticks(pid);
     let wait = |what: &str, ip: &str, present: bool| -> Duration {
         let ip: IpAddr = ip.parse().unwrap();
@@ -575,25 +588,36 @@ fn events(env: &AgentEnv, server: &ApiServer, nodes: &[TestNode], pid: u32) -> (
         let added = node(&format!("event-{k:02}"), 3 * n + k);
         let t = Instant::now();
         server.apply(k8s_node(&added));
-        latencies.push(t.elapsed() + wait("an added node", &added.ips[0], true));
+        kinds[0].push(t.elapsed() + wait("an added node", &added.ips[0], true));
 
         let gone = &nodes[k as usize * 7];
         let t = Instant::now();
         server.delete(&gone.name);
-        latencies.push(t.elapsed() + wait("a removed node", &gone.ips[0], false));
+        kinds[1].push(t.elapsed() + wait("a removed node", &gone.ips[0], false));
 
         let moved = &nodes[k as usize * 7 + 3];
         let readdressed = node(&moved.name, 4 * n + k);
         let t = Instant::now();
         server.apply(k8s_node(&readdressed));
-        latencies.push(t.elapsed() + wait("a readdressed node", &readdressed.ips[0], true));
+        kinds[2].push(t.elapsed() + wait("a readdressed node", &readdressed.ips[0], true));
     }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        ms(v[v.len() / 2])
+    };
+    latencies.extend(kinds.iter().flatten());
+    let [added, removed, readdressed] = &mut kinds;
+    let by_kind = [
+        ("add", median(added)),
+        ("remove", median(removed)),
+        ("readdress", median(readdressed)),
+    ];
     let cpu = cpu_ticks(pid) - cpu_before;
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    latencies.sort();
     (
-        ms(latencies[latencies.len() / 2]),
+        median(&mut latencies),
+        by_kind,
         cpu as f64 / hz * 1000.0 / latencies.len() as f64,
     )
 }
