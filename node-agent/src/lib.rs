@@ -9,6 +9,7 @@ pub mod caps;
 pub mod cli;
 pub mod datapath;
 pub mod freed_ids;
+pub mod map_batch;
 pub mod node_map;
 pub mod pod_cidr_map;
 pub mod source;

@@ -6,7 +6,9 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use std::os::fd::AsFd;
+
+use aya::maps::{HashMap, IterableMap, Map, MapData, MapError, PerCpuArray};
 use node_agent_common::{FAMILY_V4, FAMILY_V6, NodeKey, NodeStats, NodeValue};
 use serde::Serialize;
 
@@ -117,13 +119,19 @@ impl NodeMap {
         })
     }
 
+    /// Every entry, read in batches where the kernel can.
     pub fn dump(&self) -> Result<Dump, NodeMapError> {
+        let read = |source| NodeMapError::Read {
+            pin: self.pin.clone(),
+            source,
+        };
+        let items: Vec<(NodeKey, NodeValue)> =
+            match crate::map_batch::lookup_all(self.map.map().fd().as_fd()).map_err(read)? {
+                Some(items) => items,
+                None => self.map.iter().collect::<Result<_, _>>().map_err(read)?,
+            };
         let mut dump = Dump::default();
-        for item in self.map.iter() {
-            let (key, value) = item.map_err(|source| NodeMapError::Read {
-                pin: self.pin.clone(),
-                source,
-            })?;
+        for (key, value) in items {
             match decode_key(&key) {
                 Some(ip) => dump.entries.push(NodeEntry {
                     ip,
