@@ -10,6 +10,7 @@ pub mod cli;
 pub mod datapath;
 pub mod freed_ids;
 pub mod map_batch;
+pub mod memory;
 pub mod node_map;
 pub mod pod_cidr_map;
 pub mod source;

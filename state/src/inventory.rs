@@ -45,6 +45,13 @@ impl Inventory {
         }
     }
 
+    /// Makes room for `more` objects at once, so that a large apply grows the view once rather
+    /// than by doubling (each doubling briefly holds the old and the new table).
+    pub fn reserve(&mut self, more: usize) {
+        self.slots.reserve(more);
+        self.index.reserve(more);
+    }
+
     /// Our objects at `ids` (those that are there), and every foreign object and foreign user:
     /// the part of the kernel an event-sized plan looks at. Foreign objects come whole because
     /// they are few and a node's new identities (its nexthop's, for one) are known only once the

@@ -10,7 +10,7 @@
 //! delete (the nexthops, [`state::objects::ObjectKind::deleted_last`]); they wait for the next
 //! reconcile if any route operation failed, since a route may still go through them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 use state::objects::{ObjectId, ObjectKind, Op};
 use state::plan::Plan;
@@ -27,39 +27,57 @@ pub struct OpResult {
     pub result: Result<(), OpError>,
 }
 
-/// Applies `ops` through the kernel, pairing each result with its op and node.
-async fn run<K: Kernel>(kernel: &mut K, ops: Vec<(Op, Option<&str>)>, out: &mut Vec<OpResult>) {
+/// One phase's operations with their nodes, and what became of each, in the order they ran.
+type Ran<'p> = Vec<(Op, Option<&'p str>, Result<(), OpError>)>;
+
+/// Applies `ops` through the kernel, pairing each result with its op and node. The ops are
+/// moved, never copied: at 65,000 nodes a phase holds a quarter of a million of them.
+async fn run<'p, K: Kernel>(kernel: &mut K, ops: Vec<(Op, Option<&'p str>)>) -> Ran<'p> {
     if ops.is_empty() {
-        return;
+        return Vec::new();
     }
-    let plain: Vec<Op> = ops.iter().map(|(op, _)| op.clone()).collect();
-    let results = kernel.apply(&plain).await;
-    for ((op, node), result) in ops.into_iter().zip(results) {
-        out.push(OpResult {
-            op,
-            node: node.map(str::to_owned),
-            result,
-        });
-    }
+    let (ops, nodes): (Vec<Op>, Vec<Option<&str>>) = ops.into_iter().unzip();
+    let results = kernel.apply(&ops).await;
+    ops.into_iter()
+        .zip(nodes)
+        .zip(results)
+        .map(|((op, node), result)| (op, node, result))
+        .collect()
 }
 
-/// Applies every operation of `plan`; one result per operation, in the order they ran.
-pub async fn apply_plan<K: Kernel>(kernel: &mut K, plan: &Plan) -> Vec<OpResult> {
-    let mut out = Vec::with_capacity(plan.deletes.len() + plan.upserts.len());
-    run(kernel, plan.delete_ops(), &mut out).await;
-    let upserts = plan.upsert_ops();
-    let (entries, rest): (Vec<_>, Vec<_>) = upserts.into_iter().partition(|(op, _)| {
+fn failed_route(ran: &Ran<'_>) -> bool {
+    ran.iter()
+        .any(|(op, _, r)| r.is_err() && op.object().kind() == ObjectKind::Route)
+}
+
+/// Applies every operation of `plan`, handing each to `each` with its node and result as soon
+/// as its phase is over, phase by phase in the order they ran, then the operations that were
+/// not tried (with why). Nothing holds the whole plan's operations and results at once.
+pub async fn apply_plan<'p, K: Kernel>(
+    kernel: &mut K,
+    plan: &'p Plan,
+    mut each: impl FnMut(Op, Option<&'p str>, Result<(), OpError>),
+) {
+    let mut hand_over = |ran: Ran<'p>| {
+        for (op, node, result) in ran {
+            each(op, node, result);
+        }
+    };
+    let deleted = run(kernel, plan.delete_ops()).await;
+    let mut route_failed = failed_route(&deleted);
+    hand_over(deleted);
+    let (entries, rest): (Vec<_>, Vec<_>) = plan.upsert_ops().into_iter().partition(|(op, _)| {
         let kind = op.object().kind();
         kind.is_datapath_entry() || kind == ObjectKind::XfrmGuard
     });
     let mut skipped = Vec::new();
-    let before = out.len();
-    run(kernel, with_nodes(entries), &mut out).await;
-    let unmapped: BTreeSet<String> = out[before..]
+    let entered = run(kernel, with_nodes(entries)).await;
+    let unmapped: BTreeSet<&str> = entered
         .iter()
-        .filter(|r| r.result.is_err())
-        .filter_map(|r| r.node.clone())
+        .filter(|(_, _, r)| r.is_err())
+        .filter_map(|(_, node, _)| *node)
         .collect();
+    hand_over(entered);
     let (unmapped_ops, rest): (Vec<_>, Vec<_>) = rest
         .into_iter()
         .partition(|(_, node)| unmapped.contains(*node));
@@ -73,13 +91,13 @@ pub async fn apply_plan<K: Kernel>(kernel: &mut K, plan: &Plan) -> Vec<OpResult>
     let (nexthops, rest): (Vec<_>, Vec<_>) = rest
         .into_iter()
         .partition(|(op, _)| op.object().kind() == ObjectKind::Nexthop);
-    let before = out.len();
-    run(kernel, with_nodes(nexthops), &mut out).await;
-    let missing: Vec<ObjectId> = out[before..]
+    let written = run(kernel, with_nodes(nexthops)).await;
+    let missing: HashSet<ObjectId> = written
         .iter()
-        .filter(|r| r.result.is_err())
-        .map(|r| r.op.object().id())
+        .filter(|(_, _, r)| r.is_err())
+        .map(|(op, _, _)| op.object().id())
         .collect();
+    hand_over(written);
     let (unrouted, rest): (Vec<_>, Vec<_>) = rest
         .into_iter()
         .partition(|(op, _)| op.object().uses().is_some_and(|u| missing.contains(&u)));
@@ -88,34 +106,32 @@ pub async fn apply_plan<K: Kernel>(kernel: &mut K, plan: &Plan) -> Vec<OpResult>
             .into_iter()
             .map(|(op, n)| (op, n, OpError::NexthopMissing)),
     );
-    let before = out.len();
-    run(kernel, with_nodes(rest), &mut out).await;
+    let ran = run(kernel, with_nodes(rest)).await;
+    route_failed |= failed_route(&ran);
+    hand_over(ran);
     // A nexthop goes only once every route of ours was moved off it or deleted: if any route
     // operation failed or was skipped, some route may still use it, and the kernel would delete
     // that route along. Such deletes wait for the next reconcile.
-    let routes_settled = !out[before..]
-        .iter()
-        .chain(&out[..before])
-        .any(|r| r.result.is_err() && r.op.object().kind() == ObjectKind::Route)
+    let routes_settled = !route_failed
         && !skipped
             .iter()
             .any(|(op, _, _)| op.object().kind() == ObjectKind::Route);
     let late = plan.late_delete_ops();
     if routes_settled {
-        run(kernel, late, &mut out).await;
+        hand_over(run(kernel, late).await);
     } else {
-        out.extend(late.into_iter().map(|(op, node)| OpResult {
-            op,
-            node: node.map(str::to_owned),
-            result: Err(OpError::RoutesUnsettled),
-        }));
+        hand_over(
+            late.into_iter()
+                .map(|(op, node)| (op, node, Err(OpError::RoutesUnsettled)))
+                .collect(),
+        );
     }
-    out.extend(skipped.into_iter().map(|(op, node, e)| OpResult {
-        op,
-        node: Some(node.to_owned()),
-        result: Err(e),
-    }));
-    out
+    hand_over(
+        skipped
+            .into_iter()
+            .map(|(op, node, e)| (op, Some(node), Err(e)))
+            .collect(),
+    );
 }
 
 fn with_nodes(ops: Vec<(Op, &str)>) -> Vec<(Op, Option<&str>)> {
@@ -135,6 +151,20 @@ mod tests {
     use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan};
 
     use super::*;
+
+    /// Every result of `apply_plan`, in the order it handed them over.
+    async fn applied(k: &mut FakeKernel, p: &Plan) -> Vec<OpResult> {
+        let mut out = Vec::new();
+        apply_plan(k, p, |op, node, result| {
+            out.push(OpResult {
+                op,
+                node: node.map(str::to_owned),
+                result,
+            })
+        })
+        .await;
+        out
+    }
     use crate::agent::kernel::fake::FakeKernel;
 
     fn node(name: &str, ip: &str, cidr: &str) -> Node {
@@ -179,7 +209,7 @@ mod tests {
         let mut k = FakeKernel::default();
         let a_ip: IpAddr = "10.0.0.1".parse().unwrap();
         k.faults.ids.push(ObjectId::MapEntry { ip: a_ip });
-        let results = apply_plan(&mut k, &p).await;
+        let results = applied(&mut k, &p).await;
         let a: Vec<_> = results
             .iter()
             .filter(|r| r.node.as_deref() == Some("a"))
@@ -248,7 +278,7 @@ mod tests {
     async fn an_old_nexthop_stays_while_a_route_may_still_go_through_it() {
         let mut k = FakeKernel::default();
         let first = plan_for(cluster(), &k, None);
-        apply_plan(&mut k, &first).await;
+        applied(&mut k, &first).await;
         let record = first.checkpoint_after(&[]);
         // `a` comes back under a new UID: a new ID, its route moves to a new nexthop.
         let mut nodes = cluster();
@@ -256,7 +286,7 @@ mod tests {
         let second = plan_for(nodes, &k, Some(&record));
         assert_eq!(second.late_delete_ops().len(), 1, "a's old nexthop");
         k.faults.kinds = vec![ObjectKind::Route];
-        let results = apply_plan(&mut k, &second).await;
+        let results = applied(&mut k, &second).await;
         let late = results
             .iter()
             .find(|r| r.op.object().id() == nexthop(1))
@@ -283,7 +313,7 @@ mod tests {
             .insert(nexthop(1), "nexthop 201400001 proto static".into());
         // The nexthop appeared after the plan was made: the plan does not know it is taken.
         let p = plan_for(cluster(), &FakeKernel::default(), None);
-        let results = apply_plan(&mut k, &p).await;
+        let results = applied(&mut k, &p).await;
         let of_a: Vec<_> = results
             .iter()
             .filter(|r| r.node.as_deref() == Some("a"))

@@ -342,6 +342,14 @@ impl<K: Kernel> Reconciler<K> {
         state::plan::plan_scoped(&self.input(&view, inventory, now, config), names)
     }
 
+    /// Forgets the view the last reconcile left, so that the next one dumps without comparing:
+    /// a one-shot run's verifying pass, milliseconds after its writes, has no drift to find,
+    /// and the view is as large as the dump it would be compared with.
+    pub fn forget_view(&mut self) {
+        self.expected = None;
+        self.expected_exact = false;
+    }
+
     /// Plans against the kernel as it is now, without changing anything.
     pub async fn plan(&mut self) -> Result<Plan, AgentError> {
         let inventory = self.kernel.dump().await?;
@@ -392,11 +400,14 @@ impl<K: Kernel> Reconciler<K> {
         };
         if !dumped && needs_a_fresh_view(&plan) {
             self.expected = Some(inventory);
+            drop(plan);
             (inventory, drift) = self.dump().await?;
             dumped = true;
             plan = self.make_plan(&inventory, now, &config);
         }
         if self.grow_maps_for(&plan, &inventory) {
+            // One plan at a time: at scale, two would be the reconcile's peak memory.
+            drop(plan);
             config = self.plan_config();
             plan = self.make_plan(&inventory, now, &config);
         }
@@ -406,49 +417,57 @@ impl<K: Kernel> Reconciler<K> {
             self.total_writes += purged;
         }
         self.log_problems(&plan);
-        let results = apply_plan(&mut self.kernel, &plan).await;
+        if plan.scope.is_none() {
+            // A full plan's working tables are freed by now: hand their pages back before the
+            // apply builds the new view (at scale, the two would add up in the peak RSS).
+            crate::memory::give_back();
+        }
         let reasons: HashMap<ObjectId, DeleteReason> = plan
             .deletes
             .iter()
             .map(|d| (d.object.id(), d.reason))
             .collect();
-        let m = &self.telemetry.metrics;
+        inventory.reserve(plan.upserts.iter().filter(|u| !u.update).count());
+        let telemetry = &self.telemetry;
         let mut writes = 0;
         let mut failed = Vec::new();
-        for r in results {
-            m.operations
+        apply_plan(&mut self.kernel, &plan, |op, node, result| {
+            telemetry
+                .metrics
+                .operations
                 .get_or_create(&OpLabels {
-                    kind: r.op.object().kind().name().into(),
-                    op: op_label(&r.op).into(),
-                    result: if r.result.is_ok() { "ok" } else { "error" }.into(),
+                    kind: op.object().kind().name().into(),
+                    op: op_label(&op).into(),
+                    result: if result.is_ok() { "ok" } else { "error" }.into(),
                 })
                 .inc();
-            match &r.result {
+            match result {
                 Ok(()) => {
                     writes += 1;
-                    inventory.apply(&r.op);
-                    match &r.op {
+                    match &op {
                         Op::Delete(o) => {
                             let reason = reasons.get(&o.id()).map_or("", |r| r.as_str());
-                            tracing::info!(
-                                node = r.node.as_deref().unwrap_or("-"),
-                                reason,
-                                "deleted {o}"
-                            );
+                            tracing::info!(node = node.unwrap_or("-"), reason, "deleted {o}");
                         }
                         Op::Create(o) | Op::Replace(o) => {
                             if let Some(found) = drift.at(&o.id()) {
-                                self.repaired(r.node.as_deref(), o, found);
+                                repaired(telemetry, node, o, found);
                             }
                         }
                     }
+                    inventory.apply(&op);
                 }
                 Err(e) => {
-                    tracing::error!(node = r.node.as_deref().unwrap_or("-"), "{e}");
-                    failed.push(r);
+                    tracing::error!(node = node.unwrap_or("-"), "{e}");
+                    failed.push(OpResult {
+                        op,
+                        node: node.map(str::to_owned),
+                        result: Err(e),
+                    });
                 }
             }
-        }
+        })
+        .await;
         let failed_ops: Vec<Op> = failed.iter().map(|f| f.op.clone()).collect();
         let failed_nodes: BTreeSet<&str> =
             failed.iter().filter_map(|f| f.node.as_deref()).collect();
@@ -516,10 +535,12 @@ impl<K: Kernel> Reconciler<K> {
     async fn dump(&mut self) -> Result<(Inventory, Drift), AgentError> {
         self.expected_exact = false;
         let inventory = self.kernel.dump().await?;
+        // The view is done with once compared: at scale it is as large as the dump, and the
+        // plan about to be made is the reconcile's peak memory.
         let drift = self
             .expected
-            .as_ref()
-            .map(|e| Drift::detect(e, &inventory))
+            .take()
+            .map(|e| Drift::detect(&e, &inventory))
             .unwrap_or_default();
         Ok((inventory, drift))
     }
@@ -549,38 +570,6 @@ impl<K: Kernel> Reconciler<K> {
                 tracing::error!("{e}; the maps keep their {capacity} entries");
                 self.grow_refused = Some(target);
                 false
-            }
-        }
-    }
-
-    /// Counts and logs the repair of an object that drifted.
-    fn repaired(&self, node: Option<&str>, o: &KernelObject, found: &Found) {
-        self.telemetry
-            .metrics
-            .drift_repaired
-            .get_or_create(&KindLabel {
-                kind: o.kind().name().into(),
-            })
-            .inc();
-        let node = node.unwrap_or("-");
-        match found {
-            Found::Missing if matches!(o, KernelObject::XfrmState(x) if x.dir == XfrmDir::Out) => {
-                tracing::error!(
-                    node,
-                    "repaired drift: {o} had gone from the kernel; written back with the same \
-                     key, so its sequence numbers start over: the peer's anti-replay window \
-                     drops its packets (and GCM nonces repeat) until the IPsec key is rotated; \
-                     rotate it (docs/ipsec.md)"
-                );
-            }
-            Found::Missing => {
-                tracing::warn!(
-                    node,
-                    "repaired drift: {o} had gone from the kernel; written back"
-                );
-            }
-            Found::Changed(was) => {
-                tracing::warn!(node, "repaired drift: found {was}, written back as {o}");
             }
         }
     }
@@ -723,6 +712,38 @@ impl<K: Kernel> Reconciler<K> {
             failed_ops: report::failed_ops(failed),
             brake: report::brake(plan),
             peak_rss_kib: report::peak_rss_kib(),
+        }
+    }
+}
+
+/// Counts and logs the repair of an object that drifted.
+fn repaired(telemetry: &Telemetry, node: Option<&str>, o: &KernelObject, found: &Found) {
+    telemetry
+        .metrics
+        .drift_repaired
+        .get_or_create(&KindLabel {
+            kind: o.kind().name().into(),
+        })
+        .inc();
+    let node = node.unwrap_or("-");
+    match found {
+        Found::Missing if matches!(o, KernelObject::XfrmState(x) if x.dir == XfrmDir::Out) => {
+            tracing::error!(
+                node,
+                "repaired drift: {o} had gone from the kernel; written back with the same \
+                 key, so its sequence numbers start over: the peer's anti-replay window \
+                 drops its packets (and GCM nonces repeat) until the IPsec key is rotated; \
+                 rotate it (docs/ipsec.md)"
+            );
+        }
+        Found::Missing => {
+            tracing::warn!(
+                node,
+                "repaired drift: {o} had gone from the kernel; written back"
+            );
+        }
+        Found::Changed(was) => {
+            tracing::warn!(node, "repaired drift: found {was}, written back as {o}");
         }
     }
 }

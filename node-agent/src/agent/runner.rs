@@ -120,6 +120,7 @@ pub async fn run_once(
     let backends = Backends::open(&config, dry_run).await?;
     let mut rec = Reconciler::new(config, record, backends, telemetry);
     wait_for_sync(&mut rec, &mut rx, wait).await?;
+    crate::memory::give_back();
     if dry_run {
         let plan = rec.plan().await?;
         let plan_report = report::plan_report(&plan, rec.live());
@@ -136,6 +137,11 @@ pub async fn run_once(
     }
     let mut last: Option<Outcome> = None;
     for _ in 0..ONCE_MAX_PASSES {
+        // The last pass's plan goes before the next is made: at scale, two at once would be
+        // the run's peak memory.
+        drop(last.take());
+        rec.forget_view();
+        crate::memory::give_back();
         let outcome = rec.reconcile().await?;
         let done = outcome.plan.is_empty() || outcome.writes == 0;
         last = Some(outcome);

@@ -166,14 +166,14 @@ impl RouteBackend {
 
     async fn apply_one(
         handle: Handle,
-        op: Op,
+        op: &Op,
         msg: Result<RouteMessage, OpError>,
     ) -> Result<(), OpError> {
         let KernelObject::Route(route) = op.object() else {
             unreachable!("Backends::apply routes only routes here");
         };
         let msg = msg?;
-        let result = match &op {
+        let result = match op {
             Op::Create(_) => handle.route().add(msg).execute().await,
             Op::Replace(_) => handle.route().add(msg).replace().execute().await,
             Op::Delete(_) => handle.route().del(msg).execute().await,
@@ -197,7 +197,7 @@ impl RouteBackend {
                 source: std::io::Error::from_raw_os_error(e.errno().unwrap_or(libc::EHOSTUNREACH)),
             });
         }
-        outcome(&op, answer, || {
+        outcome(op, answer, || {
             KernelObject::Route(route.clone()).to_string()
         })
     }
@@ -282,18 +282,15 @@ impl Backend for RouteBackend {
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
-        let jobs: Vec<_> = ops
-            .iter()
+        // Each message is built as the pipeline takes its op: never all of them at once.
+        let this = &*self;
+        futures::stream::iter(ops)
             .map(|op| {
                 let KernelObject::Route(route) = op.object() else {
                     unreachable!("Backends::apply routes only routes here");
                 };
-                (op.clone(), self.message(route))
+                Self::apply_one(this.handle.clone(), op, this.message(route))
             })
-            .collect();
-        let handle = self.handle.clone();
-        futures::stream::iter(jobs)
-            .map(|(op, msg)| Self::apply_one(handle.clone(), op, msg))
             .buffered(PIPELINE)
             .collect()
             .await

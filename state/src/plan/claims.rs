@@ -122,7 +122,8 @@ pub(super) struct ClaimedAnywhere {
 impl ClaimedAnywhere {
     pub fn new(live: &[Live<'_>], records: &[Record<'_>], cfg: &PlanConfig) -> Self {
         let mut s = Self {
-            resources: HashSet::with_capacity(4 * (live.len() + records.len())),
+            // Live nodes and records mostly claim the same things: sized for one of them.
+            resources: HashSet::with_capacity(4 * live.len().max(records.len())),
             ids: HashSet::with_capacity(records.len()),
         };
         for l in live {
