@@ -7,7 +7,7 @@
 //! concurrent re-add of the same node can never interleave. It drives the kernel through one seam,
 //! [`Kernel`], so unit tests run it against a fake that fails on command.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -609,11 +609,12 @@ impl<K: Kernel> Reconciler<K> {
 
     /// Writes the IDs this reconcile freed into the kernel's record of freed IDs.
     fn remember_freed(&mut self, plan: &Plan, cp: &Checkpoint) {
+        let frees: HashSet<_> = plan.frees.iter().collect();
         let freed: Vec<FreedId> = cp
             .ids
             .freed
             .iter()
-            .filter(|f| plan.frees.contains(&f.id))
+            .filter(|f| frees.contains(&f.id))
             .copied()
             .collect();
         if freed.is_empty() {

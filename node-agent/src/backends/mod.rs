@@ -17,8 +17,8 @@ pub mod request;
 pub mod routes;
 pub mod xfrm;
 
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
-
 use std::path::PathBuf;
 
 use state::ids::FreedId;
@@ -473,7 +473,7 @@ pub async fn apply_nexthops(
     routes: Option<&mut routes::RouteBackend>,
     ops: &[Op],
 ) -> Vec<Result<(), OpError>> {
-    let deleting: Vec<ObjectId> = ops
+    let deleting: HashSet<ObjectId> = ops
         .iter()
         .filter(|op| matches!(op, Op::Delete(_)))
         .map(|op| op.object().id())
@@ -523,8 +523,8 @@ pub async fn apply_nexthops(
 async fn users_of(
     nexthops: &mut nexthops::NexthopBackend,
     routes: Option<&mut routes::RouteBackend>,
-    ids: &[ObjectId],
-) -> Result<std::collections::HashMap<ObjectId, String>, DumpError> {
+    ids: &HashSet<ObjectId>,
+) -> Result<HashMap<ObjectId, String>, DumpError> {
     let mut users = nexthops.groups_holding(ids).await?;
     if let Some(r) = routes {
         for (id, user) in r.users_of(ids).await? {

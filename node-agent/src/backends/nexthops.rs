@@ -21,7 +21,7 @@
 
 pub mod message;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::IpAddr;
 
@@ -265,7 +265,7 @@ impl NexthopBackend {
     /// deleting the nexthop would change the group (or delete it, with its routes).
     pub async fn groups_holding(
         &mut self,
-        ids: &[ObjectId],
+        ids: &HashSet<ObjectId>,
     ) -> Result<HashMap<ObjectId, String>, DumpError> {
         let groups = request(&self.handle, NexthopMessage::dump_groups(), NLM_F_DUMP)
             .await

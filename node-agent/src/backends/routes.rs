@@ -16,7 +16,7 @@
 //! delete-then-add gap. Deletes carry our protocol, so the kernel matches only ours. Requests are
 //! pipelined over one netlink socket.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use futures::{StreamExt, TryStreamExt};
@@ -233,7 +233,7 @@ impl RouteBackend {
     /// nexthop, in words: what deleting the nexthop would delete along.
     pub async fn users_of(
         &mut self,
-        ids: &[ObjectId],
+        ids: &HashSet<ObjectId>,
     ) -> Result<HashMap<ObjectId, String>, DumpError> {
         let mut routes = Inventory::new();
         self.dump_into(&mut routes).await?;
