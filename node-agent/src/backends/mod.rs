@@ -14,6 +14,7 @@ pub mod netlink;
 pub mod nexthops;
 pub mod pod_cidrs;
 pub mod request;
+pub mod route_watch;
 pub mod routes;
 pub mod xfrm;
 

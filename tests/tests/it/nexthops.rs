@@ -2,6 +2,8 @@
 //!
 //! Each test runs in its own network namespace.
 
+use std::collections::{HashMap, HashSet};
+
 use ipnet::IpNet;
 use node_agent::backends::nexthops::NexthopBackend;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
@@ -261,8 +263,10 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
             let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
             let hops = [nh(1, "10.88.0.2"), nh(2, "10.88.0.3"), nh(3, "10.88.0.4")];
             all_ok(n.apply(&ops(Op::Create, &hops)).await);
-            // Since the agent last looked: someone's route through node 1's nexthop, and
-            // someone's group holding node 2's.
+            // The agent reads the routes (as every full reconcile does)...
+            r.dump().await.unwrap();
+            // ...and since: someone's route through node 1's nexthop, and someone's group
+            // holding node 2's.
             ip(&[
                 "route",
                 "add",
@@ -305,5 +309,68 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
         assert!(!all.contains("id 201400003 "), "the unused one goes: {all}");
         let t100 = shown(&["route", "show", "table", "100"]);
         assert!(t100.contains("192.168.7.0/24 nhid 201400001"), "{t100}");
+    });
+}
+
+#[test]
+fn routes_are_read_again_before_a_nexthop_delete_only_when_a_route_not_ours_changed() {
+    require_sandbox!(
+        "routes_are_read_again_before_a_nexthop_delete_only_when_a_route_not_ours_changed"
+    );
+    sandbox(|_| {
+        link_with_gateways();
+        runtime().block_on(async {
+            let mut n = open().await;
+            let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            let hops = [nh(1, "10.88.0.2"), nh(2, "10.88.0.3")];
+            all_ok(n.apply(&ops(Op::Create, &hops)).await);
+            let both: HashSet<ObjectId> = hops.iter().map(KernelObject::id).collect();
+            let one = |i: u16| ObjectId::Nexthop {
+                id: nh_id(i, Family::V4),
+            };
+            // Nothing read yet: the routes are read, and our own route through 1 is found.
+            all_ok(r.apply(&[Op::Create(route("10.1.1.0/24", 1))]).await);
+            let users = r.users_of(&both).await.unwrap();
+            assert!(users[&one(1)].contains("10.1.1.0/24"), "{users:?}");
+            // Only our own routes changed since: what the read found stands, nothing is read
+            // (the plan deletes our routes before their nexthop).
+            all_ok(r.apply(&[Op::Create(route("10.1.2.0/24", 2))]).await);
+            all_ok(r.apply(&[Op::Delete(route("10.1.1.0/24", 1))]).await);
+            assert_eq!(r.users_of(&both).await.unwrap(), HashMap::new());
+            // A route with our protocol in another table is not one of ours.
+            ip(&[
+                "route",
+                "add",
+                "192.168.8.0/24",
+                "nhid",
+                "201400001",
+                "table",
+                "100",
+                "proto",
+                "201",
+            ]);
+            let users = r.users_of(&both).await.unwrap();
+            assert!(users[&one(1)].contains("192.168.8.0/24"), "{users:?}");
+            assert!(
+                users[&one(2)].contains("10.1.2.0/24"),
+                "read in full: {users:?}"
+            );
+            assert_eq!(r.users_of(&both).await.unwrap(), HashMap::new());
+            // Nor is anyone's route in our table.
+            ip(&[
+                "route",
+                "add",
+                "192.168.9.0/24",
+                "nhid",
+                "201400002",
+                "proto",
+                "static",
+            ]);
+            let users = r.users_of(&both).await.unwrap();
+            assert!(
+                users.contains_key(&one(1)) && users.contains_key(&one(2)),
+                "{users:?}"
+            );
+        });
     });
 }
