@@ -17,6 +17,7 @@ use state::node::RawNode;
 use tokio::sync::mpsc;
 
 use super::node_object::raw_node;
+use super::yaml_items;
 use super::{SourceEvent, SourceRequest};
 
 /// Why the file could not be read as a NodeList.
@@ -102,9 +103,9 @@ fn parse_yaml(path: &Path, text: &str) -> Result<NodeListDoc, ParseError> {
 }
 
 /// Reads and parses the NodeList file at `path` (JSON if it starts with `{`, YAML otherwise).
-/// JSON is parsed as it is read, never held whole
-/// (`kubectl get nodes -o json` of a large cluster runs to hundreds of megabytes); YAML is read
-/// into memory first, because the YAML parser works on a whole document.
+/// Neither is held whole (`kubectl get nodes -o json` of a large cluster runs to hundreds of
+/// megabytes): JSON is parsed as it is read; YAML in block style is cut into its items, each
+/// parsed on its own ([`yaml_items`]), and only another shape is parsed as a whole document.
 pub fn parse_file(path: &Path) -> Result<Vec<RawNode>, ParseError> {
     use std::io::{BufRead, Read};
     let read = |source| ParseError::Read {
@@ -118,15 +119,45 @@ pub fn parse_file(path: &Path) -> Result<Vec<RawNode>, ParseError> {
         .iter()
         .find(|b| !b.is_ascii_whitespace())
         == Some(&b'{');
-    let doc = if json {
-        serde_json::from_reader(file)
-            .map_err(|e| syntax(path, e.line(), e.column(), e.to_string()))?
-    } else {
-        let mut text = String::new();
-        file.read_to_string(&mut text).map_err(read)?;
-        parse_yaml(path, &text)?
-    };
-    doc.into_nodes(path)
+    if json {
+        let doc: NodeListDoc = serde_json::from_reader(file)
+            .map_err(|e| syntax(path, e.line(), e.column(), e.to_string()))?;
+        return doc.into_nodes(path);
+    }
+    if let Some(doc) = yaml_items::split(file)
+        .map_err(read)?
+        .and_then(|s| s.into_doc())
+    {
+        return doc.into_nodes(path);
+    }
+    // Not a block list, or something in it does not parse: the whole document, whose parser
+    // says where.
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_to_string(&mut text))
+        .map_err(read)?;
+    parse_yaml(path, &text)?.into_nodes(path)
+}
+
+impl yaml_items::Split {
+    /// The document this split came from; `None` if its rest does not parse.
+    fn into_doc(self) -> Option<NodeListDoc> {
+        match self.items {
+            Some(items) => {
+                #[derive(Deserialize)]
+                struct Rest {
+                    #[serde(default)]
+                    kind: Option<String>,
+                }
+                let rest: Rest = serde_yaml::from_str(&self.rest).ok()?;
+                Some(NodeListDoc {
+                    kind: rest.kind,
+                    items,
+                })
+            }
+            None => serde_yaml::from_str(&self.rest).ok(),
+        }
+    }
 }
 
 /// What identifies one version of the file without reading it.

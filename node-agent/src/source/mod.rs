@@ -11,6 +11,7 @@ pub mod file;
 pub mod kube;
 pub mod live;
 pub mod node_object;
+mod yaml_items;
 
 use state::node::RawNode;
 

@@ -783,14 +783,15 @@ fn resources_fit_the_agents_targets() {
     let requests = r.requests.expect("requests");
     let limits = r.limits.expect("limits");
     assert!(requests.contains_key("cpu"), "{requests:?}");
-    // RSS is about 40 MiB at 5,000 nodes: request that with room. The limit must clear the peak
-    // `cargo xtask bench` measures at 65,000 nodes (about 410 MiB, the cold start) with headroom,
-    // or the agent is OOM-killed on the largest clusters it supports.
+    // RSS is about 36 MiB at 5,000 nodes: request that with room. The limit must clear the peak
+    // `cargo xtask bench` measures at 65,000 nodes (about 245 MiB, the cold start; the target is
+    // under 256) with half again as headroom, or the agent is OOM-killed on the largest
+    // clusters it supports.
     let req = mib(&requests["memory"].0);
     let lim = mib(&limits["memory"].0);
     assert!(req >= 64, "memory request {req} Mi");
     assert!(
-        lim >= 512,
+        lim >= 384,
         "memory limit {lim} Mi is under the 65,000-node peak with headroom"
     );
     assert!(

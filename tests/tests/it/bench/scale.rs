@@ -488,7 +488,7 @@ fn at_size(n: u32) -> Figures {
         bench(
             &name("agent_peak_rss_yaml_nodelist"),
             rss_yaml as f64 / 1024.0,
-            &format!("MiB (target < {rss_target} MiB; the same list as YAML, parsed whole)"),
+            &format!("MiB (target < {rss_target} MiB; the same list as YAML, kubectl style)"),
         );
 
         // The daemon on the API server stand-in, which holds the cluster the last run converged on.
