@@ -7,6 +7,7 @@
 //! Prints `bench: <name>_<N> <value> <unit>` lines, with the targets next to them (not
 //! asserted), and how each figure scales from the smallest size to the largest.
 
+use std::collections::BTreeSet;
 use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use state::checkpoint::{Checkpoint, CheckpointStore, decode, encode};
 use state::inventory::Inventory;
 use state::node::RawNode;
 use state::node::{AddressKind, Node, NodeAddress};
-use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan};
+use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan, plan_scoped};
 
 fn node(i: usize, slot: usize) -> Node {
     let v4 = Ipv4Addr::new(10, (slot >> 16) as u8 | 0x80, (slot >> 8) as u8, slot as u8);
@@ -207,6 +208,24 @@ fn run(nodes: usize) -> Figures {
         "a settled cluster plans no work"
     );
     let plan_unchanged = time(runs, || plan(&unchanged));
+    // One event on the settled cluster, planned event-sized as the daemon does: what the planner
+    // adds to an event's latency.
+    let event = |name: String, changed: Option<Node>| {
+        let touched: BTreeSet<String> = [name].into();
+        let live = with_local(changed.into_iter().collect());
+        let input = PlanInput {
+            live: &live,
+            ..unchanged
+        };
+        let p = plan_scoped(&input, &touched).expect("a settled cluster plans events event-sized");
+        assert!(!p.ops().is_empty(), "the event changes something");
+        time(runs * 4, || plan_scoped(&input, &touched))
+    };
+    let readdressed = node(2 * five + 7, 3 * nodes + 7);
+    let plan_event_readdress = event(readdressed.name.clone(), Some(readdressed));
+    let added = node(4 * nodes, 4 * nodes);
+    let plan_event_add = event(added.name.clone(), Some(added));
+    let plan_event_remove = event(node(2 * five + 9, 0).name, None);
 
     let cp: Checkpoint = p.checkpoint.clone();
     let bytes = encode(&cp).unwrap();
@@ -250,6 +269,17 @@ fn run(nodes: usize) -> Figures {
         format!("{:.3}", ms(plan_unchanged)),
         &format!("ms (target < {plan_target} ms)"),
     );
+    for (kind, t) in [
+        ("add", plan_event_add),
+        ("remove", plan_event_remove),
+        ("readdress", plan_event_readdress),
+    ] {
+        out(
+            &format!("plan_event_{kind}"),
+            format!("{:.3}", ms(t)),
+            "ms (one node, planned event-sized on the settled cluster)",
+        );
+    }
     out("checkpoint_encode", format!("{:.3}", ms(enc)), "ms");
     out("checkpoint_decode", format!("{:.3}", ms(dec)), "ms");
     out(

@@ -12,8 +12,10 @@
 //! - restart with 10% churn, against the unchanged restart plus the churned objects' write floor;
 //! - peak RSS of each run;
 //! - the daemon on the API-server stand-in with no debounce (`--debounce 0`): how long one node
-//!   added, removed or readdressed takes from the watch event to the map entry, and the CPU each
-//!   event costs; then its idle CPU.
+//!   added, removed or readdressed takes from the watch event to the map entry, the CPU each
+//!   event costs and the reconciler's own time for it (from its log; set
+//!   `NODE_AGENT_BENCH_KEEP_LOGS` to a directory to keep the daemon's log there); then its idle
+//!   CPU.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -508,7 +510,23 @@ fn at_size(n: u32) -> Figures {
         );
         // Let the start-up checkpoint write and the first reconcile settle.
         std::thread::sleep(Duration::from_secs(3));
+        let log_before = std::fs::metadata(env.log()).map_or(0, |m| m.len() as usize);
         let (event_ms, by_kind, cpu_ms) = events(&env, &server, &after, child.id());
+        let log = std::fs::read_to_string(env.log()).unwrap_or_default();
+        if let Ok(dir) = std::env::var("NODE_AGENT_BENCH_KEEP_LOGS") {
+            let _ = std::fs::write(format!("{dir}/daemon-{n}.log"), &log);
+        }
+        let (sized, full) = reconciles(log.get(log_before..).unwrap_or_default());
+        bench(
+            &name("daemon_reconcile_per_event_median"),
+            sized.get(sized.len() / 2).copied().unwrap_or(-1.0),
+            &format!(
+                "ms ({} event-sized reconciles, the slowest {:.0} ms; {full} full ones that \
+                 wrote; the rest of an event's latency is the source's and the wait's)",
+                sized.len(),
+                sized.last().copied().unwrap_or(-1.0),
+            ),
+        );
         f.event_ms = event_ms;
         f.event_cpu_ms = cpu_ms;
         bench(
@@ -554,6 +572,28 @@ fn at_size(n: u32) -> Figures {
     f
 }
 
+/// From the daemon's log: the `elapsed_ms` of each event-sized reconcile (sorted), and how many
+/// full ones wrote something.
+fn reconciles(log: &str) -> (Vec<f64>, usize) {
+    let field = |line: &str, key: &str| -> Option<String> {
+        let at = line.find(&format!(" {key}="))? + key.len() + 2;
+        Some(line[at..].split(' ').next()?.to_owned())
+    };
+    let mut sized = Vec::new();
+    let mut full = 0;
+    for line in log.lines().filter(|l| l.contains("reconciled")) {
+        match field(line, "event_sized").as_deref() {
+            Some("true") => {
+                sized.extend(field(line, "elapsed_ms").and_then(|v| v.parse::<f64>().ok()))
+            }
+            Some(_) => full += 1,
+            None => {}
+        }
+    }
+    sized.sort_by(f64::total_cmp);
+    (sized, full)
+}
+
 /// Ten each of: a node added, a node removed, a node readdressed, through the stand-in's watch;
 /// each timed from the change until the map holds what it asks for. The median latency, the
 /// median of each kind, and the daemon's CPU per event.
@@ -574,6 +614,9 @@ fn events(
         while lookup(&fd, ip).is_some() != present {
             if t.elapsed() > Duration::from_secs(60) {
                 let log = std::fs::read_to_string(env.log()).unwrap_or_default();
+                if let Ok(dir) = std::env::var("NODE_AGENT_BENCH_KEEP_LOGS") {
+                    let _ = std::fs::write(format!("{dir}/daemon-{n}.log"), &log);
+                }
                 let tail: Vec<&str> = log.lines().rev().take(40).collect();
                 panic!(
                     "{what}: the map never followed; the agent's log ends:\n{}",
