@@ -12,6 +12,9 @@
 //! every ID in use. The property test `state/tests/scoped.rs` holds its plans to the full ones.
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
 
 use super::claims::Resource;
 use super::{Elsewhere, LiveView, Plan, PlanInput, plan_with};
@@ -41,7 +44,7 @@ pub fn plan_scoped(input: &PlanInput<'_>, touched: &BTreeSet<String>) -> Option<
     if !settled_input {
         return None;
     }
-    let claims = claimed_by(touched, input.live, record);
+    let claims = Claimed::new(claimed_by(touched, input.live, record));
     let mut part: Vec<&Node> = Vec::new();
     let mut elsewhere = Elsewhere {
         known_nodes: 0,
@@ -49,8 +52,16 @@ pub fn plan_scoped(input: &PlanInput<'_>, touched: &BTreeSet<String>) -> Option<
         map_entries: 0,
         ids: IdSet::new(),
     };
-    for n in record.nodes.iter().filter(|n| n.name != cfg.local_node) {
-        if touched.contains(&n.name) || claims_any(n, &claims) {
+    // The record is sorted by name: the touched nodes' places in it, found once.
+    let touched_at: BTreeSet<usize> = touched
+        .iter()
+        .filter_map(|t| record.nodes.binary_search_by(|n| n.name.cmp(t)).ok())
+        .collect();
+    for (at, n) in record.nodes.iter().enumerate() {
+        if n.name == cfg.local_node {
+            continue;
+        }
+        if touched_at.contains(&at) || claims.any_of(n) {
             part.push(n);
         } else {
             elsewhere.known_nodes += 1;
@@ -130,9 +141,42 @@ fn claimed_by(touched: &BTreeSet<String>, live: &LiveView, record: &Checkpoint) 
     claims
 }
 
-/// Whether `n` claims any of `claims` (sorted).
-fn claims_any(n: &Node, claims: &[Resource]) -> bool {
-    let has = |r: Resource| claims.binary_search(&r).is_ok();
-    n.ips().any(|ip| has(Resource::Address(ip)))
-        || n.pod_cidrs.iter().any(|c| has(Resource::PodCidr(*c)))
+/// What the touched nodes claim, sorted, with a 64-bit fingerprint of it: every record of the
+/// cluster is checked against it at every event, and most share nothing with it, which the
+/// fingerprint says without a search.
+struct Claimed {
+    sorted: Vec<Resource>,
+    mask: u64,
+}
+
+impl Claimed {
+    fn new(sorted: Vec<Resource>) -> Self {
+        let mask = sorted.iter().fold(0, |m, r| m | fingerprint(r));
+        Self { sorted, mask }
+    }
+
+    /// Whether `n` claims any of them.
+    fn any_of(&self, n: &Node) -> bool {
+        let has =
+            |r: Resource| fingerprint(&r) & self.mask != 0 && self.sorted.binary_search(&r).is_ok();
+        n.ips().any(|ip| has(Resource::Address(ip)))
+            || n.pod_cidrs.iter().any(|c| has(Resource::PodCidr(*c)))
+    }
+}
+
+/// One bit of 64, from the resource's address bits mixed (a Fibonacci hash's top six bits).
+fn fingerprint(r: &Resource) -> u64 {
+    let (bits, tag): (u128, u128) = match r {
+        Resource::Address(IpAddr::V4(a)) => (u32::from(*a).into(), 1),
+        Resource::Address(IpAddr::V6(a)) => (u128::from(*a), 2),
+        Resource::PodCidr(IpNet::V4(c)) => (
+            u32::from(c.network()).into(),
+            3 + u128::from(c.prefix_len()),
+        ),
+        Resource::PodCidr(IpNet::V6(c)) => {
+            (u128::from(c.network()), 200 + u128::from(c.prefix_len()))
+        }
+    };
+    let folded = (bits ^ (bits >> 64) ^ (tag << 56)) as u64;
+    1 << (folded.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58)
 }
