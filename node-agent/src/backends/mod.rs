@@ -14,13 +14,15 @@ pub mod netlink;
 pub mod nexthops;
 pub mod pod_cidrs;
 pub mod request;
-pub mod route_watch;
 pub mod routes;
+pub mod users_watch;
 pub mod xfrm;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::PathBuf;
+
+use users_watch::UsersWatch;
 
 use state::ids::FreedId;
 use state::inventory::Inventory;
@@ -161,6 +163,9 @@ pub struct Backends {
     pub freed: Option<FreedIds>,
     /// The loaded datapath (not in a dry run): the map backend writes what it reads.
     pub datapath: Option<Datapath>,
+    /// Whether anything could have come to use our nexthops since the last dump; `None` where
+    /// the announcements cannot be joined, and then every nexthop delete reads the routes.
+    pub watch: Option<UsersWatch>,
 }
 
 impl Backends {
@@ -221,6 +226,13 @@ impl Backends {
                 "this kernel has no nexthop objects (they came in 5.3): routes carry their gateways"
             );
         }
+        let watch = UsersWatch::open(config.route_protocol, config.route_table)
+            .inspect_err(|e| {
+                tracing::warn!(
+                    "route and nexthop announcements unavailable ({e}): every node removal reads the routes"
+                );
+            })
+            .ok();
         Ok(Self {
             map,
             pod_cidrs,
@@ -231,6 +243,7 @@ impl Backends {
             key_file,
             freed,
             datapath,
+            watch,
         })
     }
 }
@@ -337,10 +350,9 @@ impl Backends {
         }
         Some(state.read())
     }
-}
 
-impl Kernel for Backends {
-    async fn dump(&mut self) -> Result<Inventory, DumpError> {
+    /// Every backend's objects, in one inventory.
+    async fn dump_all(&mut self) -> Result<Inventory, DumpError> {
         let mut inv = Inventory::new();
         if let Some(m) = &mut self.map {
             m.dump_into(&mut inv).await?;
@@ -358,6 +370,19 @@ impl Kernel for Backends {
             x.dump_into(&mut inv).await?;
         }
         Ok(inv)
+    }
+}
+
+impl Kernel for Backends {
+    async fn dump(&mut self) -> Result<Inventory, DumpError> {
+        if let Some(w) = &mut self.watch {
+            w.reading();
+        }
+        let dumped = self.dump_all().await;
+        if let (Err(_), Some(w)) = (&dumped, &mut self.watch) {
+            w.forget();
+        }
+        dumped
     }
 
     /// Applies `ops` in order, each by the backend of its kind; one result per op.
@@ -380,7 +405,9 @@ impl Kernel for Backends {
                     None => results.extend(disabled()),
                 },
                 ObjectKind::Nexthop => match &mut self.nexthops {
-                    Some(n) => results.extend(apply_nexthops(n, self.routes.as_mut(), chunk).await),
+                    Some(n) => results.extend(
+                        apply_nexthops(n, self.routes.as_mut(), self.watch.as_mut(), chunk).await,
+                    ),
                     None => results.extend(disabled()),
                 },
                 ObjectKind::Route => match &mut self.routes {
@@ -472,6 +499,7 @@ impl Kernel for Backends {
 pub async fn apply_nexthops(
     nexthops: &mut nexthops::NexthopBackend,
     routes: Option<&mut routes::RouteBackend>,
+    watch: Option<&mut UsersWatch>,
     ops: &[Op],
 ) -> Vec<Result<(), OpError>> {
     let deleting: HashSet<ObjectId> = ops
@@ -482,7 +510,7 @@ pub async fn apply_nexthops(
     if deleting.is_empty() {
         return nexthops.apply(ops).await;
     }
-    let users = users_of(nexthops, routes, &deleting).await;
+    let users = users_of(nexthops, routes, watch, &deleting).await;
     let blocked = |op: &Op| -> Option<OpError> {
         if !matches!(op, Op::Delete(_)) {
             return None;
@@ -520,19 +548,36 @@ pub async fn apply_nexthops(
         .collect()
 }
 
-/// What goes through each of the nexthops `ids` now: routes, and groups.
-async fn users_of(
+/// What goes through each of the nexthops `ids` now: routes, and groups. Nothing is read when
+/// `watch` says nothing could have come to use our nexthops since the last read: the plan
+/// already knows every user then (the planner keeps the nexthops others use, and our routes
+/// go before their nexthops). Otherwise this is a read of its own: of every route and group.
+pub async fn users_of(
     nexthops: &mut nexthops::NexthopBackend,
     routes: Option<&mut routes::RouteBackend>,
+    mut watch: Option<&mut UsersWatch>,
     ids: &HashSet<ObjectId>,
 ) -> Result<HashMap<ObjectId, String>, DumpError> {
-    let mut users = nexthops.groups_holding(ids).await?;
-    if let Some(r) = routes {
-        for (id, user) in r.users_of(ids).await? {
-            users.entry(id).or_insert(user);
+    if let Some(w) = watch.as_deref_mut() {
+        if w.unchanged_since_read() {
+            return Ok(HashMap::new());
         }
+        w.reading();
     }
-    Ok(users)
+    let read = async {
+        let mut users = nexthops.groups_holding(ids).await?;
+        if let Some(r) = routes {
+            for (id, user) in r.users_of(ids).await? {
+                users.entry(id).or_insert(user);
+            }
+        }
+        Ok(users)
+    }
+    .await;
+    if let (Err(_), Some(w)) = (&read, watch) {
+        w.forget();
+    }
+    read
 }
 
 fn freed_error(e: FreedIdsError) -> OpError {

@@ -30,7 +30,6 @@ use state::inventory::Inventory;
 use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op, Route, Via};
 
 use super::netlink::{KernelError, outcome};
-use super::route_watch::RouteWatch;
 use super::{Backend, DumpError, OpError};
 
 /// Route protocol number marking our routes unless configured otherwise.
@@ -44,9 +43,6 @@ pub struct RouteBackend {
     handle: Handle,
     protocol: u8,
     table: u32,
-    /// Whether a foreign route changed since the last full read; `None` where the
-    /// announcements cannot be joined, and then every nexthop delete reads the routes.
-    watch: Option<RouteWatch>,
 }
 
 impl RouteBackend {
@@ -54,18 +50,10 @@ impl RouteBackend {
     pub fn new(protocol: u8, table: u32) -> std::io::Result<Self> {
         let (conn, handle, _) = rtnetlink::new_connection_with_strict_check()?;
         tokio::spawn(conn);
-        let watch = RouteWatch::open(protocol, table)
-            .inspect_err(|e| {
-                tracing::warn!(
-                    "route announcements unavailable ({e}): every node removal reads the routes"
-                );
-            })
-            .ok();
         Ok(Self {
             handle,
             protocol,
             table,
-            watch,
         })
     }
 
@@ -242,20 +230,11 @@ fn table_of(msg: &RouteMessage) -> u32 {
 
 impl RouteBackend {
     /// Every route, of any table and protocol, that goes through one of the nexthops `ids`, by
-    /// nexthop, in words: what deleting the nexthop would delete along. When no route but ours
-    /// changed since the last full read, the plan already knows every user (the planner keeps
-    /// the nexthops foreign routes use, and deletes our routes first), and nothing is read.
+    /// nexthop, in words: what deleting the nexthop would delete along.
     pub async fn users_of(
         &mut self,
         ids: &HashSet<ObjectId>,
     ) -> Result<HashMap<ObjectId, String>, DumpError> {
-        if self
-            .watch
-            .as_mut()
-            .is_some_and(RouteWatch::unchanged_since_read)
-        {
-            return Ok(HashMap::new());
-        }
         let mut routes = Inventory::new();
         self.dump_into(&mut routes).await?;
         let mut users: HashMap<ObjectId, String> = ids
@@ -305,14 +284,7 @@ impl RouteBackend {
 
 impl Backend for RouteBackend {
     async fn dump_into(&mut self, inv: &mut Inventory) -> Result<(), DumpError> {
-        if let Some(w) = &mut self.watch {
-            w.reading();
-        }
-        let read = self.read_all(inv).await;
-        if let (Err(_), Some(w)) = (&read, &mut self.watch) {
-            w.forget();
-        }
-        read
+        self.read_all(inv).await
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {

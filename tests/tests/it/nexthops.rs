@@ -7,7 +7,8 @@ use std::collections::{HashMap, HashSet};
 use ipnet::IpNet;
 use node_agent::backends::nexthops::NexthopBackend;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
-use node_agent::backends::{Backend, OpError, apply_nexthops};
+use node_agent::backends::users_watch::UsersWatch;
+use node_agent::backends::{Backend, OpError, apply_nexthops, users_of};
 use node_agent_tests::{ip, require_sandbox, runtime, sandbox};
 use state::inventory::Inventory;
 use state::node::Family;
@@ -263,8 +264,9 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
             let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
             let hops = [nh(1, "10.88.0.2"), nh(2, "10.88.0.3"), nh(3, "10.88.0.4")];
             all_ok(n.apply(&ops(Op::Create, &hops)).await);
-            // The agent reads the routes (as every full reconcile does)...
-            r.dump().await.unwrap();
+            // The agent reads the kernel (as every full reconcile does)...
+            let mut w = UsersWatch::open(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            w.reading();
             // ...and since: someone's route through node 1's nexthop, and someone's group
             // holding node 2's.
             ip(&[
@@ -288,7 +290,8 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
                 "proto",
                 "static",
             ]);
-            let results = apply_nexthops(&mut n, Some(&mut r), &ops(Op::Delete, &hops)).await;
+            let results =
+                apply_nexthops(&mut n, Some(&mut r), Some(&mut w), &ops(Op::Delete, &hops)).await;
             match &results[..] {
                 [
                     Err(OpError::InUse { user: route, .. }),
@@ -313,30 +316,44 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
 }
 
 #[test]
-fn routes_are_read_again_before_a_nexthop_delete_only_when_a_route_not_ours_changed() {
+fn routes_and_groups_are_read_before_a_nexthop_delete_only_when_something_not_ours_changed() {
     require_sandbox!(
-        "routes_are_read_again_before_a_nexthop_delete_only_when_a_route_not_ours_changed"
+        "routes_and_groups_are_read_before_a_nexthop_delete_only_when_something_not_ours_changed"
     );
     sandbox(|_| {
         link_with_gateways();
         runtime().block_on(async {
             let mut n = open().await;
             let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            let mut w = UsersWatch::open(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
             let hops = [nh(1, "10.88.0.2"), nh(2, "10.88.0.3")];
             all_ok(n.apply(&ops(Op::Create, &hops)).await);
             let both: HashSet<ObjectId> = hops.iter().map(KernelObject::id).collect();
             let one = |i: u16| ObjectId::Nexthop {
                 id: nh_id(i, Family::V4),
             };
-            // Nothing read yet: the routes are read, and our own route through 1 is found.
+            // Nothing read yet: everything is read, and our own route through 1 is found.
             all_ok(r.apply(&[Op::Create(route("10.1.1.0/24", 1))]).await);
-            let users = r.users_of(&both).await.unwrap();
+            let users = users_of(&mut n, Some(&mut r), Some(&mut w), &both)
+                .await
+                .unwrap();
             assert!(users[&one(1)].contains("10.1.1.0/24"), "{users:?}");
-            // Only our own routes changed since: what the read found stands, nothing is read
-            // (the plan deletes our routes before their nexthop).
+            // Only our own routes and plain nexthops changed since: what the read found stands
+            // and nothing is read (the plan deletes our routes before their nexthop).
             all_ok(r.apply(&[Op::Create(route("10.1.2.0/24", 2))]).await);
             all_ok(r.apply(&[Op::Delete(route("10.1.1.0/24", 1))]).await);
-            assert_eq!(r.users_of(&both).await.unwrap(), HashMap::new());
+            ip(&[
+                "nexthop",
+                "add",
+                "id",
+                "800",
+                "via",
+                "10.88.0.9",
+                "dev",
+                "gw0",
+            ]);
+            let unread = users_of(&mut n, Some(&mut r), Some(&mut w), &both).await;
+            assert_eq!(unread.unwrap(), HashMap::new());
             // A route with our protocol in another table is not one of ours.
             ip(&[
                 "route",
@@ -349,14 +366,32 @@ fn routes_are_read_again_before_a_nexthop_delete_only_when_a_route_not_ours_chan
                 "proto",
                 "201",
             ]);
-            let users = r.users_of(&both).await.unwrap();
+            let users = users_of(&mut n, Some(&mut r), Some(&mut w), &both)
+                .await
+                .unwrap();
             assert!(users[&one(1)].contains("192.168.8.0/24"), "{users:?}");
             assert!(
                 users[&one(2)].contains("10.1.2.0/24"),
                 "read in full: {users:?}"
             );
-            assert_eq!(r.users_of(&both).await.unwrap(), HashMap::new());
-            // Nor is anyone's route in our table.
+            let unread = users_of(&mut n, Some(&mut r), Some(&mut w), &both).await;
+            assert_eq!(unread.unwrap(), HashMap::new());
+            // A group is read, whoever made it.
+            ip(&[
+                "nexthop",
+                "add",
+                "id",
+                "900",
+                "group",
+                "201400002",
+                "proto",
+                "201",
+            ]);
+            let users = users_of(&mut n, Some(&mut r), Some(&mut w), &both)
+                .await
+                .unwrap();
+            assert!(users.contains_key(&one(2)), "{users:?}");
+            // And so is anyone's route in our table.
             ip(&[
                 "route",
                 "add",
@@ -366,7 +401,9 @@ fn routes_are_read_again_before_a_nexthop_delete_only_when_a_route_not_ours_chan
                 "proto",
                 "static",
             ]);
-            let users = r.users_of(&both).await.unwrap();
+            let users = users_of(&mut n, Some(&mut r), Some(&mut w), &both)
+                .await
+                .unwrap();
             assert!(
                 users.contains_key(&one(1)) && users.contains_key(&one(2)),
                 "{users:?}"
