@@ -12,6 +12,8 @@
 //!   exactly the desired objects of the live nodes, each live node has an ID of its own;
 //! - a second reconcile plans nothing (invariant 10).
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::IpAddr;
 use std::time::Duration;
@@ -361,15 +363,8 @@ fn run_history(steps: &[(Event, Agent)], ipsec: bool) -> Result<(), TestCaseErro
     Ok(())
 }
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn random_histories_converge_to_exactly_the_live_nodes(

@@ -11,6 +11,8 @@
 //!
 //! 256 cases by default (`PROPTEST_CASES` overrides).
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Duration;
@@ -329,15 +331,8 @@ fn history(seed: u64, steps: usize) -> usize {
     compared
 }
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn an_event_sized_plan_is_the_full_plan(seed in any::<u64>()) {

@@ -40,6 +40,11 @@ fn ops(f: fn(KernelObject) -> Op, objs: &[KernelObject]) -> Vec<Op> {
     objs.iter().cloned().map(f).collect()
 }
 
+/// `ip` with the words of `line`.
+fn ip_line(line: &str) -> std::process::Output {
+    ip(&line.split_whitespace().collect::<Vec<_>>())
+}
+
 fn shown(args: &[&str]) -> String {
     String::from_utf8(ip(args).stdout).unwrap()
 }
@@ -105,30 +110,8 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
     sandbox(|_| {
         link_with_gateways();
         // In our range but not ours; outside our range; ours with a foreign user.
-        ip(&[
-            "nexthop",
-            "add",
-            "id",
-            "201400003",
-            "via",
-            "10.88.0.5",
-            "dev",
-            "gw0",
-            "proto",
-            "static",
-        ]);
-        ip(&[
-            "nexthop",
-            "add",
-            "id",
-            "7",
-            "via",
-            "10.88.0.6",
-            "dev",
-            "gw0",
-            "proto",
-            "201",
-        ]);
+        ip_line("nexthop add id 201400003 via 10.88.0.5 dev gw0 proto static");
+        ip_line("nexthop add id 7 via 10.88.0.6 dev gw0 proto 201");
         runtime().block_on(async {
             let mut n = open().await;
             let mut r = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
@@ -140,27 +123,8 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
                 .await,
             );
             // A group of someone else's holds our node 2's nexthop.
-            ip(&[
-                "nexthop",
-                "add",
-                "id",
-                "900",
-                "group",
-                "201400002",
-                "proto",
-                "static",
-            ]);
-            ip(&[
-                "route",
-                "add",
-                "192.168.7.0/24",
-                "nhid",
-                "201400001",
-                "table",
-                "100",
-                "proto",
-                "static",
-            ]);
+            ip_line("nexthop add id 900 group 201400002 proto static");
+            ip_line("route add 192.168.7.0/24 nhid 201400001 table 100 proto static");
 
             let mut inv = Inventory::new();
             n.dump_into(&mut inv).await.unwrap();
@@ -226,7 +190,7 @@ fn a_nexthop_gateway_on_no_connected_prefix_is_unreachable_and_the_others_go_in(
     sandbox(|_| {
         link_with_gateways();
         // A gateway only reachable through another gateway is no nexthop of a connected link.
-        ip(&["route", "add", "198.51.100.0/24", "via", "10.88.0.254"]);
+        ip_line("route add 198.51.100.0/24 via 10.88.0.254");
         runtime().block_on(async {
             let mut n = open().await;
             let results = n
@@ -269,27 +233,8 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
             w.reading();
             // ...and since: someone's route through node 1's nexthop, and someone's group
             // holding node 2's.
-            ip(&[
-                "route",
-                "add",
-                "192.168.7.0/24",
-                "nhid",
-                "201400001",
-                "table",
-                "100",
-                "proto",
-                "static",
-            ]);
-            ip(&[
-                "nexthop",
-                "add",
-                "id",
-                "900",
-                "group",
-                "201400002",
-                "proto",
-                "static",
-            ]);
+            ip_line("route add 192.168.7.0/24 nhid 201400001 table 100 proto static");
+            ip_line("nexthop add id 900 group 201400002 proto static");
             let results =
                 apply_nexthops(&mut n, Some(&mut r), Some(&mut w), &ops(Op::Delete, &hops)).await;
             match &results[..] {
@@ -342,30 +287,11 @@ fn routes_and_groups_are_read_before_a_nexthop_delete_only_when_something_not_ou
             // and nothing is read (the plan deletes our routes before their nexthop).
             all_ok(r.apply(&[Op::Create(route("10.1.2.0/24", 2))]).await);
             all_ok(r.apply(&[Op::Delete(route("10.1.1.0/24", 1))]).await);
-            ip(&[
-                "nexthop",
-                "add",
-                "id",
-                "800",
-                "via",
-                "10.88.0.9",
-                "dev",
-                "gw0",
-            ]);
+            ip_line("nexthop add id 800 via 10.88.0.9 dev gw0");
             let unread = users_of(&mut n, Some(&mut r), Some(&mut w), &both).await;
             assert_eq!(unread.unwrap(), HashMap::new());
             // A route with our protocol in another table is not one of ours.
-            ip(&[
-                "route",
-                "add",
-                "192.168.8.0/24",
-                "nhid",
-                "201400001",
-                "table",
-                "100",
-                "proto",
-                "201",
-            ]);
+            ip_line("route add 192.168.8.0/24 nhid 201400001 table 100 proto 201");
             let users = users_of(&mut n, Some(&mut r), Some(&mut w), &both)
                 .await
                 .unwrap();
@@ -377,30 +303,13 @@ fn routes_and_groups_are_read_before_a_nexthop_delete_only_when_something_not_ou
             let unread = users_of(&mut n, Some(&mut r), Some(&mut w), &both).await;
             assert_eq!(unread.unwrap(), HashMap::new());
             // A group is read, whoever made it.
-            ip(&[
-                "nexthop",
-                "add",
-                "id",
-                "900",
-                "group",
-                "201400002",
-                "proto",
-                "201",
-            ]);
+            ip_line("nexthop add id 900 group 201400002 proto 201");
             let users = users_of(&mut n, Some(&mut r), Some(&mut w), &both)
                 .await
                 .unwrap();
             assert!(users.contains_key(&one(2)), "{users:?}");
             // And so is anyone's route in our table.
-            ip(&[
-                "route",
-                "add",
-                "192.168.9.0/24",
-                "nhid",
-                "201400002",
-                "proto",
-                "static",
-            ]);
+            ip_line("route add 192.168.9.0/24 nhid 201400002 proto static");
             let users = users_of(&mut n, Some(&mut r), Some(&mut w), &both)
                 .await
                 .unwrap();
