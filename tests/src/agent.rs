@@ -440,6 +440,46 @@ pub fn expected_ips(nodes: &[TestNode]) -> Vec<String> {
 }
 
 /// Polls `cond` every 20 ms until it holds, panicking with `what` after `timeout`.
+/// Every running agent process, one line each: its PID, scheduler state, CPU seconds so far,
+/// where in the kernel it waits, and its arguments. For a failure's message: an agent that made
+/// no progress either burned CPU or waited on something, and this says which.
+pub fn agent_processes() -> String {
+    let tick = 100.0; // USER_HZ on every Linux this runs on
+    let mut out = String::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let dir = entry.path();
+        let Ok(cmdline) = std::fs::read(dir.join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if !args.first().is_some_and(|a| a.ends_with("/node-agent")) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+        // The fields after the command name, which is in parentheses and may hold spaces.
+        let rest: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or(vec![], |(_, r)| r.split_whitespace().collect());
+        let cpu: f64 = [11, 12]
+            .iter()
+            .filter_map(|i| rest.get(*i)?.parse::<f64>().ok())
+            .sum::<f64>()
+            / tick;
+        let wchan = std::fs::read_to_string(dir.join("wchan")).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "  pid {} state {} cpu {cpu:.2} s wchan {wchan}: {}",
+            entry.file_name().to_string_lossy(),
+            rest.first().unwrap_or(&"?"),
+            args[1..].join(" ")
+        );
+    }
+    out
+}
+
 pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {

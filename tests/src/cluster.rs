@@ -84,6 +84,20 @@ impl SimNode {
         String::from_utf8_lossy(&ip(&all).stdout).into_owned()
     }
 
+    /// The kernel's non-zero xfrm counters in the node's namespace (`/proc/net/xfrm_stat`), for
+    /// a failure's message.
+    pub fn xfrm_errors(&self) -> String {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns(), "cat", "/proc/net/xfrm_stat"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        out.lines()
+            .filter(|l| l.split_whitespace().nth(1).is_some_and(|v| v != "0"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// The node's xfrm states as `(src, dst, spi)`.
     pub fn states(&self) -> Vec<(String, String, u32)> {
         let text = self.ip(&["xfrm", "state"]);
@@ -161,6 +175,16 @@ impl SimNode {
     }
 
     /// The agent's log, for failure messages.
+    /// The lines of the agent's log that contain any of `words`.
+    pub fn log_grep(&self, words: &[&str]) -> String {
+        let log = std::fs::read_to_string(self.log()).unwrap_or_default();
+        let hits: Vec<&str> = log
+            .lines()
+            .filter(|l| words.iter().any(|w| l.contains(w)))
+            .collect();
+        hits.join("\n")
+    }
+
     pub fn log_tail(&self, lines: usize) -> String {
         let log = std::fs::read_to_string(self.log()).unwrap_or_default();
         let all: Vec<&str> = log.lines().collect();
@@ -278,10 +302,11 @@ impl Cluster {
             })
         })) {
             panic!(
-                "{}\nstates now: {:?}\nagent log:\n{}",
+                "{}\nstates now: {:?}\nagent log:\n{}\nagents:\n{}",
                 e.downcast_ref::<String>().cloned().unwrap_or_default(),
                 n.states(),
-                n.log_tail(40)
+                n.log_tail(40),
+                crate::agent::agent_processes()
             );
         }
     }
@@ -325,6 +350,15 @@ pub fn ping(pod_ns: &str, dst: &str, count: u32) -> (u64, u64) {
 /// A ping that runs until stopped: `ping -i <interval>` from a pod.
 pub struct LongPing(std::process::Child);
 
+/// What a [`LongPing`] saw: its summary, and which sequence numbers got no answer (in runs,
+/// so a failure can say when in the test they were lost).
+#[derive(Debug)]
+pub struct PingRun {
+    pub sent: u64,
+    pub received: u64,
+    pub lost: Vec<std::ops::RangeInclusive<u64>>,
+}
+
 impl LongPing {
     pub fn start(pod_ns: &str, dst: &str, interval: &str) -> Self {
         Self(
@@ -337,12 +371,82 @@ impl LongPing {
         )
     }
 
-    /// Stops it (SIGINT, so it prints its summary): `(sent, received)`.
-    pub fn stop(self) -> (u64, u64) {
+    /// Stops it (SIGINT, so it prints its summary).
+    pub fn stop(self) -> PingRun {
         // SAFETY: kill on a child we own.
         unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
         let out = self.0.wait_with_output().unwrap();
-        parse_ping(&String::from_utf8_lossy(&out.stdout)).expect("a ping summary")
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (sent, received) = parse_ping(&text).expect("a ping summary");
+        PingRun {
+            sent,
+            received,
+            lost: lost_runs(&text, sent),
+        }
+    }
+}
+
+/// The runs of sequence numbers below `sent` that no reply line names (`seq=N` in busybox's
+/// lines, `icmp_seq=N` in iputils').
+pub fn lost_runs(text: &str, sent: u64) -> Vec<std::ops::RangeInclusive<u64>> {
+    let answered: std::collections::BTreeSet<u64> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = &l[l.find("seq=")? + 4..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .collect();
+    let mut runs: Vec<std::ops::RangeInclusive<u64>> = Vec::new();
+    for seq in (0..sent).filter(|s| !answered.contains(s)) {
+        match runs.last_mut() {
+            Some(r) if *r.end() + 1 == seq => *r = *r.start()..=seq,
+            _ => runs.push(seq..=seq),
+        }
+    }
+    runs
+}
+
+/// Moments of a test relative to its start, for a failure's message: when what the test did
+/// happened, beside when its pings were lost. Threads that watch the test mark it too.
+pub struct Timeline {
+    start: std::time::Instant,
+    wall: std::time::SystemTime,
+    marks: std::sync::Mutex<Vec<(Duration, String)>>,
+}
+
+impl Timeline {
+    pub fn start() -> Self {
+        Self {
+            start: std::time::Instant::now(),
+            wall: std::time::SystemTime::now(),
+            marks: std::sync::Mutex::default(),
+        }
+    }
+
+    pub fn mark(&self, what: &str) {
+        let at = self.start.elapsed();
+        self.marks.lock().unwrap().push((at, what.to_owned()));
+    }
+}
+
+impl std::fmt::Display for Timeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let epoch = self
+            .wall
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        writeln!(
+            f,
+            "  +0.00 s is {:.3} s after the Unix epoch",
+            epoch.as_secs_f64()
+        )?;
+        let mut marks = self.marks.lock().unwrap().clone();
+        marks.sort_by_key(|m| m.0);
+        for (at, what) in &marks {
+            writeln!(f, "  +{:.2} s {what}", at.as_secs_f64())?;
+        }
+        Ok(())
     }
 }
 
@@ -574,5 +678,15 @@ mod tests {
         assert_eq!(parse_ping(bb), Some((5, 4)));
         let iputils = "5 packets transmitted, 5 received, 0% packet loss, time 4005ms\n";
         assert_eq!(parse_ping(iputils), Some((5, 5)));
+    }
+
+    #[test]
+    fn lost_pings_come_out_as_runs_of_sequence_numbers() {
+        let bb = "64 bytes from 10.244.2.2: seq=0 ttl=63 time=1 ms\n\
+                  64 bytes from 10.244.2.2: seq=3 ttl=63 time=1 ms\n\
+                  64 bytes from 10.244.2.2: seq=5 ttl=63 time=1 ms\n";
+        assert_eq!(lost_runs(bb, 7), vec![1..=2, 4..=4, 6..=6]);
+        let iputils = "64 bytes from 10.244.2.2: icmp_seq=1 ttl=63 time=1 ms\n";
+        assert_eq!(lost_runs(iputils, 2), vec![0..=0]);
     }
 }

@@ -97,6 +97,8 @@ struct KeysUsed {
     next_change: Option<Duration>,
     /// The abrupt switch was already reported for this file.
     abrupt_reported: bool,
+    /// The SPI sent with and the SPIs with states: a change is a step of a rotation, logged.
+    spis: (u8, Vec<u8>),
 }
 
 impl<K: Kernel> Reconciler<K> {
@@ -273,6 +275,20 @@ impl<K: Kernel> Reconciler<K> {
                  appending the new key and keeping the old line until the rotation completes"
             );
         }
+        let spis = (
+            r.ipsec.send_spi,
+            r.ipsec.keys.iter().map(|k| k.spi).collect::<Vec<_>>(),
+        );
+        if self.keys.as_ref().is_none_or(|k| k.spis != spis) {
+            tracing::info!(
+                send_spi = spis.0,
+                keys = ?spis.1,
+                next_step_s = r.next_change.map(|t| t.saturating_sub(now).as_secs_f32()),
+                "IPsec keys: sending with SPI {}, states for {:?}",
+                spis.0,
+                spis.1
+            );
+        }
         let m = &self.telemetry.metrics;
         m.ipsec_send_spi.set(i64::from(r.ipsec.send_spi));
         m.ipsec_keys_in_use.set(r.ipsec.keys.len() as i64);
@@ -281,6 +297,7 @@ impl<K: Kernel> Reconciler<K> {
             unusable: read.error.is_some(),
             next_change: r.next_change,
             abrupt_reported: r.abrupt || reported,
+            spis,
         });
         self.plan_config.ipsec = Some(r.ipsec);
     }

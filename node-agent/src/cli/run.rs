@@ -122,7 +122,8 @@ pub struct AgentArgs {
     #[arg(long, env = "NODE_AGENT_IPSEC_KEY_PROPAGATION_DELAY", default_value = "90s", value_parser = parse_duration)]
     pub ipsec_key_propagation_delay: Duration,
     /// The previous key is still received this long after the switch to a new one, then its
-    /// states are removed. Must be longer than the propagation delay.
+    /// states are removed. Must be longer than the propagation delay plus the longest an agent
+    /// may be down during a rotation: a node whose agent is down still sends with the old key.
     #[arg(long, env = "NODE_AGENT_IPSEC_KEY_ROTATION_DELAY", default_value = "5m", value_parser = parse_duration)]
     pub ipsec_key_rotation_delay: Duration,
     /// Shortest interval between two checkpoint writes (changes in between are coalesced; a
