@@ -141,7 +141,7 @@ for m in $(cat /etc/vmtest-modules); do
     modprobe "$m" || fail "modprobe $m"
 done
 mkdir -p {share}
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro host0 {share} \
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,cache=loose,ro host0 {share} \
     || fail "mounting the workspace (9p host0) on {share}"
 echo "VMTEST: kernel $(uname -r), modules and payload ready at $(cut -d' ' -f1 /proc/uptime) s"
 if out=$(unshare -n sh -c {smoke} 2>&1); then
