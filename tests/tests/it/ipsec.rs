@@ -223,6 +223,15 @@ fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
     });
 }
 
+/// Sets the flag when dropped, also while unwinding from a panic.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// A step of a rotation as the test sees it: what it is, and whether it shows yet.
 type Step<'a> = (&'static str, Box<dyn Fn() -> bool + 'a>);
 
@@ -290,6 +299,9 @@ fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_k
         let stop = AtomicBool::new(false);
         let run = std::thread::scope(|s| {
             s.spawn(|| watch_rotation(&a, &b, &t, &stop));
+            // The watcher stops however this closure ends: a failed wait must fail the test,
+            // not leave the scope waiting for a step that never comes.
+            let _stop = StopOnDrop(&stop);
             let pings = LongPing::start(&a.pod_ns(), &b.pod4(), "0.1");
             std::thread::sleep(Duration::from_secs(1));
             // The Secret reaches the two nodes a second apart.
@@ -320,7 +332,6 @@ fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_k
                 c.wait_states(n, STATES_PER_PEER, 4, Duration::from_secs(90));
             }
             t.mark("both nodes have only key 4's states");
-            stop.store(true, Ordering::Relaxed);
             (pings.stop(), agent_a)
         });
         let (run, _agent_a) = run;
