@@ -372,16 +372,29 @@ impl LongPing {
     }
 
     /// Stops it (SIGINT, so it prints its summary).
-    pub fn stop(self) -> PingRun {
+    pub fn stop(mut self) -> PingRun {
         // SAFETY: kill on a child we own.
         unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
-        let out = self.0.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        let (sent, received) = parse_ping(&text).expect("a ping summary");
+        let mut stdout = String::new();
+        if let Some(mut pipe) = self.0.stdout.take() {
+            std::io::Read::read_to_string(&mut pipe, &mut stdout).unwrap();
+        }
+        self.0.wait().unwrap();
+        let (sent, received) = parse_ping(&stdout).expect("a ping summary");
         PingRun {
             sent,
             received,
-            lost: lost_runs(&text, sent),
+            lost: lost_runs(&stdout, sent),
+        }
+    }
+}
+
+/// A ping left running by a test that failed is killed, not left to outlive its namespace.
+impl Drop for LongPing {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
         }
     }
 }
