@@ -3,15 +3,14 @@
 //! ID. A candidate that fails any of them is held as a whole and reported; one that passes all
 //! of them is programmed.
 
-use std::net::IpAddr;
-
 use foldhash::{HashMap, HashMapExt, HashSet};
 use smallvec::SmallVec;
 
 use super::brake::{Brake, is_local_entry};
-use super::claims::{Blocker, Claims, ConflictWhy, Holder, Resource, mapped_ips, resources};
+use super::claims::{Blocker, Claims, ConflictWhy, Holder, Resource, mapped_ips};
 use super::classify::{HeldWhy, Live, LiveClass};
 use super::records::Record;
+use super::resource_index::{Res, ResourceIndex};
 use super::{Allocation, Elsewhere, InputError, InputProblem, Local, PlanInput, err};
 use crate::ids::{IdAllocator, IdError, IdSet};
 use crate::inventory::Inventory;
@@ -44,22 +43,18 @@ impl MapRoom {
     }
 }
 
-/// How many live nodes claim each mapped address, as they are and as recorded.
-fn address_claims(
-    live: &[Live<'_>],
-    records: &[Record<'_>],
-    input: &PlanInput<'_>,
-) -> HashMap<IpAddr, u32> {
-    let cfg = input.config;
-    let mut count: HashMap<IpAddr, u32> = HashMap::with_capacity(2 * live.len());
-    for l in live {
-        let recorded = l.record.map(|r| records[r].node);
-        let mut ips: SmallVec<[IpAddr; 4]> = mapped_ips(l.node, cfg).collect();
-        ips.extend(recorded.into_iter().flat_map(|n| mapped_ips(n, cfg)));
+/// How many live nodes claim each mapped address, as they are and as recorded, by [`Res`].
+fn address_claims(live: &[Live<'_>], index: &ResourceIndex) -> Vec<u32> {
+    let mut count = vec![0u32; index.len()];
+    for (i, l) in live.iter().enumerate() {
+        let mut ips: SmallVec<[Res; 4]> = index.live[i].mapped_addresses().into();
+        if let Some(r) = l.record {
+            ips.extend_from_slice(index.records[r].mapped_addresses());
+        }
         ips.sort_unstable();
         ips.dedup();
-        for ip in ips {
-            *count.entry(ip).or_default() += 1;
+        for r in ips {
+            count[r as usize] += 1;
         }
     }
     count
@@ -70,27 +65,30 @@ fn address_claims(
 fn staying_entries(
     input: &PlanInput<'_>,
     records: &[Record<'_>],
+    index: &ResourceIndex,
     brake: &Brake,
     local: &Local,
-    claims: &HashMap<IpAddr, u32>,
+    claims: &[u32],
 ) -> usize {
-    let mut kept_ips: HashSet<IpAddr> = HashSet::default();
+    let mut kept_addresses: HashSet<Res> = HashSet::default();
     let mut kept_ids: HashSet<NodeId> = HashSet::default();
-    for r in records
+    for (r, rec) in records
         .iter()
-        .filter(|r| r.live.is_none() && !brake.releases(r))
+        .enumerate()
+        .filter(|(_, r)| r.live.is_none() && !brake.releases(r))
     {
-        kept_ips.extend(r.node.ips());
-        kept_ids.extend(r.node.node_id);
+        kept_addresses.extend(index.records[r].addresses.iter().copied());
+        kept_ids.extend(rec.node.node_id);
     }
     input
         .inventory
-        .objects()
-        .filter(|o| match o {
+        .slotted()
+        .filter(|(slot, o)| match o {
             KernelObject::MapEntry(e) => {
                 !is_local_entry(o, local)
-                    && (claims.get(&e.ip).is_some_and(|c| *c > 0)
-                        || kept_ips.contains(&e.ip)
+                    && (index
+                        .entry_address(*slot)
+                        .is_some_and(|r| claims[r as usize] > 0 || kept_addresses.contains(&r))
                         || kept_ids.contains(&e.node_id)
                         || !brake.releases_orphan(&o.id()))
             }
@@ -154,23 +152,36 @@ impl Ids<'_> {
     }
 }
 
+/// What admission reads: the plan's input and what the steps before it found.
+pub(super) struct Known<'p, 'a> {
+    pub input: &'p PlanInput<'a>,
+    pub records: &'p [Record<'a>],
+    pub brake: &'p Brake,
+    pub index: &'p ResourceIndex,
+    pub local: &'p Local,
+    pub elsewhere: Option<&'p Elsewhere>,
+}
+
 /// Decides every candidate: programmed with an ID, or held with the reason reported.
 pub(super) fn admit(
-    input: &PlanInput<'_>,
+    known: &Known<'_, '_>,
     live: &mut [Live<'_>],
-    records: &[Record<'_>],
-    brake: &Brake,
-    local: &Local,
-    elsewhere: Option<&Elsewhere>,
     errors: &mut Vec<InputError>,
 ) -> Admitted {
+    let Known {
+        input,
+        records,
+        brake,
+        index,
+        local,
+        elsewhere,
+    } = *known;
     let cfg = input.config;
-    let mut claims = Claims::with_capacity(2 * (live.len() + records.len()));
-    for ip in &local.ips {
-        claims.fix(Resource::Address(*ip), Holder::Local);
-    }
-    for c in &local.cidrs {
-        claims.fix(Resource::PodCidr(*c), Holder::Local);
+    let mut claims = Claims::new(index);
+    let local_resources = (local.ips.iter().map(|ip| Resource::Address(*ip)))
+        .chain(local.cidrs.iter().map(|c| Resource::PodCidr(*c)));
+    for r in local_resources.filter_map(|r| index.get(&r)) {
+        claims.fix(r, Holder::Local);
     }
     let mut ids = Ids {
         alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator),
@@ -201,7 +212,7 @@ pub(super) fn admit(
     // Held live nodes and held removals keep what their records list, IDs included.
     for (i, l) in live.iter().enumerate() {
         if let Some(r) = l.record {
-            for res in resources(records[r].node, cfg) {
+            for &res in &index.records[r].claims {
                 if l.is_held() {
                     claims.fix(res, Holder::Held(i));
                 }
@@ -216,7 +227,7 @@ pub(super) fn admit(
     }
     for (r, rec) in records.iter().enumerate() {
         if rec.live.is_none() && input.live.synced && !brake.releases(rec) {
-            for res in resources(rec.node, cfg) {
+            for &res in &index.records[r].claims {
                 claims.fix(res, Holder::Removal(r));
             }
             if let Some(id) = rec.node.node_id {
@@ -224,10 +235,10 @@ pub(super) fn admit(
             }
         }
     }
-    let address_claims = address_claims(live, records, input);
+    let address_claims = address_claims(live, index);
     let mut room = MapRoom {
         capacity: cfg.map_capacity,
-        used: staying_entries(input, records, brake, local, &address_claims)
+        used: staying_entries(input, records, index, brake, local, &address_claims)
             + elsewhere.map_or(0, |e| e.map_entries),
     };
 
@@ -236,25 +247,25 @@ pub(super) fn admit(
         .filter(|&i| live[i].class == LiveClass::Candidate)
         .collect();
     order.sort_by_key(|&i| live[i].record.is_none());
-    let wants: Vec<SmallVec<[Resource; 4]>> = live.iter().map(|l| resources(l.node, cfg)).collect();
+    let wants = |i: usize| index.live[i].claims.as_slice();
     let mut allocations = Vec::new();
     for i in order {
         let name = live[i].node.name.clone();
-        let checked = claims.check(i, &wants[i], |j, r| match live[j].class {
+        let checked = claims.check(i, wants(i), |j, r| match live[j].class {
             // What a registering or malformed node claims now is unknown: its record stands.
             LiveClass::Held(HeldWhy::Registering | HeldWhy::Malformed) => true,
             // Any other node claims what it lists now. One held over a conflict, a full map or
             // no free ID keeps its objects, but a resource it has moved away from is free to
             // take: nobody live wants it.
-            _ => wants[j].contains(r),
+            _ => wants(j).contains(&r),
         });
         if let Err((resource, blocker)) = checked {
-            let problem = conflict(resource, blocker, live, records);
+            let problem = conflict(index.resource(resource), blocker, live, records);
             err(errors, &name, problem);
             live[i].class = LiveClass::Held(HeldWhy::Conflict);
             continue;
         }
-        let (adds, frees) = map_delta(&live[i], records, input, &address_claims);
+        let (adds, frees) = map_delta(i, &live[i], index, &address_claims);
         if !room.fits(adds, frees) {
             err(
                 errors,
@@ -269,7 +280,7 @@ pub(super) fn admit(
         }
         match ids.pick(&live[i], records, input, local) {
             Ok((id, allocation)) => {
-                claims.take(i, &wants[i]);
+                claims.take(i, wants(i));
                 room.commit(adds, frees);
                 ids.claimed.insert(id);
                 allocations.extend(allocation);
@@ -289,23 +300,18 @@ pub(super) fn admit(
     }
 }
 
-/// New map entries a candidate needs, and its recorded entries that go once it is programmed
+/// New map entries live node `i` needs, and its recorded entries that go once it is programmed
 /// (addresses it no longer has and no other live node claims).
-fn map_delta(
-    l: &Live<'_>,
-    records: &[Record<'_>],
-    input: &PlanInput<'_>,
-    address_claims: &HashMap<IpAddr, u32>,
-) -> (usize, usize) {
-    let cfg = input.config;
-    let inv = input.inventory;
-    let has = |ip: IpAddr| inv.contains(&ObjectId::MapEntry { ip });
-    let adds = mapped_ips(l.node, cfg).filter(|ip| !has(*ip)).count();
-    let frees = l.record.map_or(0, |r| {
-        mapped_ips(records[r].node, cfg)
-            .filter(|ip| has(*ip))
-            .filter(|ip| !mapped_ips(l.node, cfg).any(|now| now == *ip))
-            .filter(|ip| address_claims.get(ip).is_some_and(|c| *c == 1))
+fn map_delta(i: usize, l: &Live<'_>, index: &ResourceIndex, claims: &[u32]) -> (usize, usize) {
+    let now = index.live[i].mapped_addresses();
+    let adds = now.iter().filter(|r| !index.has_map_entry(**r)).count();
+    let frees = l.record.map_or(0, |rec| {
+        index.records[rec]
+            .mapped_addresses()
+            .iter()
+            .filter(|r| index.has_map_entry(**r))
+            .filter(|r| !now.contains(r))
+            .filter(|r| claims[**r as usize] == 1)
             .count()
     });
     (adds, frees)

@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use foldhash::{HashSet, HashSetExt};
 
-use super::claims::ClaimedAnywhere;
 use super::records::Record;
+use super::resource_index::ResourceIndex;
 use super::{Delete, Elsewhere, Local, PlanConfig, PlanInput};
 use crate::checkpoint::{Checkpoint, RecentRemovals};
 use crate::ids::AllocatorState;
@@ -389,7 +389,7 @@ impl Brake {
         cfg: &PlanConfig,
         input: &PlanInput<'_>,
         records: &[Record<'_>],
-        claimed: &ClaimedAnywhere,
+        index: &ResourceIndex,
         local: &Local,
         elsewhere: Option<&Elsewhere>,
     ) -> Self {
@@ -428,8 +428,8 @@ impl Brake {
                 });
             }
         }
-        for o in input.inventory.objects() {
-            if !claimed.owns(o) && !is_local_entry(o, local) {
+        for (slot, o) in input.inventory.slotted() {
+            if !index.owns_slot(slot) && !is_local_entry(o, local) {
                 asked.insert(Removal::Orphan(o.id()));
             }
         }
@@ -439,7 +439,7 @@ impl Brake {
             orphan_nodes: 0,
         };
         if records.is_empty() && elsewhere.is_none_or(|e| e.known_nodes == 0) {
-            counts = without_record(counts, input, claimed, local);
+            counts = without_record(counts, input, index, local);
         }
         brake.decision = decide(
             &asked,
@@ -513,19 +513,14 @@ impl Brake {
 }
 
 /// The node counts of a plan without a record: nodes are told apart by the IDs the map carries.
-fn without_record(
-    counts: Ask,
-    input: &PlanInput<'_>,
-    claimed: &ClaimedAnywhere,
-    local: &Local,
-) -> Ask {
+fn without_record(counts: Ask, input: &PlanInput<'_>, index: &ResourceIndex, local: &Local) -> Ask {
     let mut kept = HashSet::new();
     let mut orphaned = HashSet::new();
-    for o in input.inventory.objects() {
+    for (slot, o) in input.inventory.slotted() {
         if let KernelObject::MapEntry(e) = o
             && !is_local_entry(o, local)
         {
-            if claimed.owns(o) {
+            if index.owns_slot(slot) {
                 kept.insert(e.node_id);
             } else {
                 orphaned.insert(e.node_id);

@@ -9,16 +9,13 @@
 use std::fmt;
 use std::net::IpAddr;
 
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use ipnet::IpNet;
-use smallvec::SmallVec;
 
 use super::PlanConfig;
-use super::classify::Live;
-use super::records::Record;
+use super::resource_index::{Res, ResourceIndex};
 use crate::desired::maps_address;
 use crate::node::Node;
-use crate::objects::{KernelObject, Nexthop, NodeId, Route, Via, XfrmDir};
+use crate::objects::{KernelObject, Nexthop, Route, Via, XfrmDir};
 
 /// Something only one node can have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -69,14 +66,6 @@ pub fn mapped_ips<'n>(node: &'n Node, cfg: &PlanConfig) -> impl Iterator<Item = 
         .map(|a| a.ip)
 }
 
-/// Every resource `node` claims under `cfg`.
-pub(super) fn resources(node: &Node, cfg: &PlanConfig) -> SmallVec<[Resource; 4]> {
-    mapped_ips(node, cfg)
-        .map(Resource::Address)
-        .chain(node.pod_cidrs.iter().map(|c| Resource::PodCidr(*c)))
-        .collect()
-}
-
 /// The key resource of an object: the one its identity is built on; `None` for the agent's own
 /// objects, which belong to no node.
 pub(super) fn key_resource(o: &KernelObject) -> Option<Resource> {
@@ -112,49 +101,6 @@ pub(super) fn secondary_resource(o: &KernelObject) -> Option<Resource> {
     }
 }
 
-/// Every resource and node ID that any live node (as it is now, and as recorded) or any record
-/// claims: an object of ours that touches none of them belongs to nobody, an orphan.
-pub(super) struct ClaimedAnywhere {
-    resources: HashSet<Resource>,
-    ids: HashSet<NodeId>,
-}
-
-impl ClaimedAnywhere {
-    pub fn new(live: &[Live<'_>], records: &[Record<'_>], cfg: &PlanConfig) -> Self {
-        let mut s = Self {
-            // Live nodes and records mostly claim the same things: sized for one of them.
-            resources: HashSet::with_capacity(4 * live.len().max(records.len())),
-            ids: HashSet::with_capacity(records.len()),
-        };
-        for l in live {
-            s.resources.extend(resources(l.node, cfg));
-            // Every address, mapped or not: a route or state may use it as an endpoint.
-            s.resources
-                .extend(l.node.addresses.iter().map(|a| Resource::Address(a.ip)));
-        }
-        for r in records {
-            s.resources.extend(resources(r.node, cfg));
-            s.resources
-                .extend(r.node.addresses.iter().map(|a| Resource::Address(a.ip)));
-            s.ids.extend(r.node.node_id);
-        }
-        s
-    }
-
-    pub fn contains(&self, r: &Resource) -> bool {
-        self.resources.contains(r)
-    }
-
-    /// Whether anyone claims the object through its key, its node ID or its secondary resource.
-    /// The agent's own objects (no key resource) are never anyone's orphans: the brake does not
-    /// count them.
-    pub fn owns(&self, o: &KernelObject) -> bool {
-        key_resource(o).is_none_or(|r| self.contains(&r))
-            || o.node_id().is_some_and(|id| self.ids.contains(&id))
-            || secondary_resource(o).is_some_and(|r| self.contains(&r))
-    }
-}
-
 /// Who has a resource.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Holder {
@@ -167,11 +113,11 @@ pub(super) enum Holder {
     Admitted(usize),
 }
 
-/// The resources taken so far, and the incumbents.
+/// The resources taken so far, and the incumbents, by [`Res`].
 pub(super) struct Claims {
-    taken: HashMap<Resource, Holder>,
-    /// Resource -> the live node whose record lists it (the first in name order).
-    incumbent: HashMap<Resource, usize>,
+    taken: Vec<Option<Holder>>,
+    /// The live node whose record lists the resource (the first in name order).
+    incumbent: Vec<Option<usize>>,
 }
 
 /// What keeps a candidate from a resource: who has it, or the incumbent that still claims it.
@@ -182,22 +128,23 @@ pub(super) enum Blocker {
 }
 
 impl Claims {
-    pub fn with_capacity(n: usize) -> Self {
+    /// Nothing taken, no incumbent, for the resources of `index`.
+    pub fn new(index: &ResourceIndex) -> Self {
         Self {
-            taken: HashMap::with_capacity(n),
-            incumbent: HashMap::with_capacity(n),
+            taken: vec![None; index.len()],
+            incumbent: vec![None; index.len()],
         }
     }
 
     /// Gives `r` to `holder` unless someone has it already (the first fixer wins: the local
     /// node is fixed first).
-    pub fn fix(&mut self, r: Resource, holder: Holder) {
-        self.taken.entry(r).or_insert(holder);
+    pub fn fix(&mut self, r: Res, holder: Holder) {
+        self.taken[r as usize].get_or_insert(holder);
     }
 
     /// Records that the record of live node `live` lists `r`.
-    pub fn incumbent(&mut self, r: Resource, live: usize) {
-        self.incumbent.entry(r).or_insert(live);
+    pub fn incumbent(&mut self, r: Res, live: usize) {
+        self.incumbent[r as usize].get_or_insert(live);
     }
 
     /// Whether candidate `who` may take all of `wants`: the first resource it may not, and what
@@ -205,29 +152,29 @@ impl Claims {
     pub fn check(
         &self,
         who: usize,
-        wants: &[Resource],
-        claims_now: impl Fn(usize, &Resource) -> bool,
-    ) -> Result<(), (Resource, Blocker)> {
-        for r in wants {
-            match self.taken.get(r) {
+        wants: &[Res],
+        claims_now: impl Fn(usize, Res) -> bool,
+    ) -> Result<(), (Res, Blocker)> {
+        for &r in wants {
+            match self.taken[r as usize] {
                 None => {}
-                Some(Holder::Admitted(j)) if *j == who => {}
-                Some(h) => return Err((*r, Blocker::Taken(*h))),
+                Some(Holder::Admitted(j)) if j == who => {}
+                Some(h) => return Err((r, Blocker::Taken(h))),
             }
-            if let Some(&inc) = self.incumbent.get(r)
+            if let Some(inc) = self.incumbent[r as usize]
                 && inc != who
                 && claims_now(inc, r)
             {
-                return Err((*r, Blocker::Incumbent(inc)));
+                return Err((r, Blocker::Incumbent(inc)));
             }
         }
         Ok(())
     }
 
     /// Gives every resource of `wants` to candidate `who`.
-    pub fn take(&mut self, who: usize, wants: &[Resource]) {
-        for r in wants {
-            self.taken.insert(*r, Holder::Admitted(who));
+    pub fn take(&mut self, who: usize, wants: &[Res]) {
+        for &r in wants {
+            self.taken[r as usize] = Some(Holder::Admitted(who));
         }
     }
 }

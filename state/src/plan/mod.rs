@@ -7,7 +7,8 @@
 //!
 //! 1. [`records`]: the agent's record of remote nodes, one per name;
 //! 2. [`classify`]: live nodes paired with their records, held or candidates;
-//! 3. [`brake`]: which removals (gone nodes, orphans) may happen now;
+//! 3. [`brake`]: which removals (gone nodes, orphans) may happen now, on the resources every node
+//!    and record claims, indexed once ([`resource_index`]) for this step and the next;
 //! 4. [`claims`] and [`assign`]: conflicts, map room and node IDs, candidate by candidate;
 //! 5. desired objects ([`crate::desired`]) and the upserts they need;
 //! 6. [`deletes`]: every undesired object of ours, with the reason it goes or stays;
@@ -20,6 +21,7 @@ mod assign;
 mod classify;
 mod deletes;
 mod records;
+mod resource_index;
 mod scope;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -550,19 +552,19 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     let mut live = classify::classify(input.live, &mut records, &cfg.local_node, &mut errors);
 
     // 3. The brake: which removals may happen now.
-    let claimed = claims::ClaimedAnywhere::new(&live, &records, cfg);
-    let brake = brake::Brake::new(cfg, input, &records, &claimed, &local, elsewhere);
+    let index = resource_index::ResourceIndex::new(&live, &records, input.inventory, cfg);
+    let brake = brake::Brake::new(cfg, input, &records, &index, &local, elsewhere);
 
     // 4. Conflicts, map room and IDs, candidate by candidate.
-    let admitted = assign::admit(
+    let known = assign::Known {
         input,
-        &mut live,
-        &records,
-        &brake,
-        &local,
+        records: &records,
+        brake: &brake,
+        index: &index,
+        local: &local,
         elsewhere,
-        &mut errors,
-    );
+    };
+    let admitted = assign::admit(&known, &mut live, &mut errors);
 
     // 5. Desired objects of programmed nodes, and the upserts they need.
     // Desired objects already in the kernel, by slot: what the deletes leave alone.
