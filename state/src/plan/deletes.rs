@@ -8,14 +8,13 @@
 //! then programmed nodes (`superseded`), records of live nodes (`changed while down`), and
 //! released removals (`stale node`). No owner makes an orphan.
 
-use std::hash::Hash;
-
-use foldhash::{HashMap, HashMapExt, HashSet};
+use foldhash::HashSet;
 
 use super::brake::{Brake, is_local_entry};
 use super::claims::{Resource, key_resource, secondary_resource};
 use super::classify::{Live, LiveClass};
 use super::records::Record;
+use super::resource_index::{NodeResources, ResourceIndex};
 use super::{Delete, DeleteReason, Local, PlanInput};
 use crate::ids::IdSet;
 use crate::inventory::Marks;
@@ -37,34 +36,35 @@ enum Owner {
     Released(usize),
 }
 
-struct OwnerIndex {
-    resources: HashMap<Resource, Owner>,
-    ids: HashMap<NodeId, Owner>,
+/// The strongest owner of each resource (by [`Res`]) and node ID.
+struct OwnerIndex<'i> {
+    index: &'i ResourceIndex,
+    resources: Vec<Option<Owner>>,
+    ids: Vec<Option<Owner>>,
 }
 
-fn put<K: Hash + Eq>(m: &mut HashMap<K, Owner>, k: K, o: Owner) {
-    m.entry(k).and_modify(|e| *e = (*e).min(o)).or_insert(o);
+fn put(slot: &mut Option<Owner>, o: Owner) {
+    *slot = Some(slot.map_or(o, |e| e.min(o)));
 }
 
-impl OwnerIndex {
-    fn add(&mut self, n: &Node, o: Owner, id: Option<NodeId>) {
-        for ip in n.ips() {
-            put(&mut self.resources, Resource::Address(ip), o);
-        }
-        for c in &n.pod_cidrs {
-            put(&mut self.resources, Resource::PodCidr(*c), o);
+impl OwnerIndex<'_> {
+    fn add(&mut self, n: &NodeResources, o: Owner, id: Option<NodeId>) {
+        for &r in n.addresses.iter().chain(n.cidrs()) {
+            put(&mut self.resources[r as usize], o);
         }
         if let Some(id) = id {
-            put(&mut self.ids, id, o);
+            put(&mut self.ids[usize::from(id.get())], o);
         }
     }
 
     fn owner(&self, o: &KernelObject) -> Option<Owner> {
-        key_resource(o)
-            .and_then(|r| self.resources.get(&r))
-            .or_else(|| o.node_id().and_then(|id| self.ids.get(&id)))
-            .or_else(|| secondary_resource(o).and_then(|r| self.resources.get(&r)))
-            .copied()
+        let of = |r: Option<Resource>| {
+            r.and_then(|r| self.index.get(&r))
+                .and_then(|r| self.resources[r as usize])
+        };
+        of(key_resource(o))
+            .or_else(|| o.node_id().and_then(|id| self.ids[usize::from(id.get())]))
+            .or_else(|| of(secondary_resource(o)))
     }
 }
 
@@ -90,6 +90,7 @@ pub(super) fn decide(
     live: &[Live<'_>],
     records: &[Record<'_>],
     brake: &Brake,
+    resources: &ResourceIndex,
     desired: &Marks,
     local: &Local,
 ) -> Deleted {
@@ -110,24 +111,26 @@ pub(super) fn decide(
         return out;
     }
     let mut index = OwnerIndex {
-        resources: HashMap::with_capacity(4 * (live.len() + records.len())),
-        ids: HashMap::with_capacity(live.len() + records.len()),
+        index: resources,
+        resources: vec![None; resources.len()],
+        ids: vec![None; usize::from(u16::MAX) + 1],
     };
     for (i, l) in live.iter().enumerate() {
         let record = l.record.map(|r| records[r].node);
+        let now = &resources.live[i];
         match l.class {
             LiveClass::Programmed(id) => {
-                index.add(l.node, Owner::Current(i), Some(id));
+                index.add(now, Owner::Current(i), Some(id));
                 if let (Some(r), Some(rec)) = (l.record, record)
                     && !unchanged(rec, l.node, id)
                 {
-                    index.add(rec, Owner::Old(r), rec.node_id);
+                    index.add(&resources.records[r], Owner::Old(r), rec.node_id);
                 }
             }
             LiveClass::Held(_) | LiveClass::Candidate => {
-                index.add(l.node, Owner::Held(i), record.and_then(|r| r.node_id));
-                if let Some(rec) = record {
-                    index.add(rec, Owner::Held(i), rec.node_id);
+                index.add(now, Owner::Held(i), record.and_then(|r| r.node_id));
+                if let (Some(r), Some(rec)) = (l.record, record) {
+                    index.add(&resources.records[r], Owner::Held(i), rec.node_id);
                 }
             }
         }
@@ -138,7 +141,7 @@ pub(super) fn decide(
         } else {
             Owner::HeldRemoval(r)
         };
-        index.add(rec.node, owner, rec.node.node_id);
+        index.add(&resources.records[r], owner, rec.node.node_id);
     }
     let synced = input.live.synced;
     for o in pool {

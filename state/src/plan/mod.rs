@@ -617,7 +617,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     }
 
     // 6. Deletes and their reasons.
-    let deleted = deletes::decide(input, &live, &records, &brake, &desired, &local);
+    let deleted = deletes::decide(input, &live, &records, &brake, &index, &desired, &local);
     for (object, node, user) in &deleted.in_use {
         err(
             &mut errors,

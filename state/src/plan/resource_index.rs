@@ -39,6 +39,11 @@ impl NodeResources {
     pub fn mapped_addresses(&self) -> &[Res] {
         &self.claims[..self.mapped]
     }
+
+    /// The pod CIDRs.
+    pub fn cidrs(&self) -> &[Res] {
+        &self.claims[self.mapped..]
+    }
 }
 
 /// Every resource a live node (as it is now, and as recorded) or a record claims, and how our
