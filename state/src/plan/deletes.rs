@@ -8,7 +8,7 @@
 //! then programmed nodes (`superseded`), records of live nodes (`changed while down`), and
 //! released removals (`stale node`). No owner makes an orphan.
 
-use foldhash::HashSet;
+use foldhash::{HashMap, HashMapExt, HashSet};
 
 use super::brake::{Brake, is_local_entry};
 use super::claims::{Resource, key_resource, secondary_resource};
@@ -40,7 +40,7 @@ enum Owner {
 struct OwnerIndex<'i> {
     index: &'i ResourceIndex,
     resources: Vec<Option<Owner>>,
-    ids: Vec<Option<Owner>>,
+    ids: HashMap<NodeId, Owner>,
 }
 
 fn put(slot: &mut Option<Owner>, o: Owner) {
@@ -53,7 +53,10 @@ impl OwnerIndex<'_> {
             put(&mut self.resources[r as usize], o);
         }
         if let Some(id) = id {
-            put(&mut self.ids[usize::from(id.get())], o);
+            self.ids
+                .entry(id)
+                .and_modify(|e| *e = (*e).min(o))
+                .or_insert(o);
         }
     }
 
@@ -63,7 +66,7 @@ impl OwnerIndex<'_> {
                 .and_then(|r| self.resources[r as usize])
         };
         of(key_resource(o))
-            .or_else(|| o.node_id().and_then(|id| self.ids[usize::from(id.get())]))
+            .or_else(|| o.node_id().and_then(|id| self.ids.get(&id).copied()))
             .or_else(|| of(secondary_resource(o)))
     }
 }
@@ -113,7 +116,7 @@ pub(super) fn decide(
     let mut index = OwnerIndex {
         index: resources,
         resources: vec![None; resources.len()],
-        ids: vec![None; usize::from(u16::MAX) + 1],
+        ids: HashMap::with_capacity(live.len() + records.len()),
     };
     for (i, l) in live.iter().enumerate() {
         let record = l.record.map(|r| records[r].node);

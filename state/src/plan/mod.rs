@@ -572,7 +572,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     let mut upserts = Vec::new();
     let mut objects = Vec::new();
     let mut problems = Vec::new();
-    for l in &live {
+    for (i, l) in live.iter().enumerate() {
         let LiveClass::Programmed(id) = l.class else {
             continue;
         };
@@ -587,7 +587,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
             if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
                 continue;
             }
-            let slot = input.inventory.slot(&oid);
+            let slot = index.slot(input.inventory, i, l.node, o);
             let have = slot.map(|s| input.inventory.at(s));
             if let Some(s) = slot {
                 desired.mark(s);

@@ -18,10 +18,15 @@ use crate::desired::maps_address;
 use crate::ids::IdSet;
 use crate::inventory::Inventory;
 use crate::node::Node;
-use crate::objects::KernelObject;
+use crate::objects::{KernelObject, NexthopId, ObjectKind};
 
 /// A resource's place in a [`ResourceIndex`].
 pub(super) type Res = u32;
+
+/// No object of the kind at the resource.
+const NO_SLOT: u32 = u32::MAX;
+/// More than one (routes to one CIDR with different metrics): ask the inventory.
+const SEVERAL: u32 = u32::MAX - 1;
 
 /// What one node (live or recorded) claims, as indices.
 #[derive(Clone, Debug, Default)]
@@ -55,8 +60,11 @@ pub(super) struct ResourceIndex {
     pub live: Vec<NodeResources>,
     /// Per record.
     pub records: Vec<NodeResources>,
-    /// Per resource: our map entry for it (an address) is in the kernel.
-    map_entry: Vec<bool>,
+    /// Per resource: the inventory slot of our map entry at it (an address) or our route to it
+    /// (a pod CIDR), [`NO_SLOT`] or [`SEVERAL`].
+    primary: Vec<u32>,
+    /// The inventory slots of our nexthops.
+    nexthops: HashMap<NexthopId, u32>,
     /// Per inventory slot: someone claims the object through its key, its node ID or its
     /// secondary resource; an object of ours that no one claims is an orphan.
     owned: Vec<bool>,
@@ -77,7 +85,8 @@ impl ResourceIndex {
             resources: Vec::with_capacity(4 * live.len().max(records.len())),
             live: Vec::with_capacity(live.len()),
             records: Vec::with_capacity(records.len()),
-            map_entry: Vec::new(),
+            primary: Vec::new(),
+            nexthops: HashMap::with_capacity(inventory.count(ObjectKind::Nexthop)),
             owned: Vec::with_capacity(inventory.len()),
             entry_address: Vec::with_capacity(inventory.len()),
         };
@@ -97,17 +106,27 @@ impl ResourceIndex {
             };
             s.records.push(r);
         }
-        s.map_entry = vec![false; s.resources.len()];
+        s.primary = vec![NO_SLOT; s.resources.len()];
         let mut recorded_ids = IdSet::new();
         for id in records.iter().filter_map(|r| r.node.node_id) {
             recorded_ids.insert(id);
         }
-        for o in inventory.objects() {
+        for (slot, o) in inventory.slotted() {
             let key = key_resource(o).map(|r| s.get(&r));
             let mut address = None;
-            if let (KernelObject::MapEntry(_), Some(Some(r))) = (o, key) {
-                s.map_entry[r as usize] = true;
-                address = Some(r);
+            match (o, key) {
+                (KernelObject::MapEntry(_), Some(Some(r))) => {
+                    s.primary[r as usize] = slot as u32;
+                    address = Some(r);
+                }
+                (KernelObject::Route(_), Some(Some(r))) => {
+                    let p = &mut s.primary[r as usize];
+                    *p = if *p == NO_SLOT { slot as u32 } else { SEVERAL };
+                }
+                (KernelObject::Nexthop(n), _) => {
+                    s.nexthops.insert(n.id(), slot as u32);
+                }
+                _ => {}
             }
             let owned = match key {
                 None | Some(Some(_)) => true,
@@ -163,7 +182,44 @@ impl ResourceIndex {
 
     /// Whether our map entry for address `r` is in the kernel.
     pub fn has_map_entry(&self, r: Res) -> bool {
-        self.map_entry[r as usize]
+        self.primary[r as usize] != NO_SLOT
+    }
+
+    /// The inventory slot of our object with the identity of `o`, an object live node `i`
+    /// desires: found through the node's resources where `o` is keyed by one (map entries,
+    /// routes) or in a small table of our nexthops, by hash otherwise.
+    pub fn slot(
+        &self,
+        inventory: &Inventory,
+        i: usize,
+        node: &Node,
+        o: &KernelObject,
+    ) -> Option<usize> {
+        let res = &self.live[i];
+        let at = match o {
+            KernelObject::MapEntry(e) => node
+                .addresses
+                .iter()
+                .position(|a| a.ip == e.ip)
+                .map(|k| self.primary[res.addresses[k] as usize]),
+            KernelObject::Route(r) => node
+                .pod_cidrs
+                .iter()
+                .position(|c| *c == r.dst)
+                .map(|k| self.primary[res.cidrs()[k] as usize]),
+            KernelObject::Nexthop(n) => {
+                Some(self.nexthops.get(&n.id()).copied().unwrap_or(NO_SLOT))
+            }
+            _ => None,
+        };
+        match at {
+            Some(NO_SLOT) => None,
+            // The one object of the kind there, if it has the identity (a route's metric).
+            Some(slot) if slot != SEVERAL => {
+                (inventory.at(slot as usize).id() == o.id()).then_some(slot as usize)
+            }
+            _ => inventory.slot(&o.id()),
+        }
     }
 
     /// Whether anyone claims our object at inventory slot `slot`. The agent's own objects (no
