@@ -7,6 +7,7 @@
 //! lists the resource; only then the order in which candidates are admitted.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 
 use ipnet::IpNet;
@@ -18,10 +19,35 @@ use crate::node::Node;
 use crate::objects::{KernelObject, Nexthop, Route, Via, XfrmDir};
 
 /// Something only one node can have.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Resource {
     Address(IpAddr),
     PodCidr(IpNet),
+}
+
+impl Resource {
+    /// The resource as an address's bits and a tag (kind, family and prefix length): equal
+    /// resources, equal pairs.
+    pub(super) fn bits(&self) -> (u128, u32) {
+        match self {
+            Self::Address(IpAddr::V4(a)) => (u32::from(*a).into(), 1),
+            Self::Address(IpAddr::V6(a)) => (u128::from(*a), 2),
+            Self::PodCidr(IpNet::V4(c)) => {
+                (u32::from(c.addr()).into(), 3 + u32::from(c.prefix_len()))
+            }
+            Self::PodCidr(IpNet::V6(c)) => (u128::from(c.addr()), 200 + u32::from(c.prefix_len())),
+        }
+    }
+}
+
+/// Two writes instead of the derived impl's five or six: the planner hashes every resource of
+/// every node once per plan.
+impl Hash for Resource {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let (bits, tag) = self.bits();
+        state.write_u128(bits);
+        state.write_u32(tag);
+    }
 }
 
 impl fmt::Display for Resource {

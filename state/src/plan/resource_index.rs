@@ -196,27 +196,33 @@ impl ResourceIndex {
         o: &KernelObject,
     ) -> Option<usize> {
         let res = &self.live[i];
-        let at = match o {
-            KernelObject::MapEntry(e) => node
-                .addresses
-                .iter()
-                .position(|a| a.ip == e.ip)
-                .map(|k| self.primary[res.addresses[k] as usize]),
-            KernelObject::Route(r) => node
-                .pod_cidrs
-                .iter()
-                .position(|c| *c == r.dst)
-                .map(|k| self.primary[res.cidrs()[k] as usize]),
-            KernelObject::Nexthop(n) => {
-                Some(self.nexthops.get(&n.id()).copied().unwrap_or(NO_SLOT))
-            }
-            _ => None,
+        // Found by what makes up the identity (a map entry's address, a nexthop's ID), or by
+        // the route's destination, whose metric is the rest of its identity.
+        let (at, check) = match o {
+            KernelObject::MapEntry(e) => (
+                node.addresses
+                    .iter()
+                    .position(|a| a.ip == e.ip)
+                    .map(|k| self.primary[res.addresses[k] as usize]),
+                false,
+            ),
+            KernelObject::Route(r) => (
+                node.pod_cidrs
+                    .iter()
+                    .position(|c| *c == r.dst)
+                    .map(|k| self.primary[res.cidrs()[k] as usize]),
+                true,
+            ),
+            KernelObject::Nexthop(n) => (
+                Some(self.nexthops.get(&n.id()).copied().unwrap_or(NO_SLOT)),
+                false,
+            ),
+            _ => (None, false),
         };
         match at {
             Some(NO_SLOT) => None,
-            // The one object of the kind there, if it has the identity (a route's metric).
             Some(slot) if slot != SEVERAL => {
-                (inventory.at(slot as usize).id() == o.id()).then_some(slot as usize)
+                (!check || inventory.at(slot as usize).id() == o.id()).then_some(slot as usize)
             }
             _ => inventory.slot(&o.id()),
         }

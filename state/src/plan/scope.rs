@@ -12,9 +12,6 @@
 //! every ID in use. The property test `state/tests/scoped.rs` holds its plans to the full ones.
 
 use std::collections::BTreeSet;
-use std::net::IpAddr;
-
-use ipnet::IpNet;
 
 use super::claims::Resource;
 use super::{Elsewhere, LiveView, Plan, PlanInput, plan_with};
@@ -166,17 +163,7 @@ impl Claimed {
 
 /// One bit of 64, from the resource's address bits mixed (a Fibonacci hash's top six bits).
 fn fingerprint(r: &Resource) -> u64 {
-    let (bits, tag): (u128, u128) = match r {
-        Resource::Address(IpAddr::V4(a)) => (u32::from(*a).into(), 1),
-        Resource::Address(IpAddr::V6(a)) => (u128::from(*a), 2),
-        Resource::PodCidr(IpNet::V4(c)) => (
-            u32::from(c.network()).into(),
-            3 + u128::from(c.prefix_len()),
-        ),
-        Resource::PodCidr(IpNet::V6(c)) => {
-            (u128::from(c.network()), 200 + u128::from(c.prefix_len()))
-        }
-    };
-    let folded = (bits ^ (bits >> 64) ^ (tag << 56)) as u64;
+    let (bits, tag) = r.bits();
+    let folded = (bits ^ (bits >> 64) ^ (u128::from(tag) << 56)) as u64;
     1 << (folded.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58)
 }
