@@ -71,6 +71,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         kernel: vm::KernelChoice::All,
         timeout: 900,
         bzimage: false,
+        release: false,
+        memory_mib: 2048,
         rest: args.rest.clone(),
     };
     match vm::run(&vm_args)? {

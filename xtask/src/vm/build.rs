@@ -20,14 +20,17 @@ pub struct Payload {
     pub binaries: Vec<PathBuf>,
 }
 
-pub fn tests() -> anyhow::Result<Payload> {
+/// Builds the agent and the test binaries, with `--release` when `release`.
+pub fn tests(release: bool) -> anyhow::Result<Payload> {
     step("vm-test: building node-agent and the node-agent-tests binaries");
+    let profile: &[&str] = if release { &["--release"] } else { &[] };
     cmd::run(
         Command::new("cargo")
             .current_dir(root())
-            .args(["build", "-p", "node-agent"]),
+            .args(["build", "-p", "node-agent"])
+            .args(profile),
     )?;
-    let exes = test_executables()?;
+    let exes = test_executables(profile)?;
     let first = exes
         .first()
         .context("node-agent-tests produced no test executables")?;
@@ -84,17 +87,21 @@ pub const KERNEL_TIER: &[&str] = &[
 const TEST_TARGET: &str = "it";
 
 /// `cargo test --no-run` with JSON messages: the executables of the kernel-tier test targets.
-fn test_executables() -> anyhow::Result<Vec<PathBuf>> {
+fn test_executables(profile: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
     let mut cargo = Command::new("cargo");
-    cargo.current_dir(root()).args([
-        "test",
-        "--no-run",
-        "-p",
-        "node-agent-tests",
-        "--message-format=json-render-diagnostics",
-    ]);
+    cargo
+        .current_dir(root())
+        .args([
+            "test",
+            "--no-run",
+            "-p",
+            "node-agent-tests",
+            "--message-format=json-render-diagnostics",
+        ])
+        .args(profile);
     eprintln!(
-        "  $ cargo test --no-run -p node-agent-tests --message-format=json-render-diagnostics"
+        "  $ cargo test --no-run -p node-agent-tests --message-format=json-render-diagnostics {}",
+        profile.join(" ")
     );
     let out = cargo
         .stderr(Stdio::inherit())

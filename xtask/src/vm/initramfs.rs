@@ -120,6 +120,11 @@ fn quote(s: &str) -> String {
 /// network namespace, and the final status line. Anything that goes wrong sets a non-zero rc
 /// and says what on the console.
 fn init_script(payload: &Payload, test_args: &[String]) -> String {
+    // The benchmarks' settings (`NODE_AGENT_BENCH*`) reach the tests in the guest as they are.
+    let env: String = std::env::vars()
+        .filter(|(k, _)| k.starts_with("NODE_AGENT_BENCH"))
+        .map(|(k, v)| format!("export {k}={}\n", quote(&v)))
+        .collect();
     let args: Vec<String> = test_args.iter().map(|s| quote(s)).collect();
     let args = args.join(" ");
     let tests: Vec<String> = payload.tests.iter().map(|t| quote(t)).collect();
@@ -150,7 +155,7 @@ else
     fail "ESP smoke test (ip xfrm state add ... proto esp ... rfc4106(gcm(aes))): $out"
 fi
 export NODE_AGENT_VM=1
-echo "{BEGIN} at $(cut -d' ' -f1 /proc/uptime) s"
+{env}echo "{BEGIN} at $(cut -d' ' -f1 /proc/uptime) s"
 for t in {tests}; do
     if [ ! -x "$t" ]; then
         fail "$t is missing in the guest"

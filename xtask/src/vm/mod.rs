@@ -30,6 +30,13 @@ pub struct Args {
     /// Boot the compressed bzImage even when the extracted vmlinux could boot through PVH.
     #[arg(long)]
     pub bzimage: bool,
+    /// Build the agent and the tests with `--release`: for the benchmarks that need ESP
+    /// (`cargo xtask bench` runs the IPsec figures this way).
+    #[arg(long)]
+    pub release: bool,
+    /// The guest's memory in MiB.
+    #[arg(long, default_value_t = 2048)]
+    pub memory_mib: u32,
     /// Arguments for the test binary (a test name filter, `--nocapture`, ...). Without a
     /// filter the guest runs the kernel-tier modules.
     #[arg(last = true)]
@@ -81,7 +88,7 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
     }
 
     build_ebpf::run(&build_ebpf::Args { release: true })?;
-    let payload = build::tests()?;
+    let payload = build::tests(args.release)?;
 
     let t = Instant::now();
     let tools = initramfs::tools(&vm_dir, &payload, &test_args(&args.rest))?;
@@ -100,6 +107,7 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
             payload: &payload,
             timeout: Duration::from_secs(args.timeout),
             bzimage: args.bzimage,
+            memory_mib: args.memory_mib,
         };
         let mut result = qemu::run(&boot);
         // A guest that died while booting ran nothing of ours: boot it once more, and say so.

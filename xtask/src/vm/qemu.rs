@@ -27,6 +27,7 @@ pub struct Boot<'a> {
     pub payload: &'a Payload,
     pub timeout: Duration,
     pub bzimage: bool,
+    pub memory_mib: u32,
 }
 
 /// The guest ran its tests and some failed: the process exits with the guest's status.
@@ -106,16 +107,9 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
         "-display",
         "none",
     ])
-    .args([
-        "-accel",
-        "tcg",
-        "-cpu",
-        "max,-cx16",
-        "-m",
-        "2G",
-        "-smp",
-        "2",
-    ])
+    .args(["-accel", "tcg", "-cpu", "max,-cx16", "-smp", "2"])
+    .arg("-m")
+    .arg(format!("{}M", b.memory_mib))
     .args(["-serial", "stdio"])
     .arg("-kernel")
     .arg(image)
