@@ -129,6 +129,8 @@ pub struct AgentEnv {
     pub nodes_file: PathBuf,
     /// When set, the agent watches the API server of this kubeconfig instead of the file.
     pub kubeconfig: Option<PathBuf>,
+    /// Flags every command of this environment gets (IPsec's, say).
+    pub flags: Vec<String>,
 }
 
 impl AgentEnv {
@@ -144,6 +146,7 @@ impl AgentEnv {
             state_dir: base.join("state"),
             nodes_file: base.join("nodes.yaml"),
             kubeconfig: None,
+            flags: Vec::new(),
         }
     }
 
@@ -263,6 +266,7 @@ impl AgentEnv {
         .arg(&self.state_dir)
         .arg("--bpffs")
         .arg(&self.bpffs)
+        .args(&self.flags)
         .args(extra)
         .env("NODE_AGENT_LOG", "info");
         c

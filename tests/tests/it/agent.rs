@@ -331,7 +331,7 @@ fn bad_nodes_are_reported_and_the_rest_are_programmed() {
 }
 
 /// Whether this kernel can create an ESP state, asked through `ip`, independently of the agent.
-fn kernel_has_esp() -> bool {
+pub(crate) fn kernel_has_esp() -> bool {
     let ok = std::process::Command::new("ip")
         .args([
             "xfrm",

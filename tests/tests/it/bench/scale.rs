@@ -16,6 +16,12 @@
 //!   event costs and the reconciler's own time for it (from its log; set
 //!   `NODE_AGENT_BENCH_KEEP_LOGS` to a directory to keep the daemon's log there); then its idle
 //!   CPU.
+//!
+//! `bench_agent_at_scale_ipsec` measures the same at each size of
+//! `NODE_AGENT_BENCH_IPSEC_SIZES` (5,000 by default) twice, IPsec off and on (xfrm states,
+//! policies and pod-CIDR entries besides), and prints what IPsec costs. It needs ESP, which this
+//! machine's kernel lacks: `cargo xtask bench` runs it in the VM tier (release builds, under
+//! emulation, so its figures compare with each other, not with the host's).
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -29,11 +35,11 @@ use node_agent_tests::{ip, ip_batch, report, sandbox};
 
 use super::{bench, cpu_ticks, elem, enabled, ms, obj_get, timed_once};
 
-fn sizes() -> Vec<u32> {
-    std::env::var("NODE_AGENT_BENCH_SIZES")
+fn sizes(var: &str, default: &[u32]) -> Vec<u32> {
+    std::env::var(var)
         .ok()
         .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![5_000, 65_000])
+        .unwrap_or_else(|| default.to_vec())
 }
 
 /// Node `i` of a large cluster: IPv4 in 100.64.0.0/10 and IPv6 in fd00:88::/64 (both on-link on
@@ -309,7 +315,10 @@ fn bench_agent_at_scale() {
     if !enabled("bench_agent_at_scale") {
         return;
     }
-    let figures: Vec<Figures> = sizes().into_iter().map(at_size).collect();
+    let figures: Vec<Figures> = sizes("NODE_AGENT_BENCH_SIZES", &[5_000, 65_000])
+        .into_iter()
+        .map(|n| at_size(n, false))
+        .collect();
     if let (Some(a), Some(b)) = (figures.first(), figures.last())
         && b.nodes > a.nodes
     {
@@ -330,15 +339,61 @@ fn bench_agent_at_scale() {
     }
 }
 
-fn at_size(n: u32) -> Figures {
+#[test]
+fn bench_agent_at_scale_ipsec() {
+    if !enabled("bench_agent_at_scale_ipsec") {
+        return;
+    }
+    if !sandbox(|_| crate::agent::kernel_has_esp()) {
+        report(
+            "SKIPPED bench_agent_at_scale_ipsec: this kernel has no ESP support; `cargo xtask bench` runs it in the VM tier",
+        );
+        return;
+    }
+    for n in sizes("NODE_AGENT_BENCH_IPSEC_SIZES", &[5_000]) {
+        let off = at_size(n, false);
+        let on = at_size(n, true);
+        report(&format!(
+            "bench: ipsec_cost_{n} on/off: cold start {:.1}x, unchanged restart {:.1}x, churn restart {:.1}x, event latency {:.1}x, CPU per event {:.1}x, peak RSS {:.1}x",
+            on.cold / off.cold,
+            on.unchanged / off.unchanged,
+            on.churn / off.churn,
+            on.event_ms / off.event_ms,
+            on.event_cpu_ms / off.event_cpu_ms,
+            on.rss_mib / off.rss_mib,
+        ));
+    }
+}
+
+/// With `ipsec`, every run of the agent has a key file and a pod bridge, and the figures' names
+/// say `_ipsec`.
+fn at_size(n: u32, ipsec: bool) -> Figures {
     let mut f = Figures {
         nodes: n,
         ..Figures::default()
     };
-    let name = |what: &str| format!("{what}_{n}");
+    let mode = if ipsec { "_ipsec" } else { "" };
+    let name = |what: &str| format!("{what}{mode}_{n}");
     sandbox(|sb| {
         let mut env = AgentEnv::new(&sb.bpffs);
         ip(&["addr", "add", "100.64.0.1/10", "dev", "gw0"]);
+        if ipsec {
+            let key = env.state_dir.parent().unwrap().join("ipsec.key");
+            std::fs::write(
+                &key,
+                "3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128\n",
+            )
+            .unwrap();
+            std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .unwrap();
+            ip(&["link", "add", "cni0", "type", "bridge"]);
+            env.flags = vec![
+                "--ipsec-key-file".into(),
+                key.to_string_lossy().into_owned(),
+                "--pod-iface".into(),
+                "cni0".into(),
+            ];
+        }
         // Pins first: the datapath and an empty map, for the floors.
         env.write_nodes(&[]);
         timed_once(&env, &[]);
