@@ -747,3 +747,111 @@ fn bench_policies_against_ip_batch() {
         }
     });
 }
+
+/// How adding states and policies grows with their number, for iproute2 and for the backend:
+/// at each size of `NODE_AGENT_BENCH_XFRM_SIZES` (5,000 and 20,000 nodes by default; an OUT
+/// and an IN state and an OUT policy per node), the time per object. Needs ESP: the VM tier
+/// runs it (`cargo xtask vm-test --release -- bench_xfrm_scaling`, with `NODE_AGENT_BENCH=1`).
+#[test]
+fn bench_xfrm_scaling() {
+    if std::env::var("NODE_AGENT_BENCH").as_deref() != Ok("1") {
+        report("SKIPPED bench_xfrm_scaling: set NODE_AGENT_BENCH=1 to run it");
+        return;
+    }
+    let sizes: Vec<u16> = std::env::var("NODE_AGENT_BENCH_XFRM_SIZES")
+        .ok()
+        .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![5_000, 20_000]);
+    for n in sizes {
+        with_esp("bench_xfrm_scaling", |mut b| async move {
+            let remote = |i: u16| IpAddr::from([172, 16, (i >> 8) as u8, i as u8]);
+            let mut states = Vec::new();
+            let mut policies = Vec::new();
+            for i in 1..=n {
+                for (src, dst, dir) in [
+                    (addr("10.0.0.1"), remote(i), XfrmDir::Out),
+                    (remote(i), addr("10.0.0.1"), XfrmDir::In),
+                ] {
+                    states.push(KernelObject::XfrmState(XfrmState {
+                        src,
+                        dst,
+                        ..state(i, "10.0.0.1", "10.0.0.2", dir)
+                    }));
+                }
+                let dst = IpNet::new(
+                    IpAddr::from([
+                        10,
+                        128 + (i >> 10) as u8,
+                        (i >> 2) as u8,
+                        (i as u8 & 3) << 6,
+                    ]),
+                    26,
+                )
+                .unwrap();
+                policies.push(KernelObject::XfrmPolicy(XfrmPolicy {
+                    dst,
+                    tmpl_dst: remote(i),
+                    ..policy(i, "10.1.0.0/24", "10.0.0.2")
+                }));
+            }
+            // The floors: iproute2 adding the same states (same endpoints, SPI, marks, key), and
+            // the same with an SPI of their own each. The kernel finds a state by destination,
+            // SPI and protocol in one hash chain and only then compares marks, so every IN
+            // state (this node's address, the key's SPI) shares one chain: the second floor
+            // shows what spreading them would take off.
+            let batch = |spread: bool| -> String {
+                let mut add = String::new();
+                for o in &states {
+                    let KernelObject::XfrmState(s) = o else {
+                        unreachable!()
+                    };
+                    let m = mark::encode(s.node_id, s.spi, s.dir);
+                    let spi = if spread {
+                        0x1_0000 + u32::from(s.node_id.get()) * 16 + u32::from(s.spi)
+                    } else {
+                        u32::from(s.spi)
+                    };
+                    add.push_str(&format!(
+                        "xfrm state add src {} dst {} proto esp spi {spi:#x} reqid 1 mode tunnel mark {m:#x} mask {:#x} aead 'rfc4106(gcm(aes))' 0x{KEY_HEX} 128\n",
+                        s.src, s.dst, mark::MASK
+                    ));
+                }
+                add
+            };
+            let mut floors = Vec::new();
+            for spread in [false, true] {
+                let add = batch(spread);
+                let t = Instant::now();
+                ip_batch(&[], &add);
+                floors.push(t.elapsed());
+                ip(&["xfrm", "state", "flush"]);
+            }
+            let (ip_states, ip_spread) = (floors[0], floors[1]);
+
+            let creates = |objs: &[KernelObject]| -> Vec<Op> {
+                objs.iter().cloned().map(Op::Create).collect()
+            };
+            let t = Instant::now();
+            all_ok(b.apply(&creates(&states)).await);
+            let ours_states = t.elapsed();
+            let t = Instant::now();
+            all_ok(b.apply(&creates(&policies)).await);
+            let ours_policies = t.elapsed();
+            let t = Instant::now();
+            all_ok(b.apply(&deletes(&states)).await);
+            all_ok(b.apply(&deletes(&policies)).await);
+            let ours_delete = t.elapsed();
+            let per = |d: std::time::Duration, k: usize| d.as_secs_f64() * 1e6 / k as f64;
+            report(&format!(
+                "bench: xfrm_scaling_{n} states {}: ip -batch {:.0} us each (with an SPI each: {:.0} us), ours {:.0} us each; policies {}: ours {:.0} us each; deleting both: ours {:.0} us each",
+                states.len(),
+                per(ip_states, states.len()),
+                per(ip_spread, states.len()),
+                per(ours_states, states.len()),
+                policies.len(),
+                per(ours_policies, policies.len()),
+                per(ours_delete, states.len() + policies.len()),
+            ));
+        });
+    }
+}
