@@ -45,17 +45,14 @@ pub fn run() -> anyhow::Result<()> {
             .args(["--", "bench", "--test-threads=1", "--nocapture"]),
     )?;
     step(
-        "bench: the agent at scale with IPsec off and on (NODE_AGENT_BENCH_IPSEC_SIZES), in the VM tier: ESP is there, release builds under emulation",
+        "bench: the agent at scale with IPsec off and on (NODE_AGENT_BENCH_IPSEC_SIZES) and xfrm states and policies by the thousand (NODE_AGENT_BENCH_XFRM_SIZES), in the VM tier: ESP is there, release builds under emulation",
     );
     cmd::run(
         Command::new(std::env::current_exe()?)
             .env("NODE_AGENT_BENCH", "1")
             .args(["vm-test", "--release", "--kernel", "6.12"])
             .args(["--memory-mib", "4096", "--timeout", "3600", "--"])
-            .args([
-                "bench_agent_at_scale_ipsec",
-                "--test-threads=1",
-                "--nocapture",
-            ]),
+            .args(["bench_agent_at_scale_ipsec", "bench_xfrm_scaling"])
+            .args(["--test-threads=1", "--nocapture"]),
     )
 }
