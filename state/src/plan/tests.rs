@@ -284,6 +284,43 @@ fn unchanged_restart_plans_nothing() {
 }
 
 #[test]
+fn a_route_of_ours_with_another_metric_is_not_taken_for_the_one_desired() {
+    // Our routes at a node's pod CIDR with a metric the agent does not write (an older
+    // version's, or one changed by hand) are other objects: the route with the agent's metric
+    // is kept or created, the odd one deleted.
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    let odd = |o: KernelObject| match o {
+        KernelObject::Route(rt) => KernelObject::Route(Route { metric: 77, ..rt }),
+        _ => unreachable!(),
+    };
+    // a has its route and an odd one beside it; b only an odd one.
+    k.put(odd(route("10.1.1.0/24", "10.0.0.1")));
+    k.ours.remove(&route("10.1.2.0/24", "10.0.0.2").id());
+    k.put(odd(route("10.1.2.0/24", "10.0.0.2")));
+    let p = r.plan(Some(&cp), &[a(), b()], &k);
+    let upserts: Vec<Op> = p.upserts.iter().map(Upsert::op).collect();
+    assert_eq!(upserts, [Op::Create(route("10.1.2.0/24", "10.0.0.2"))]);
+    assert_eq!(
+        deleted(&p),
+        [
+            (
+                odd(route("10.1.1.0/24", "10.0.0.1")).id(),
+                DeleteReason::Superseded
+            ),
+            (
+                odd(route("10.1.2.0/24", "10.0.0.2")).id(),
+                DeleteReason::Superseded
+            ),
+        ]
+    );
+    k.apply(&p.ops());
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")) && k.has(&route("10.1.2.0/24", "10.0.0.2")));
+    assert_eq!(k.len(), 4);
+}
+
+#[test]
 fn stale_node_is_deleted_with_all_its_objects_and_never_re_added() {
     let r = Run::new();
     let mut k = Kernel::default();
