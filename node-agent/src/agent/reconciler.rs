@@ -360,8 +360,8 @@ impl<K: Kernel> Reconciler<K> {
     }
 
     /// Forgets the view the last reconcile left, so that the next one dumps without comparing:
-    /// a one-shot run's verifying pass, milliseconds after its writes, has no drift to find,
-    /// and the view is as large as the dump it would be compared with.
+    /// a one-shot run's pass after a failed one, milliseconds after its writes, has no drift to
+    /// find, and the view is as large as the dump it would be compared with.
     pub fn forget_view(&mut self) {
         self.expected = None;
         self.expected_exact = false;
