@@ -24,7 +24,8 @@ use state::inventory::Inventory;
 use state::node::{AddressKind, Node, NodeAddress};
 use state::objects::KeyTag;
 use state::plan::{
-    BrakeMemory, IpsecConfig, LiveView, Plan, PlanConfig, PlanInput, plan, plan_scoped,
+    BrakeMemory, IpsecConfig, LiveView, MalformedNode, Plan, PlanConfig, PlanInput, plan,
+    plan_scoped,
 };
 
 const LOCAL: &str = "local";
@@ -143,7 +144,8 @@ fn local_node() -> Node {
 /// The cluster as the source reports it, and what the agent keeps between plans.
 struct World {
     live: BTreeMap<String, Node>,
-    malformed: BTreeSet<String>,
+    /// Name -> UID (empty where it had no record before).
+    malformed: BTreeMap<String, String>,
     kernel: Inventory,
     record: Option<Checkpoint>,
     ids: AllocatorState,
@@ -166,8 +168,11 @@ impl World {
             malformed: self
                 .malformed
                 .iter()
-                .filter(|n| wanted(n))
-                .cloned()
+                .filter(|(n, _)| wanted(n))
+                .map(|(name, uid)| MalformedNode {
+                    name: name.clone(),
+                    uid: uid.clone(),
+                })
                 .collect(),
             synced: true,
             relists: 1,
@@ -221,8 +226,10 @@ impl World {
                     };
                     let (from, mut to) = (self.live[&other].clone(), self.live[&n].clone());
                     if rng.one_in(2) && !from.addresses.is_empty() {
-                        to.addresses.push(from.addresses[0]);
-                        to.addresses.dedup_by_key(|a| a.ip);
+                        // A source never lists an address twice (`Node::validate`).
+                        if !to.addresses.iter().any(|a| a.ip == from.addresses[0].ip) {
+                            to.addresses.push(from.addresses[0]);
+                        }
                     } else if let Some(c) = from.pod_cidrs.first() {
                         to.pod_cidrs
                             .retain(|x| x.addr().is_ipv4() != c.addr().is_ipv4());
@@ -234,8 +241,8 @@ impl World {
                 }
                 4 if rng.one_in(4) => {
                     // Malformed with no good record: the agent's record stands in.
-                    self.live.remove(&name);
-                    self.malformed.insert(name.clone());
+                    let uid = self.live.remove(&name).map(|n| n.uid).unwrap_or_default();
+                    self.malformed.insert(name.clone(), uid);
                 }
                 _ => {
                     // Rebooted: a new boot ID (the IPsec keys per pair follow it).
@@ -295,7 +302,7 @@ fn history(seed: u64, steps: usize) -> usize {
     let config = config(&mut rng);
     let mut world = World {
         live: BTreeMap::new(),
-        malformed: BTreeSet::new(),
+        malformed: BTreeMap::new(),
         kernel: Inventory::new(),
         record: None,
         ids: AllocatorState::default(),
@@ -317,6 +324,10 @@ fn history(seed: u64, steps: usize) -> usize {
     for _ in 0..steps {
         world.now += Duration::from_secs(rng.below(90));
         let touched = world.change(&mut rng);
+        for n in world.live.values() {
+            n.validate()
+                .expect("the history lists only what a source would");
+        }
         let view = world.view(None);
         let full = plan(&world.input(&view));
         if world.settled {

@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use state::node::{Node, NodeError, RawNode};
-use state::plan::LiveView;
+use state::plan::{LiveView, MalformedNode};
 
 use super::SourceEvent;
 
@@ -20,10 +20,10 @@ pub struct LiveState {
     local: String,
     nodes: BTreeMap<String, Node>,
     /// Nodes whose latest record failed validation, with the reason.
-    errors: BTreeMap<String, NodeError>,
+    errors: BTreeMap<String, Rejected>,
     /// The full list being received, between `Init` and `InitDone`.
     relist: Option<BTreeMap<String, Node>>,
-    relist_errors: BTreeMap<String, NodeError>,
+    relist_errors: BTreeMap<String, Rejected>,
     synced: bool,
     relists: u64,
     /// Full lists that contained the local node.
@@ -34,6 +34,20 @@ pub struct LiveState {
     failing: Option<String>,
     /// What changed since [`Self::take_changes`] last ran.
     changes: Changes,
+}
+
+/// A node's latest record, rejected: why, and the UID it carried (which tells the planner which
+/// of the agent's records of the name is this node's).
+#[derive(Debug)]
+pub struct Rejected {
+    pub uid: String,
+    pub error: NodeError,
+}
+
+impl std::fmt::Display for Rejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
 }
 
 /// What changed in the live view since the last reconcile took its changes.
@@ -128,11 +142,11 @@ impl LiveState {
     /// `into` is the map the good one is already in).
     fn fold(
         into: &mut BTreeMap<String, Node>,
-        errors: &mut BTreeMap<String, NodeError>,
+        errors: &mut BTreeMap<String, Rejected>,
         previous: Option<&BTreeMap<String, Node>>,
         raw: RawNode,
     ) {
-        let name = raw.name.clone();
+        let (name, uid) = (raw.name.clone(), raw.uid.clone());
         match Node::from_raw(raw) {
             Ok(node) => {
                 errors.remove(&name);
@@ -142,7 +156,7 @@ impl LiveState {
                 if let Some(good) = previous.and_then(|p| p.get(&name)) {
                     into.insert(name.clone(), good.clone());
                 }
-                errors.insert(name, e);
+                errors.insert(name, Rejected { uid, error: e });
             }
         }
     }
@@ -150,12 +164,7 @@ impl LiveState {
     pub fn view(&self) -> LiveView {
         LiveView {
             nodes: self.nodes.values().cloned().collect(),
-            malformed: self
-                .errors
-                .keys()
-                .filter(|n| !self.nodes.contains_key(*n))
-                .cloned()
-                .collect(),
+            malformed: self.malformed(self.errors.keys()),
             synced: self.synced,
             relists: self.confirming_relists,
         }
@@ -171,13 +180,23 @@ impl LiveState {
                 .filter_map(|n| self.nodes.get(n))
                 .cloned()
                 .collect(),
-            malformed: wanted
-                .filter(|n| self.errors.contains_key(*n) && !self.nodes.contains_key(*n))
-                .cloned()
-                .collect(),
+            malformed: self.malformed(wanted),
             synced: self.synced,
             relists: self.confirming_relists,
         }
+    }
+
+    /// Of the nodes named, those whose records all failed validation.
+    fn malformed<'a>(&self, names: impl Iterator<Item = &'a String>) -> Vec<MalformedNode> {
+        names
+            .filter(|n| !self.nodes.contains_key(*n))
+            .filter_map(|n| {
+                self.errors.get(n).map(|r| MalformedNode {
+                    name: n.clone(),
+                    uid: r.uid.clone(),
+                })
+            })
+            .collect()
     }
 
     /// The source's error since its last success, if it has failed since: the agent cannot see
@@ -201,7 +220,7 @@ impl LiveState {
     }
 
     /// Nodes skipped or kept at their last good record because their input is malformed.
-    pub fn errors(&self) -> &BTreeMap<String, NodeError> {
+    pub fn errors(&self) -> &BTreeMap<String, Rejected> {
         &self.errors
     }
 
@@ -290,12 +309,17 @@ mod tests {
     }
 
     #[test]
-    fn malformed_nodes_without_a_good_record_are_listed_by_name() {
+    fn malformed_nodes_without_a_good_record_are_listed_by_name_and_uid() {
         let mut s = state();
         relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "nope")]);
         let v = s.view();
         assert_eq!(v.nodes.len(), 1);
-        assert_eq!(v.malformed, ["b"]);
+        let b = MalformedNode {
+            name: "b".into(),
+            uid: "uid-b".into(),
+        };
+        assert_eq!(v.malformed, std::slice::from_ref(&b));
+        assert_eq!(s.view_of(&["b".to_owned()].into()).malformed, [b]);
         // With a good record from before, the record stands and the name is not repeated.
         relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "10.0.0.2")]);
         relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "nope")]);

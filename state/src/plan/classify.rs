@@ -3,7 +3,7 @@
 use std::cmp::Ordering;
 
 use super::records::Record;
-use super::{InputError, InputProblem, LiveView, err};
+use super::{InputError, InputProblem, LiveView, MalformedNode, err};
 use crate::node::Node;
 use crate::objects::NodeId;
 
@@ -48,8 +48,8 @@ impl Live<'_> {
 /// Whether a record and a live node of the same name are the same node. A node deleted and
 /// created again under its name has a new UID: its record is a removal (the brake counts it) and
 /// the live node is new. Without a UID on either side (a hand-written NodeList) the name decides.
-fn same_node(record: &Node, live: &Node) -> bool {
-    record.uid.is_empty() || live.uid.is_empty() || record.uid == live.uid
+fn same_node(record: &Node, live_uid: &str) -> bool {
+    record.uid.is_empty() || live_uid.is_empty() || record.uid == live_uid
 }
 
 /// The live nodes in name order, the local node and repeated names excluded (each reported),
@@ -63,14 +63,11 @@ pub(super) fn classify<'a>(
     let mut valid: Vec<&Node> = view.nodes.iter().filter(|n| n.name != local).collect();
     // Stable: a repeated name follows the first entry with it, which wins.
     valid.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut malformed: Vec<&str> = view
-        .malformed
-        .iter()
-        .map(String::as_str)
-        .filter(|n| *n != local)
-        .collect();
-    malformed.sort_unstable();
-    malformed.dedup();
+    let mut malformed: Vec<&MalformedNode> =
+        view.malformed.iter().filter(|m| m.name != local).collect();
+    // Stable, as above: of a repeated name, the first entry stands.
+    malformed.sort_by(|a, b| a.name.cmp(&b.name));
+    malformed.dedup_by(|later, first| later.name == first.name);
 
     let mut live: Vec<Live<'a>> = Vec::with_capacity(valid.len() + malformed.len());
     let (mut v, mut m, mut r) = (0, 0, 0);
@@ -78,13 +75,13 @@ pub(super) fn classify<'a>(
         // The next name in order: a valid node, else a malformed one.
         let next = match (valid.get(v), malformed.get(m)) {
             (None, None) => break,
-            (Some(n), Some(bad)) if bad.cmp(&n.name.as_str()) == Ordering::Less => Err(*bad),
+            (Some(n), Some(bad)) if bad.name.cmp(&n.name) == Ordering::Less => Err(*bad),
             (Some(n), _) => Ok(*n),
             (None, Some(bad)) => Err(*bad),
         };
         let name = match next {
             Ok(n) => n.name.as_str(),
-            Err(bad) => bad,
+            Err(bad) => bad.name.as_str(),
         };
         while r < records.len() && records[r].node.name.as_str() < name {
             r += 1;
@@ -102,10 +99,10 @@ pub(super) fn classify<'a>(
                     continue;
                 }
                 // A malformed entry of a name that also has a valid record is that record's.
-                while malformed.get(m).is_some_and(|bad| *bad == n.name) {
+                while malformed.get(m).is_some_and(|bad| bad.name == n.name) {
                     m += 1;
                 }
-                let record = named.clone().find(|&r| same_node(records[r].node, n));
+                let record = named.clone().find(|&r| same_node(records[r].node, &n.uid));
                 let class = if n.addresses.is_empty() {
                     LiveClass::Held(HeldWhy::Registering)
                 } else {
@@ -113,12 +110,15 @@ pub(super) fn classify<'a>(
                 };
                 push(&mut live, records, n, record, class);
             }
-            Err(_) => {
+            Err(bad) => {
                 m += 1;
-                // Without a record there is nothing to keep; the source reports the error. A
-                // malformed node has no UID to match: its newest record stands in (a live
-                // record sorts before a pending delete of the same name).
-                if let Some(r) = named.clone().next() {
+                // Without a record of this node there is nothing to keep; the source reports
+                // the error. Without a UID to match, the newest record of the name stands in (a
+                // live record sorts before a pending delete of the same name).
+                if let Some(r) = named
+                    .clone()
+                    .find(|&r| same_node(records[r].node, &bad.uid))
+                {
                     let node = records[r].node;
                     push(
                         &mut live,

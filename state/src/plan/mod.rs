@@ -178,6 +178,26 @@ impl Default for PlanConfig {
     }
 }
 
+/// A live node none of whose records validated. Its UID, when its record has a readable one,
+/// picks the agent's record of this very node among several of its name: after a node was
+/// replaced under its name, or a list from another cluster with the same names, the name alone
+/// would hand it another node's record, and that node's objects with it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MalformedNode {
+    pub name: String,
+    /// Empty when unknown: then the agent's newest record of the name stands in.
+    pub uid: String,
+}
+
+impl MalformedNode {
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            uid: String::new(),
+        }
+    }
+}
+
 /// The nodes the source reports now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LiveView {
@@ -186,7 +206,7 @@ pub struct LiveView {
     pub nodes: Vec<Node>,
     /// Live nodes with no valid record at all: their latest record does not validate and the
     /// source never had a good one. The agent's own record of them stands in (invariant 8).
-    pub malformed: Vec<String>,
+    pub malformed: Vec<MalformedNode>,
     /// The source completed its first full list (Kubernetes: `InitDone`).
     pub synced: bool,
     /// Full lists completed so far that contained the local node: a hold is confirmed only by
@@ -496,7 +516,7 @@ impl Local {
     fn new(cfg: &PlanConfig, live: &LiveView) -> Self {
         let mut ips: HashSet<IpAddr> = cfg.local_addresses.iter().copied().collect();
         let mut cidrs = HashSet::new();
-        let mut listed = live.malformed.contains(&cfg.local_node);
+        let mut listed = live.malformed.iter().any(|m| m.name == cfg.local_node);
         for n in live.nodes.iter().filter(|n| n.name == cfg.local_node) {
             listed = true;
             ips.extend(claims::mapped_ips(n, cfg));

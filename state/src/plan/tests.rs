@@ -152,7 +152,7 @@ struct Run {
     synced: bool,
     /// Whether the live view lists the local node (every real list does).
     with_local: bool,
-    malformed: Vec<String>,
+    malformed: Vec<MalformedNode>,
     relists: u64,
     brake: BrakeMemory,
     now: Duration,
@@ -1129,7 +1129,7 @@ fn a_malformed_node_keeps_every_object_after_a_restart() {
     let mut k = Kernel::default();
     let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
     // After the restart b's record does not validate; only the checkpoint knows its objects.
-    r.malformed = vec!["b".into()];
+    r.malformed = vec![MalformedNode::named("b")];
     let p = r.plan(Some(&cp), &[a()], &k);
     assert!(p.is_empty(), "{p:?}");
     assert!(p.brake.is_none());
@@ -1271,6 +1271,50 @@ fn the_same_names_with_other_uids_are_removals_the_brake_counts() {
         "{:?}",
         p.allocations
     );
+}
+
+#[test]
+fn a_malformed_node_keeps_its_own_record_among_several_of_its_name() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    // A list from another cluster with the same names: its nodes are programmed as new ones
+    // while the brake holds the removal of ours, so the record has two nodes named "b".
+    let other_b = {
+        let mut n = node("b", &["10.70.0.2"], &["10.71.2.0/24"]);
+        n.uid = "other-b".into();
+        n
+    };
+    let (p, cp) = r.reconcile(Some(&cp), &[other_b, d()], &mut k);
+    assert!(p.brake.is_some());
+    // Our cluster again, b's record malformed: b is uid-b, whose record keeps 10.0.0.2, and a
+    // newcomer claiming that address is held, whichever "b" record sorts first.
+    let mut again = Run::new();
+    again.brake = p.brake_memory.clone();
+    again.malformed = vec![MalformedNode {
+        name: "b".into(),
+        uid: "uid-b".into(),
+    }];
+    let thief = node("e", &["10.0.0.2"], &["10.1.5.0/24"]);
+    let p = again.plan(Some(&cp), &[a(), c(), d(), thief], &k);
+    assert!(
+        problems(&p)
+            .iter()
+            .any(|(n, e)| *n == "e" && matches!(e, InputProblem::Conflict { .. })),
+        "{:?}",
+        p.errors
+    );
+    assert!(
+        !p.upserts
+            .iter()
+            .any(|u| u.object.id() == map("10.0.0.2", 2).id()),
+        "{:?}",
+        p.upserts
+    );
+    assert!(k.has(&map("10.0.0.2", 2)));
+    // The other cluster's b is a removal now, not the malformed node's.
+    let named: Vec<&str> = p.checkpoint.nodes.iter().map(|n| n.uid.as_str()).collect();
+    assert!(named.contains(&"uid-b"), "{named:?}");
 }
 
 #[test]

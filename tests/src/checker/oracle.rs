@@ -220,8 +220,10 @@ pub fn clean<'a>(list: &'a [TestNode], record: Option<&'a [Recorded]>) -> Vec<&'
         for r in n.ips.iter().chain(&n.cidrs) {
             claim(r, &n.name);
         }
+        // A held node keeps its own record's claims: the record of its name and UID, not of
+        // another node that had the name (one replaced under it, or another cluster's).
         if !is_valid(n)
-            && let Some(rec) = record.iter().find(|r| r.name == n.name)
+            && let Some(rec) = record.iter().find(|r| same_node(r, n))
         {
             for r in rec.resources() {
                 claim(r, &n.name);
