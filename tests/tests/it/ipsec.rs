@@ -159,7 +159,14 @@ fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
         assert_no_clear_pod_traffic("ping and 1 MiB of TCP", &cap);
 
         // node-b's OUT state on node-a deleted by hand: node-a's packets toward node-b's pods
-        // are dropped, never sent in the clear, until the resync repairs the state.
+        // are dropped, never sent in the clear, until the resync repairs the state. The checks
+        // below must fit between two resyncs, so the delete follows one at once: a quiet agent
+        // reconciles only at its resync, and each reconcile is one count of the histogram.
+        let reconciles = || a.metric("node_agent_reconcile_duration_seconds_count");
+        let before = reconciles();
+        wait_for("a resync", Duration::from_secs(20), || {
+            reconciles() > before
+        });
         let mark = out_state_mark(&a, &b.ip4());
         let (value, mask) = mark.split_once('/').unwrap();
         a.ip(&[
