@@ -4,8 +4,9 @@
 //! malformed keeps its last good record (and the error is reported), because dropping it would
 //! make its kernel state look stale and get it deleted over a typo; a malformed node with no
 //! good record in this process is still listed, by name and the UID its record carried, so the
-//! planner keeps what the agent's own record of that node says it had (invariants 8 and 12). And only full lists that contain the local node
-//! count as confirmations for the brake (invariant 15).
+//! planner keeps what the agent's own record of that node says it had (invariants 8 and 12).
+//! And only full lists that contain the local node count as confirmations for the brake
+//! (invariant 15).
 
 use std::collections::{BTreeMap, BTreeSet};
 
