@@ -83,6 +83,13 @@ impl IdSet {
         self.0[i / 64] &= !(1 << (i % 64));
     }
 
+    /// Adds every ID of `other`, a word at a time.
+    pub(crate) fn union_with(&mut self, other: &IdSet) {
+        for (a, b) in self.0.iter_mut().zip(other.0.iter()) {
+            *a |= *b;
+        }
+    }
+
     /// The IDs in ascending order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.0
@@ -145,6 +152,13 @@ impl IdAllocator {
         self.freed.remove(&id);
         self.in_use.insert(id);
         true
+    }
+
+    /// [`Self::reserve`] for every ID of `ids`, at the cost of a union of bit sets: an
+    /// event-sized plan knows tens of thousands of IDs only as in use by the rest of the cluster.
+    pub(crate) fn reserve_all(&mut self, ids: &IdSet) {
+        self.in_use.union_with(ids);
+        self.freed.retain(|id, _| !ids.contains(*id));
     }
 
     /// Hands out an ID: a never-used one if any, else the one freed longest ago whose cool-down
@@ -235,6 +249,32 @@ mod tests {
         assert!(a.reserve(id(1)));
         assert!(!a.reserve(id(1)));
         assert_eq!(a.allocate(Duration::ZERO).map(|a| a.id), Ok(id(2)));
+    }
+
+    #[test]
+    fn reserving_a_set_is_reserving_each_of_its_ids() {
+        // 2 was freed long ago: reserved, it is in use and no longer a candidate for reuse.
+        let state = AllocatorState {
+            freed: vec![FreedId {
+                id: id(2),
+                freed_at: Duration::ZERO,
+            }],
+        };
+        let mut a = IdAllocator::with_max_id(MIN, 3, &state);
+        let mut set = IdSet::new();
+        set.insert(id(1));
+        set.insert(id(2));
+        a.reserve_all(&set);
+        assert!(a.is_in_use(id(1)) && a.is_in_use(id(2)));
+        assert!(!a.reserve(id(2)));
+        assert_eq!(
+            a.allocate(Duration::from_secs(1000)).map(|a| a.id),
+            Ok(id(3))
+        );
+        assert!(
+            a.allocate(Duration::from_secs(1000)).is_err(),
+            "2 is not reused"
+        );
     }
 
     #[test]

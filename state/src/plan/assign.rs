@@ -203,11 +203,11 @@ pub(super) fn admit(
                 .or_insert(Some(r));
         }
     }
-    for id in seen_ids
-        .iter()
-        .chain(elsewhere.iter().flat_map(|e| e.ids.iter()))
-    {
+    for id in seen_ids.iter() {
         ids.alloc.reserve(id);
+    }
+    if let Some(e) = elsewhere {
+        ids.alloc.reserve_all(&e.ids);
     }
     // Held live nodes and held removals keep what their records list, IDs included.
     for (i, l) in live.iter().enumerate() {
