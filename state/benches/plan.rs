@@ -16,7 +16,7 @@ use state::checkpoint::{Checkpoint, CheckpointStore, decode, encode};
 use state::inventory::Inventory;
 use state::node::RawNode;
 use state::node::{AddressKind, Node, NodeAddress};
-use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan, plan_scoped};
+use state::plan::{BrakeMemory, ClaimIndex, LiveView, PlanConfig, PlanInput, plan, plan_scoped};
 
 fn node(i: usize, slot: usize) -> Node {
     let v4 = Ipv4Addr::new(10, (slot >> 16) as u8 | 0x80, (slot >> 8) as u8, slot as u8);
@@ -208,6 +208,9 @@ fn run(nodes: usize) -> Figures {
         "a settled cluster plans no work"
     );
     let plan_unchanged = time(runs, || plan(&unchanged));
+    // What an event-sized plan finds its part with, built once after each full plan.
+    let index = ClaimIndex::of(&settled);
+    let index_build = time(runs, || ClaimIndex::of(&settled));
     // One event on the settled cluster, planned event-sized as the daemon does: what the planner
     // adds to an event's latency.
     let event = |name: String, changed: Option<Node>| {
@@ -217,9 +220,10 @@ fn run(nodes: usize) -> Figures {
             live: &live,
             ..unchanged
         };
-        let p = plan_scoped(&input, &touched).expect("a settled cluster plans events event-sized");
+        let p = plan_scoped(&input, &index, &touched)
+            .expect("a settled cluster plans events event-sized");
         assert!(!p.ops().is_empty(), "the event changes something");
-        time(runs * 4, || plan_scoped(&input, &touched))
+        time(runs * 4, || plan_scoped(&input, &index, &touched))
     };
     let readdressed = node(2 * five + 7, 3 * nodes + 7);
     let plan_event_readdress = event(readdressed.name.clone(), Some(readdressed));
@@ -280,6 +284,11 @@ fn run(nodes: usize) -> Figures {
             "ms (one node, planned event-sized on the settled cluster)",
         );
     }
+    out(
+        "claim_index_build",
+        format!("{:.3}", ms(index_build)),
+        "ms (after each full plan, off the event path)",
+    );
     out("checkpoint_encode", format!("{:.3}", ms(enc)), "ms");
     out("checkpoint_decode", format!("{:.3}", ms(dec)), "ms");
     out(

@@ -60,7 +60,7 @@ const WORDS: usize = (MAX_ID as usize + 1) / 64;
 
 /// A set of node IDs, one bit per ID (8 KiB): constant-time membership without hashing, and
 /// iteration in ID order, which the planner needs for deterministic output.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct IdSet(Box<[u64; WORDS]>);
 
 impl IdSet {

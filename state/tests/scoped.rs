@@ -24,8 +24,8 @@ use state::inventory::Inventory;
 use state::node::{AddressKind, Node, NodeAddress};
 use state::objects::KeyTag;
 use state::plan::{
-    BrakeMemory, IpsecConfig, LiveView, MalformedNode, Plan, PlanConfig, PlanInput, plan,
-    plan_scoped,
+    BrakeMemory, ClaimIndex, IpsecConfig, LiveView, MalformedNode, Plan, PlanConfig, PlanInput,
+    plan, plan_scoped,
 };
 
 const LOCAL: &str = "local";
@@ -148,6 +148,8 @@ struct World {
     malformed: BTreeMap<String, String>,
     kernel: Inventory,
     record: Option<Checkpoint>,
+    /// The record's claim index, kept across event-sized plans by splicing as the daemon does.
+    index: Option<ClaimIndex>,
     ids: AllocatorState,
     brake: BrakeMemory,
     now: Duration,
@@ -276,7 +278,9 @@ impl World {
     }
 }
 
-fn assert_same(full: &Plan, scoped: &Plan, record: &Checkpoint) {
+/// The scoped plan is the full one, and its record spliced into the old one (with the claim
+/// index beside it) is the full plan's record; returns the spliced index.
+fn assert_same(full: &Plan, scoped: &Plan, record: &Checkpoint, index: &ClaimIndex) -> ClaimIndex {
     assert_eq!(scoped.deletes, full.deletes, "deletes");
     assert_eq!(scoped.upserts, full.upserts, "upserts");
     assert_eq!(scoped.allocations, full.allocations, "allocations");
@@ -291,9 +295,13 @@ fn assert_same(full: &Plan, scoped: &Plan, record: &Checkpoint) {
         .scope
         .as_deref()
         .expect("an event-sized plan names its scope");
+    let mut index = index.clone();
+    index.splice(&spliced, names, &scoped.checkpoint.nodes);
     spliced.splice(names, scoped.checkpoint.clone());
     assert_eq!(spliced.nodes, full.checkpoint.nodes, "record nodes");
     assert!(spliced.same_content(&full.checkpoint), "record");
+    assert_eq!(index, ClaimIndex::of(&spliced), "the spliced claim index");
+    index
 }
 
 /// Runs one history; returns how many event-sized plans were compared.
@@ -305,6 +313,7 @@ fn history(seed: u64, steps: usize) -> usize {
         malformed: BTreeMap::new(),
         kernel: Inventory::new(),
         record: None,
+        index: None,
         ids: AllocatorState::default(),
         brake: BrakeMemory::default(),
         now: Duration::from_secs(1_000),
@@ -330,14 +339,23 @@ fn history(seed: u64, steps: usize) -> usize {
         }
         let view = world.view(None);
         let full = plan(&world.input(&view));
+        let mut spliced = None;
         if world.settled {
             let part = world.view(Some(&touched));
-            if let Some(scoped) = plan_scoped(&world.input(&part), &touched) {
-                assert_same(&full, &scoped, world.record.as_ref().unwrap());
+            if world.index.is_none() {
+                world.index = world.record.as_ref().map(ClaimIndex::of);
+            }
+            let index = world.index.as_ref().expect("a settled world has a record");
+            if let Some(scoped) = plan_scoped(&world.input(&part), index, &touched) {
+                let record = world.record.as_ref().unwrap();
+                spliced = Some(assert_same(&full, &scoped, record, index));
                 compared += 1;
             }
         }
         world.apply(&full);
+        // A settled world keeps its index by splicing, the way the daemon does, so that an
+        // index drifting over several events shows.
+        world.index = spliced;
     }
     compared
 }

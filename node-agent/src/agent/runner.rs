@@ -398,6 +398,7 @@ impl<K: Kernel> Daemon<K> {
         if let Some(plan) = plan {
             self.publish_hold(plan);
         }
+        self.rec.prepare_event_plans();
     }
 
     /// Keeps `<state-dir>/hold.json` in step with the brake, for `node-agent prune`.

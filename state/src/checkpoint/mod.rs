@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::AllocatorState;
-use crate::node::Node;
+use crate::node::{Node, name_range};
 
 pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, PayloadError, decode, encode};
 pub use store::{CheckpointStore, LoadOutcome, StoreError, lock_holder};
@@ -80,7 +80,8 @@ impl Checkpoint {
     /// Puts the record of an event-sized plan into this one: the nodes and pending deletes
     /// named in `names` are replaced by `part`'s, everything that is not per node (IDs,
     /// removals, keys, version, time) comes from `part`. Returns whether anything but the time
-    /// changed. Works name by name, so the cost follows the names, not the whole record.
+    /// changed. Works name by name, so the cost follows the names, not the whole record: a name
+    /// with as many records before as after is replaced in place.
     pub fn splice(&mut self, names: &[String], part: Checkpoint) -> bool {
         let Checkpoint {
             agent_version,
@@ -92,21 +93,33 @@ impl Checkpoint {
             removals,
             ipsec_keys,
         } = part;
+        let mut nodes = nodes;
+        nodes.sort_by(|a, b| a.name.cmp(&b.name));
         let mut changed = self.agent_version != agent_version
             || self.ids != ids
             || self.removals != removals
             || self.ipsec_keys != ipsec_keys;
-        let mut old: Vec<Node> = Vec::new();
-        for name in names {
-            if let Ok(at) = self.nodes.binary_search_by(|n| n.name.as_str().cmp(name)) {
-                old.push(self.nodes.remove(at));
+        let mut spliced: Vec<String> = names.to_vec();
+        spliced.extend(nodes.iter().map(|n| n.name.clone()));
+        spliced.sort_unstable();
+        spliced.dedup();
+        let mut incoming = nodes.into_iter().peekable();
+        for name in &spliced {
+            let mut group = Vec::new();
+            while let Some(n) = incoming.next_if(|n| n.name == *name) {
+                group.push(n);
             }
-        }
-        old.sort_by(|a, b| a.name.cmp(&b.name));
-        changed |= old != nodes;
-        for n in nodes {
-            let at = self.nodes.partition_point(|o| o.name < n.name);
-            self.nodes.insert(at, n);
+            let at = name_range(&self.nodes, name);
+            if at.len() == group.len() {
+                // A node readdressed: replaced in place, the rest of the record unmoved.
+                for (slot, n) in self.nodes[at].iter_mut().zip(group) {
+                    changed |= *slot != n;
+                    *slot = n;
+                }
+            } else {
+                changed = true;
+                self.nodes.splice(at, group);
+            }
         }
         let before = self.pending_deletes.len();
         self.pending_deletes

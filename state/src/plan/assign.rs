@@ -7,7 +7,7 @@ use foldhash::{HashMap, HashMapExt, HashSet};
 use smallvec::SmallVec;
 
 use super::brake::{Brake, is_local_entry};
-use super::claims::{Blocker, Claims, ConflictWhy, Holder, Resource, mapped_ips};
+use super::claims::{Blocker, Claims, ConflictWhy, Holder, Resource, mapped_ips, resources_of};
 use super::classify::{HeldWhy, Live, LiveClass};
 use super::records::Record;
 use super::resource_index::{Res, ResourceIndex};
@@ -330,7 +330,7 @@ fn conflict(
         Blocker::Taken(Holder::Admitted(j)) => {
             let incumbent = live[j]
                 .record
-                .is_some_and(|r| resources_of(records[r].node).contains(&resource));
+                .is_some_and(|r| resources_of(records[r].node).any(|x| x == resource));
             let why = if incumbent {
                 ConflictWhy::Incumbent
             } else {
@@ -345,12 +345,4 @@ fn conflict(
         holder: holder.clone(),
         why,
     }
-}
-
-/// Every resource a record lists, mapped or not (for telling an incumbent in a report).
-fn resources_of(n: &crate::node::Node) -> SmallVec<[Resource; 4]> {
-    n.ips()
-        .map(Resource::Address)
-        .chain(n.pod_cidrs.iter().map(|c| Resource::PodCidr(*c)))
-        .collect()
 }

@@ -59,6 +59,14 @@ impl fmt::Display for Resource {
     }
 }
 
+/// Every resource a record lists, mapped or not: an object may use any address as an endpoint,
+/// so a node claims each one whether or not it gets a map entry.
+pub(super) fn resources_of(n: &Node) -> impl Iterator<Item = Resource> + '_ {
+    n.ips()
+        .map(Resource::Address)
+        .chain(n.pod_cidrs.iter().map(|c| Resource::PodCidr(*c)))
+}
+
 /// Why the holder of a resource keeps it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConflictWhy {

@@ -18,6 +18,7 @@ pub mod brake;
 pub mod claims;
 
 mod assign;
+mod claim_index;
 mod classify;
 mod deletes;
 mod records;
@@ -41,6 +42,7 @@ use crate::node::{Family, Node};
 use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
 
 pub use brake::{BrakeHold, BrakeMemory, HoldKind, Removal};
+pub use claim_index::ClaimIndex;
 pub use claims::{ConflictWhy, Resource};
 pub use scope::plan_scoped;
 

@@ -13,16 +13,20 @@
 
 use std::collections::BTreeSet;
 
-use super::claims::Resource;
+use super::claim_index::ClaimIndex;
+use super::claims::{Resource, resources_of};
 use super::{Elsewhere, LiveView, Plan, PlanInput, plan_with};
 use crate::checkpoint::Checkpoint;
 use crate::desired::{desired_objects, global_objects};
-use crate::ids::IdSet;
-use crate::node::Node;
+use crate::node::{Node, name_range};
 use crate::objects::{KernelObject, ObjectKind};
 
 /// The plan for a change to the nodes named in `touched`, or `None` where only a full plan
-/// will do (no record, not synced, something held or pending, the local node touched).
+/// will do (no record, not synced, something held or pending, the local node touched, a record
+/// without an ID or sharing one).
+///
+/// `index` is the [`ClaimIndex`] of `input.record`: it finds the records of the part without a
+/// walk over the whole record, and counts the rest.
 ///
 /// The caller vouches that the last plan was [`Plan::settled`] and applied without a failure,
 /// that `input.inventory` is what that left and `input.record` the record it implied, and that
@@ -30,42 +34,49 @@ use crate::objects::{KernelObject, ObjectKind};
 /// the touched nodes as they are now (a name missing from it is gone) and the local node: the
 /// other nodes of the part are live exactly as recorded. The plan's checkpoint covers the names
 /// of [`Plan::scope`]; [`Checkpoint::splice`] puts it into the record.
-pub fn plan_scoped(input: &PlanInput<'_>, touched: &BTreeSet<String>) -> Option<Plan> {
+pub fn plan_scoped(
+    input: &PlanInput<'_>,
+    index: &ClaimIndex,
+    touched: &BTreeSet<String>,
+) -> Option<Plan> {
     let cfg = input.config;
     let record = input.record?;
     let settled_input = input.live.synced
         && record.pending_deletes.is_empty()
         && input.brake.held.is_empty()
         && input.confirmed_hold.is_none()
-        && !touched.contains(&cfg.local_node);
+        && !touched.contains(&cfg.local_node)
+        && index.counts(record)
+        && index.ids_are_distinct();
     if !settled_input {
         return None;
     }
-    let claims = Claimed::new(claimed_by(touched, input.live, record));
-    let mut part: Vec<&Node> = Vec::new();
-    let mut elsewhere = Elsewhere {
-        known_nodes: 0,
-        objects: 0,
-        map_entries: 0,
-        ids: IdSet::new(),
-    };
-    // The record is sorted by name: the touched nodes' places in it, found once.
-    let touched_at: BTreeSet<usize> = touched
-        .iter()
-        .filter_map(|t| record.nodes.binary_search_by(|n| n.name.cmp(t)).ok())
-        .collect();
-    for (at, n) in record.nodes.iter().enumerate() {
-        if n.name == cfg.local_node {
-            continue;
-        }
-        if touched_at.contains(&at) || claims.any_of(n) {
-            part.push(n);
-        } else {
-            elsewhere.known_nodes += 1;
-            // Every settled record carries its ID.
-            elsewhere.ids.insert(n.node_id?);
+    let claimed = claimed_by(touched, input.live, record);
+    // The part, by place in the record (sorted by name, as the record is): the touched nodes'
+    // records, and every record the index names as a claimant of what they claim that does
+    // claim some of it.
+    let nodes = &record.nodes[..];
+    let local = name_range(nodes, &cfg.local_node);
+    let mut at: BTreeSet<usize> = touched.iter().flat_map(|t| name_range(nodes, t)).collect();
+    for r in &claimed {
+        for name in index.claimants(r) {
+            at.extend(name_range(nodes, name).filter(|&i| claims_any(&nodes[i], &claimed)));
         }
     }
+    at.retain(|i| !local.contains(i));
+    let part: Vec<&Node> = at.into_iter().map(|i| &nodes[i]).collect();
+
+    // The rest of the cluster, by count: every record has an ID and no two the same.
+    let mut ids = index.ids().clone();
+    for n in part.iter().copied().chain(&nodes[local.clone()]) {
+        ids.remove(n.node_id?);
+    }
+    let mut elsewhere = Elsewhere {
+        known_nodes: nodes.len() - local.len() - part.len(),
+        objects: 0,
+        map_entries: 0,
+        ids,
+    };
 
     // The part's kernel objects: what its records need, found by identity. A settled kernel
     // holds nothing else of the part's: a new identity a touched node wants is either claimed
@@ -117,53 +128,19 @@ pub fn plan_scoped(input: &PlanInput<'_>, touched: &BTreeSet<String>) -> Option<
     Some(plan)
 }
 
-/// Everything the touched nodes claim, now and as recorded: every address (mapped or not: an
-/// object may use any as an endpoint) and pod CIDR, sorted.
+/// Everything the touched nodes claim, now and as recorded, sorted.
 fn claimed_by(touched: &BTreeSet<String>, live: &LiveView, record: &Checkpoint) -> Vec<Resource> {
-    let mut claims = Vec::new();
-    let mut add = |n: &Node| {
-        claims.extend(n.ips().map(Resource::Address));
-        claims.extend(n.pod_cidrs.iter().map(|c| Resource::PodCidr(*c)));
-    };
-    for n in live.nodes.iter().filter(|n| touched.contains(&n.name)) {
-        add(n);
-    }
-    for name in touched {
-        if let Ok(at) = record.nodes.binary_search_by(|n| n.name.as_str().cmp(name)) {
-            add(&record.nodes[at]);
-        }
-    }
+    let live = live.nodes.iter().filter(|n| touched.contains(&n.name));
+    let recorded = touched
+        .iter()
+        .flat_map(|t| &record.nodes[name_range(&record.nodes, t)]);
+    let mut claims: Vec<Resource> = live.chain(recorded).flat_map(resources_of).collect();
     claims.sort_unstable();
     claims.dedup();
     claims
 }
 
-/// What the touched nodes claim, sorted, with a 64-bit fingerprint of it: every record of the
-/// cluster is checked against it at every event, and most share nothing with it, which the
-/// fingerprint says without a search.
-struct Claimed {
-    sorted: Vec<Resource>,
-    mask: u64,
-}
-
-impl Claimed {
-    fn new(sorted: Vec<Resource>) -> Self {
-        let mask = sorted.iter().fold(0, |m, r| m | fingerprint(r));
-        Self { sorted, mask }
-    }
-
-    /// Whether `n` claims any of them.
-    fn any_of(&self, n: &Node) -> bool {
-        let has =
-            |r: Resource| fingerprint(&r) & self.mask != 0 && self.sorted.binary_search(&r).is_ok();
-        n.ips().any(|ip| has(Resource::Address(ip)))
-            || n.pod_cidrs.iter().any(|c| has(Resource::PodCidr(*c)))
-    }
-}
-
-/// One bit of 64, from the resource's address bits mixed (a Fibonacci hash's top six bits).
-fn fingerprint(r: &Resource) -> u64 {
-    let (bits, tag) = r.bits();
-    let folded = (bits ^ (bits >> 64) ^ (u128::from(tag) << 56)) as u64;
-    1 << (folded.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58)
+/// Whether `n` claims any of `claimed` (sorted).
+fn claims_any(n: &Node, claimed: &[Resource]) -> bool {
+    resources_of(n).any(|r| claimed.binary_search(&r).is_ok())
 }
