@@ -213,23 +213,45 @@ fn run(nodes: usize) -> Figures {
     let index_build = time(runs, || ClaimIndex::of(&settled));
     // One event on the settled cluster, planned event-sized as the daemon does: what the planner
     // adds to an event's latency.
-    let event = |name: String, changed: Option<Node>| {
-        let touched: BTreeSet<String> = [name].into();
-        let live = with_local(changed.into_iter().collect());
+    // `unsettled` is a node the last plan left held, planned beside the change as the daemon
+    // does.
+    let event = |name: String, changed: Option<Node>, unsettled: Option<&Node>| {
+        let mut touched: BTreeSet<String> = [name].into();
+        touched.extend(unsettled.map(|n| n.name.clone()));
+        let live = with_local(changed.into_iter().chain(unsettled.cloned()).collect());
         let input = PlanInput {
             live: &live,
             ..unchanged
         };
         let p = plan_scoped(&input, &index, &touched)
-            .expect("a settled cluster plans events event-sized");
+            .expect("a steady cluster plans events event-sized");
         assert!(!p.ops().is_empty(), "the event changes something");
+        assert_eq!(p.errors.len(), usize::from(unsettled.is_some()));
         time(runs * 4, || plan_scoped(&input, &index, &touched))
     };
     let readdressed = node(2 * five + 7, 3 * nodes + 7);
-    let plan_event_readdress = event(readdressed.name.clone(), Some(readdressed));
+    let plan_event_readdress = event(readdressed.name.clone(), Some(readdressed), None);
     let added = node(4 * nodes, 4 * nodes);
-    let plan_event_add = event(added.name.clone(), Some(added));
-    let plan_event_remove = event(node(2 * five + 9, 0).name, None);
+    let plan_event_add = event(added.name.clone(), Some(added.clone()), None);
+    let plan_event_remove = event(node(2 * five + 9, 0).name, None, None);
+    // A node that claims another's addresses stays held: the cluster is steady, not settled,
+    // and events are still planned event-sized, with the held node beside them.
+    let held = Node {
+        name: "claims-another-nodes-addresses".into(),
+        ..node(4 * nodes + 1, 2 * five + 11)
+    };
+    let mut with_held = unchanged.live.nodes.clone();
+    with_held.push(held.clone());
+    let held_plan = plan(&PlanInput {
+        live: &LiveView {
+            nodes: with_held,
+            ..unchanged.live.clone()
+        },
+        ..unchanged
+    });
+    assert!(held_plan.ops().is_empty(), "a held node gets nothing");
+    assert_eq!(held_plan.steady, Some(vec![held.name.clone()]));
+    let plan_event_add_beside_held = event(added.name.clone(), Some(added), Some(&held));
 
     let cp: Checkpoint = p.checkpoint.clone();
     let bytes = encode(&cp).unwrap();
@@ -291,11 +313,12 @@ fn run(nodes: usize) -> Figures {
         ("add", plan_event_add),
         ("remove", plan_event_remove),
         ("readdress", plan_event_readdress),
+        ("add_beside_a_held_node", plan_event_add_beside_held),
     ] {
         out(
             &format!("plan_event_{kind}"),
             format!("{:.3}", ms(t)),
-            "ms (one node, planned event-sized on the settled cluster)",
+            "ms (one node, planned event-sized)",
         );
     }
     out(

@@ -153,7 +153,8 @@ struct World {
     ids: AllocatorState,
     brake: BrakeMemory,
     now: Duration,
-    settled: bool,
+    /// The last plan's [`Plan::steady`].
+    steady: Option<Vec<String>>,
     config: PlanConfig,
 }
 
@@ -274,7 +275,7 @@ impl World {
         self.ids = cp.ids.clone();
         self.record = Some(cp);
         self.brake = plan.brake_memory.clone();
-        self.settled = plan.settled;
+        self.steady = plan.steady.clone();
     }
 }
 
@@ -290,6 +291,7 @@ fn assert_same(full: &Plan, scoped: &Plan, record: &Checkpoint, index: &ClaimInd
     assert_eq!(scoped.brake_memory, full.brake_memory, "brake memory");
     assert_eq!(scoped.released_nodes, full.released_nodes, "released");
     assert_eq!(scoped.settled, full.settled, "settled");
+    assert_eq!(scoped.steady, full.steady, "steady");
     let mut spliced = record.clone();
     let names = scoped
         .scope
@@ -304,8 +306,9 @@ fn assert_same(full: &Plan, scoped: &Plan, record: &Checkpoint, index: &ClaimInd
     index
 }
 
-/// Runs one history; returns how many event-sized plans were compared.
-fn history(seed: u64, steps: usize) -> usize {
+/// Runs one history; returns how many event-sized plans were compared, and how many of them
+/// planned unsettled nodes beside the change.
+fn history(seed: u64, steps: usize) -> (usize, usize) {
     let mut rng = Rng(seed | 1);
     let config = config(&mut rng);
     let mut world = World {
@@ -317,7 +320,7 @@ fn history(seed: u64, steps: usize) -> usize {
         ids: AllocatorState::default(),
         brake: BrakeMemory::default(),
         now: Duration::from_secs(1_000),
-        settled: false,
+        steady: None,
         config,
     };
     world.live.insert(LOCAL.into(), local_node());
@@ -329,7 +332,7 @@ fn history(seed: u64, steps: usize) -> usize {
     let view = world.view(None);
     let first = plan(&world.input(&view));
     world.apply(&first);
-    let mut compared = 0;
+    let (mut compared, mut unsettled) = (0, 0);
     for _ in 0..steps {
         world.now += Duration::from_secs(rng.below(90));
         let touched = world.change(&mut rng);
@@ -340,24 +343,28 @@ fn history(seed: u64, steps: usize) -> usize {
         let view = world.view(None);
         let full = plan(&world.input(&view));
         let mut spliced = None;
-        if world.settled {
+        if let Some(steady) = world.steady.clone() {
+            // The unsettled nodes are planned again beside the change, as the daemon does.
+            let mut touched = touched;
+            touched.extend(steady.iter().cloned());
             let part = world.view(Some(&touched));
             if world.index.is_none() {
                 world.index = world.record.as_ref().map(ClaimIndex::of);
             }
-            let index = world.index.as_ref().expect("a settled world has a record");
+            let index = world.index.as_ref().expect("a steady world has a record");
             if let Some(scoped) = plan_scoped(&world.input(&part), index, &touched) {
                 let record = world.record.as_ref().unwrap();
                 spliced = Some(assert_same(&full, &scoped, record, index));
                 compared += 1;
+                unsettled += usize::from(!steady.is_empty());
             }
         }
         world.apply(&full);
-        // A settled world keeps its index by splicing, the way the daemon does, so that an
+        // A steady world keeps its index by splicing, the way the daemon does, so that an
         // index drifting over several events shows.
         world.index = spliced;
     }
-    compared
+    (compared, unsettled)
 }
 
 proptest! {
@@ -369,14 +376,22 @@ proptest! {
     }
 }
 
-/// The histories above do reach event-sized plans: a generator that never settled would make
-/// the property pass without testing anything.
+/// The histories above do reach event-sized plans, with unsettled nodes beside the change too: a
+/// generator that never settled would make the property pass without testing anything.
 #[test]
 fn the_histories_compare_event_sized_plans() {
-    let compared: usize = (1..=64).map(|seed| history(seed * 7919, 24)).sum();
-    println!("{compared} event-sized plans compared over 64 histories");
+    let (compared, unsettled) = (1..=64)
+        .map(|seed| history(seed * 7919, 24))
+        .fold((0, 0), |(c, u), (dc, du)| (c + dc, u + du));
+    println!(
+        "{compared} event-sized plans compared over 64 histories, {unsettled} with unsettled nodes"
+    );
     assert!(
         compared > 64 * 4,
         "only {compared} event-sized plans compared"
+    );
+    assert!(
+        unsettled > 64,
+        "only {unsettled} event-sized plans with unsettled nodes beside the change"
     );
 }

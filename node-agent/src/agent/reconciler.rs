@@ -86,9 +86,16 @@ pub struct Reconciler<K: Kernel> {
     keys: Option<KeysUsed>,
     /// A map capacity the kernel refused to grow to: not asked for again.
     grow_refused: Option<u32>,
-    /// The last plan was settled and applied without a failure, with this configuration: a
-    /// change to a few nodes under the same configuration may be planned event-sized.
-    settled: Option<PlanConfig>,
+    /// The last plan was steady ([`Plan::steady`]) and applied without a failure, with this
+    /// configuration, leaving these nodes unsettled: a change to a few nodes under the same
+    /// configuration may be planned event-sized, with the unsettled nodes beside it.
+    steady: Option<Steady>,
+}
+
+/// What the last steady plan left: its configuration and its unsettled nodes.
+struct Steady {
+    config: PlanConfig,
+    unsettled: Vec<String>,
 }
 
 /// What the last plan made of the IPsec key file.
@@ -155,7 +162,7 @@ impl<K: Kernel> Reconciler<K> {
             telemetry,
             keys: None,
             grow_refused: None,
-            settled: None,
+            steady: None,
         }
     }
 
@@ -349,8 +356,9 @@ impl<K: Kernel> Reconciler<K> {
     }
 
     /// The event-sized plan for a change to the nodes `names`, where one will do: the last plan
-    /// settled under the same configuration, the view is the one it left, and the change is
-    /// small next to the cluster (a large one costs a full plan's work anyway).
+    /// was steady under the same configuration, the view is the one it left, and the change
+    /// with the nodes that plan left unsettled is small next to the cluster (a large one costs
+    /// a full plan's work anyway).
     fn plan_event(
         &mut self,
         names: &BTreeSet<String>,
@@ -358,21 +366,24 @@ impl<K: Kernel> Reconciler<K> {
         now: Duration,
         config: &PlanConfig,
     ) -> Option<Plan> {
+        let steady = self.steady.as_ref().filter(|s| s.config == *config)?;
+        let mut touched = names.clone();
+        touched.extend(steady.unsettled.iter().cloned());
         let known = self.record.as_ref().map_or(0, |r| r.nodes.len());
-        if self.settled.as_ref() != Some(config) || names.len() > (known / 8).max(16) {
+        if touched.len() > (known / 8).max(16) {
             return None;
         }
         self.prepare_event_plans();
         let index = self.claims.as_ref()?;
-        let view = self.live.view_of(names);
-        state::plan::plan_scoped(&self.input(&view, inventory, now, config), index, names)
+        let view = self.live.view_of(&touched);
+        state::plan::plan_scoped(&self.input(&view, inventory, now, config), index, &touched)
     }
 
-    /// Builds what event-sized plans need of a settled record, if it is not there yet: the
+    /// Builds what event-sized plans need of a steady record, if it is not there yet: the
     /// daemon calls this after each reconcile, so that building it after a full plan (tens of
     /// milliseconds at 65,000 nodes) is not part of the next event's latency.
     pub fn prepare_event_plans(&mut self) {
-        if self.settled.is_some() && self.claims.is_none() {
+        if self.steady.is_some() && self.claims.is_none() {
             self.claims = self.record.as_ref().map(ClaimIndex::of);
         }
     }
@@ -537,7 +548,13 @@ impl<K: Kernel> Reconciler<K> {
         }
         self.expected = Some(inventory);
         self.expected_exact = failed.is_empty();
-        self.settled = (plan.settled && failed.is_empty()).then_some(config);
+        self.steady = match &plan.steady {
+            Some(unsettled) if failed.is_empty() => Some(Steady {
+                config,
+                unsettled: unsettled.clone(),
+            }),
+            _ => None,
+        };
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
         self.total_writes += writes;
@@ -1280,10 +1297,14 @@ mod tests {
         assert_eq!(scope, ["d", "a"]);
         assert_eq!(out.plan.errors.len(), 1, "{:?}", out.plan.errors);
         assert!(!out.plan.settled);
-        // With a conflict standing, the next event is planned in full.
+        assert_eq!(out.plan.steady, Some(vec!["d".to_string()]));
+        // With the conflict standing, the next event is planned event-sized with the held node
+        // (and what it conflicts with) beside it: the conflict is reported again.
         rec.on_event(SourceEvent::Apply(raw("e", "10.0.0.5", "10.1.5.0/24")));
         let out = rec.reconcile_event().await.unwrap();
-        assert!(out.plan.scope.is_none());
+        let scope = out.plan.scope.clone().expect("event-sized");
+        assert_eq!(scope, ["d", "e", "a"]);
+        assert_eq!(out.plan.errors.len(), 1, "{:?}", out.plan.errors);
         let names: Vec<&str> = rec
             .record()
             .unwrap()

@@ -16,6 +16,7 @@ use super::classify::{Live, LiveClass};
 use super::records::Record;
 use super::resource_index::{NodeResources, ResourceIndex};
 use super::{Delete, DeleteReason, Local, PlanInput};
+use crate::desired::desired_objects;
 use crate::ids::IdSet;
 use crate::inventory::Marks;
 use crate::node::Node;
@@ -86,6 +87,10 @@ pub(super) struct Deleted {
     pub kept_ids: IdSet,
     /// Objects kept because a foreign object uses them: the object, its node, the user.
     pub in_use: Vec<(KernelObject, Option<String>, String)>,
+    /// Some object stays that no record derives: a held node's claim as it is now (not as
+    /// recorded) keeps it, or an object that stays uses it. Then the kernel is more than the
+    /// record needs, and only a full plan sees that object again ([`super::Plan::steady`]).
+    pub kept_unrecorded: bool,
 }
 
 pub(super) fn decide(
@@ -109,6 +114,7 @@ pub(super) fn decide(
         held: Vec::new(),
         kept_ids: IdSet::new(),
         in_use: Vec::new(),
+        kept_unrecorded: false,
     };
     if pool.is_empty() {
         return out;
@@ -147,6 +153,19 @@ pub(super) fn decide(
         index.add(&resources.records[r], owner, rec.node.node_id);
     }
     let synced = input.live.synced;
+    // What each held node's record derives, found once for the nodes that keep something.
+    let mut recorded: HashMap<usize, HashSet<ObjectId>> = HashMap::new();
+    let mut derived = |i: usize, o: &KernelObject| {
+        let ids = recorded.entry(i).or_insert_with(|| {
+            let mut objects = Vec::new();
+            let rec = live[i].record.map(|r| records[r].node);
+            if let Some((rec, id)) = rec.and_then(|r| Some((r, r.node_id?))) {
+                desired_objects(rec, id, input.config, &mut objects, &mut Vec::new());
+            }
+            objects.iter().map(KernelObject::id).collect()
+        });
+        ids.contains(&o.id())
+    };
     for o in pool {
         let keep = |out: &mut Deleted| {
             if let Some(id) = o.node_id() {
@@ -165,8 +184,9 @@ pub(super) fn decide(
             (DeleteReason::Disabled, None)
         } else {
             match index.owner(o) {
-                Some(Owner::Held(_)) => {
+                Some(Owner::Held(i)) => {
                     keep(&mut out);
+                    out.kept_unrecorded |= !derived(i, o);
                     continue;
                 }
                 Some(Owner::HeldRemoval(r)) => {
@@ -230,6 +250,7 @@ fn keep_what_kept_objects_use(input: &PlanInput<'_>, desired: &Marks, out: &mut 
         .into_iter()
         .partition(|d| needed.contains(&d.object.id()));
     out.deletes = deletes;
+    out.kept_unrecorded |= !kept.is_empty();
     for d in kept {
         if let Some(id) = d.object.node_id() {
             out.kept_ids.insert(id);

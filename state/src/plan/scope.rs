@@ -5,6 +5,10 @@
 //! one node reaches another only through what both claim: an address or a pod CIDR. So the
 //! part of the cluster a change to some nodes can move is those nodes and every node whose
 //! record claims anything they claim, now or as recorded; everything else plans to nothing.
+//! A plan that left a few nodes unsettled (held, or with an input error) but everything else
+//! so is [`Plan::steady`]: planned again beside every change, those nodes take part in the
+//! same way (what holds them, and what a change may release them with, is in the part), and
+//! the kernel is still exactly what the record needs.
 //! [`plan_scoped`] runs [`super::plan`]'s own steps on that part's records, live nodes and
 //! kernel objects, with what the rest adds to the cluster-wide figures passed in beside it
 //! ([`Elsewhere`]): the brake's ratios are still taken over every known node and object, the
@@ -28,9 +32,10 @@ use crate::objects::{KernelObject, ObjectKind};
 /// `index` is the [`ClaimIndex`] of `input.record`: it finds the records of the part without a
 /// walk over the whole record, and counts the rest.
 ///
-/// The caller vouches that the last plan was [`Plan::settled`] and applied without a failure,
-/// that `input.inventory` is what that left and `input.record` the record it implied, and that
-/// nothing but the touched nodes changed since, the configuration included. `input.live` holds
+/// The caller vouches that the last plan was [`Plan::steady`] and applied without a failure,
+/// that `touched` includes the nodes it left unsettled, that `input.inventory` is what that
+/// plan left and `input.record` the record it implied, and that nothing but the touched nodes
+/// changed since, the configuration included. `input.live` holds
 /// the touched nodes as they are now (a name missing from it is gone) and the local node: the
 /// other nodes of the part are live exactly as recorded. The plan's checkpoint covers the names
 /// of [`Plan::scope`]; [`Checkpoint::splice`] puts it into the record.
@@ -78,7 +83,7 @@ pub fn plan_scoped(
         ids,
     };
 
-    // The part's kernel objects: what its records need, found by identity. A settled kernel
+    // The part's kernel objects: what its records need, found by identity. A steady kernel
     // holds nothing else of the part's: a new identity a touched node wants is either claimed
     // through a record of the part, or free.
     let mut objects: Vec<KernelObject> = global_objects(cfg);
