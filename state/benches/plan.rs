@@ -23,7 +23,7 @@ fn node(i: usize, slot: usize) -> Node {
     let v6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, (slot >> 16) as u16, slot as u16);
     Node {
         name: format!("ip-10-0-{}-{}.eu-west-1.compute.internal", i / 256, i % 256),
-        uid: format!("{:08x}-1b2c-4d3e-8f40-{:012x}", i, i * 7919),
+        uid: format!("{:08x}-1b2c-4d3e-8f40-{:012x}", i, i * 7919).into(),
         addresses: vec![
             NodeAddress {
                 kind: AddressKind::InternalIP,
@@ -43,7 +43,7 @@ fn node(i: usize, slot: usize) -> Node {
                 .parse()
                 .unwrap(),
         ],
-        boot_id: format!("{:08x}-aaaa-bbbb-cccc-{:012x}", i * 31, i),
+        boot_id: format!("{:08x}-aaaa-bbbb-cccc-{:012x}", i * 31, i).into(),
         node_id: None,
     }
 }

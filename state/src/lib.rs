@@ -10,3 +10,4 @@ pub mod node;
 pub mod objects;
 pub mod plan;
 pub mod rotation;
+pub mod text;

@@ -13,6 +13,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::objects::NodeId;
+use crate::text::ShortText;
 
 /// The Kubernetes address types we act on. Others (Hostname, InternalDNS, ...) carry no IP and are
 /// dropped by [`Node::from_raw`] rather than rejected, since Kubernetes lists them routinely.
@@ -91,11 +92,11 @@ pub struct RawNode {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Node {
     pub name: String,
-    pub uid: String,
+    pub uid: ShortText,
     pub addresses: Vec<NodeAddress>,
     /// At most one per family, each a canonical network address.
     pub pod_cidrs: Vec<IpNet>,
-    pub boot_id: String,
+    pub boot_id: ShortText,
     /// Assigned by the planner; what a source delivers is ignored.
     pub node_id: Option<NodeId>,
 }
@@ -171,10 +172,10 @@ impl Node {
         }
         let node = Self {
             name: raw.name,
-            uid: raw.uid,
+            uid: raw.uid.into(),
             addresses,
             pod_cidrs,
-            boot_id: raw.boot_id,
+            boot_id: raw.boot_id.into(),
             node_id: None,
         };
         node.validate()?;

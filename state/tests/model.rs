@@ -187,10 +187,10 @@ fn make(name: &str, ip: usize, dual: bool, cidr: usize) -> Node {
     }
     Node {
         name: name.into(),
-        uid: format!("uid-{name}"),
+        uid: format!("uid-{name}").into(),
         addresses,
         pod_cidrs,
-        boot_id: String::new(),
+        boot_id: Default::default(),
         node_id: None,
     }
 }

@@ -98,10 +98,10 @@ fn node(rng: &mut Rng, name: &str) -> Node {
     }
     Node {
         name: name.into(),
-        uid: format!("uid-{name}-{}", rng.below(2)),
+        uid: format!("uid-{name}-{}", rng.below(2)).into(),
         addresses,
         pod_cidrs,
-        boot_id: format!("boot-{}", rng.below(2)),
+        boot_id: format!("boot-{}", rng.below(2)).into(),
         node_id: None,
     }
 }
@@ -245,14 +245,14 @@ impl World {
                 4 if rng.one_in(4) => {
                     // Malformed with no good record: the agent's record stands in.
                     let uid = self.live.remove(&name).map(|n| n.uid).unwrap_or_default();
-                    self.malformed.insert(name.clone(), uid);
+                    self.malformed.insert(name.clone(), uid.to_string());
                 }
                 _ => {
                     // Rebooted: a new boot ID (the IPsec keys per pair follow it).
                     let Some(n) = self.live.get_mut(&name) else {
                         continue;
                     };
-                    n.boot_id = format!("boot-{}", rng.below(4));
+                    n.boot_id = format!("boot-{}", rng.below(4)).into();
                 }
             }
             touched.insert(name);

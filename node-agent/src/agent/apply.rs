@@ -170,13 +170,13 @@ mod tests {
     fn node(name: &str, ip: &str, cidr: &str) -> Node {
         Node {
             name: name.into(),
-            uid: format!("uid-{name}"),
+            uid: format!("uid-{name}").into(),
             addresses: vec![NodeAddress {
                 kind: AddressKind::InternalIP,
                 ip: ip.parse().unwrap(),
             }],
             pod_cidrs: vec![cidr.parse().unwrap()],
-            boot_id: String::new(),
+            boot_id: Default::default(),
             node_id: None,
         }
     }

@@ -246,7 +246,7 @@ impl<K: Kernel> Reconciler<K> {
         config.local_boot_id = self
             .live
             .get(&self.config.node_name)
-            .map_or_else(String::new, |n| n.boot_id.clone());
+            .map_or_else(String::new, |n| n.boot_id.to_string());
         config.local_addresses = self
             .live
             .get(&self.config.node_name)

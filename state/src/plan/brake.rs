@@ -416,7 +416,7 @@ impl Brake {
                 if r.live.is_none() {
                     brake
                         .released_nodes
-                        .insert((r.node.name.clone(), r.node.uid.clone()));
+                        .insert((r.node.name.clone(), r.node.uid.to_string()));
                 }
                 continue;
             }
@@ -424,7 +424,7 @@ impl Brake {
             if r.live.is_none() {
                 asked.insert(Removal::Node {
                     name: r.node.name.clone(),
-                    uid: r.node.uid.clone(),
+                    uid: r.node.uid.to_string(),
                 });
             }
         }
@@ -463,7 +463,7 @@ impl Brake {
         self.synced
             && self
                 .released_nodes
-                .contains(&(r.node.name.clone(), r.node.uid.clone()))
+                .contains(&(r.node.name.clone(), r.node.uid.to_string()))
     }
 
     /// Whether an orphan may be deleted: after sync, unless the brake holds it.

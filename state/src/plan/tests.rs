@@ -24,7 +24,7 @@ fn net(s: &str) -> IpNet {
 fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> Node {
     Node {
         name: name.into(),
-        uid: format!("uid-{name}"),
+        uid: format!("uid-{name}").into(),
         addresses: ips
             .iter()
             .map(|s| NodeAddress {
@@ -33,7 +33,7 @@ fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> Node {
             })
             .collect(),
         pod_cidrs: cidrs.iter().map(|s| net(s)).collect(),
-        boot_id: String::new(),
+        boot_id: Default::default(),
         node_id: None,
     }
 }
@@ -1254,7 +1254,7 @@ fn the_same_names_with_other_uids_are_removals_the_brake_counts() {
         .into_iter()
         .enumerate()
         .map(|(i, mut n)| {
-            n.uid = format!("other-{i}");
+            n.uid = format!("other-{i}").into();
             n.addresses[0].ip = ip(&format!("10.70.0.{i}"));
             n.pod_cidrs = vec![net(&format!("10.71.{i}.0/24"))];
             n

@@ -18,7 +18,9 @@
 //!   `ip-10-0-3-16.eu-west-1.compute.internal` costs 4 bytes. Records are stored in the order
 //!   given and decode in that order;
 //! - a UID or boot ID in canonical (lowercase) UUID form, which is what Kubernetes and the
-//!   kernel produce, is its 16 bytes ([`Ident::Uuid`]); anything else is kept as text;
+//!   kernel produce, is its 16 bytes ([`Ident::Uuid`]); anything else is kept as text. Decoded,
+//!   a UUID is written straight into the record's inline text ([`crate::text::ShortText`]):
+//!   no allocation;
 //! - an address is a tag (kind and family) and its 4 or 16 bytes ([`Address`]); a pod CIDR is a
 //!   family tag, its prefix length and its address bytes ([`Cidr`]);
 //! - a node ID is a `u16`, 0 for none (0 is the local node, never a record's ID); freed IDs are
@@ -67,6 +69,7 @@ use crate::checkpoint::{Checkpoint, PendingDelete};
 use crate::ids::{AllocatorState, FreedId};
 use crate::node::{AddressKind, Node, NodeAddress};
 use crate::objects::NodeId;
+use crate::text::ShortText;
 
 /// The most the decoder allocates for one payload: every string and sequence it builds counts
 /// against it. A real 65,535-node checkpoint takes under 16 MiB.
@@ -681,14 +684,13 @@ static HEX_PAIR: [[u8; 2]; 256] = {
     t
 };
 
-fn format_uuid(b: &[u8; 16]) -> String {
+fn format_uuid(b: &[u8; 16]) -> ShortText {
     let mut text = [b'-'; 36];
     for (byte, &at) in b.iter().zip(&UUID_HEX_AT) {
         text[at..at + 2].copy_from_slice(&HEX_PAIR[usize::from(*byte)]);
     }
-    // Hex digits and dashes only: ASCII, so the conversion cannot fail. Checked on the heap
-    // copy, which is word-aligned: the check's fast path.
-    String::from_utf8(text.to_vec()).unwrap_or_default()
+    // Hex digits and dashes only: ASCII, so the conversion cannot fail.
+    std::str::from_utf8(&text).map_or_else(|_| ShortText::default(), ShortText::new)
 }
 
 fn ident(s: &str) -> Ident<'_> {
@@ -926,13 +928,14 @@ impl Name<'_> {
 
 impl Ident<'_> {
     #[inline]
-    fn decode(&self, d: &mut Dec<'_>) -> Result<String, PayloadError> {
+    fn decode(&self, d: &mut Dec<'_>) -> Result<ShortText, PayloadError> {
         match self {
-            Ident::Uuid(b) => {
-                claim(d, 36)?;
-                Ok(format_uuid(b))
+            // Inline in the record: nothing to claim beyond the record itself.
+            Ident::Uuid(b) => Ok(format_uuid(b)),
+            Ident::Text(s) => {
+                claim(d, s.len())?;
+                Ok(ShortText::new(s))
             }
-            Ident::Text(s) => owned(d, s),
         }
     }
 }
