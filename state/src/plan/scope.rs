@@ -35,9 +35,9 @@ use crate::objects::{KernelObject, ObjectKind};
 /// The caller vouches that the last plan was [`Plan::steady`] and applied without a failure,
 /// that `touched` includes the nodes it left unsettled, that `input.inventory` is what that
 /// plan left and `input.record` the record it implied, and that nothing but the touched nodes
-/// changed since, the configuration included. `input.live` holds
-/// the touched nodes as they are now (a name missing from it is gone) and the local node: the
-/// other nodes of the part are live exactly as recorded. The plan's checkpoint covers the names
+/// changed since, the configuration included. `input.live` holds the touched nodes as they are
+/// now (a name missing from it is gone) and the local node: the other nodes of the part are
+/// live exactly as recorded. The plan's checkpoint covers the names
 /// of [`Plan::scope`]; [`Checkpoint::splice`] puts it into the record.
 pub fn plan_scoped(
     input: &PlanInput<'_>,
@@ -46,14 +46,14 @@ pub fn plan_scoped(
 ) -> Option<Plan> {
     let cfg = input.config;
     let record = input.record?;
-    let settled_input = input.live.synced
+    let steady_input = input.live.synced
         && record.pending_deletes.is_empty()
         && input.brake.held.is_empty()
         && input.confirmed_hold.is_none()
         && !touched.contains(&cfg.local_node)
         && index.counts(record)
         && index.ids_are_distinct();
-    if !settled_input {
+    if !steady_input {
         return None;
     }
     let claimed = claimed_by(touched, input.live, record);
