@@ -342,6 +342,10 @@ fn history(seed: u64, steps: usize) -> (usize, usize) {
         }
         let view = world.view(None);
         let full = plan(&world.input(&view));
+        assert!(
+            !full.settled || full.steady.is_some(),
+            "a settled plan is steady"
+        );
         let mut spliced = None;
         if let Some(steady) = world.steady.clone() {
             // The unsettled nodes are planned again beside the change, as the daemon does.

@@ -216,6 +216,76 @@ impl<K: Hash + Eq + Copy, V: Ord> MultiMap<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::{AddressKind, NodeAddress};
+
+    fn node(name: &str, id: u16, ip: &str, cidr: &str) -> Node {
+        Node {
+            name: name.into(),
+            uid: Default::default(),
+            addresses: vec![NodeAddress {
+                kind: AddressKind::InternalIP,
+                ip: ip.parse().unwrap(),
+            }],
+            pod_cidrs: vec![cidr.parse().unwrap()],
+            boot_id: Default::default(),
+            node_id: NodeId::new(id),
+        }
+    }
+
+    fn claimants(index: &ClaimIndex, r: &str) -> Vec<String> {
+        let r = match r.parse() {
+            Ok(ip) => Resource::Address(ip),
+            Err(_) => Resource::PodCidr(r.parse().unwrap()),
+        };
+        index.claimants(&r).map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn claimants_are_found_by_resource_and_follow_a_splice() {
+        let mut record = Checkpoint {
+            nodes: vec![
+                node("a", 1, "10.0.0.1", "10.1.1.0/24"),
+                node("b", 2, "10.0.0.2", "10.1.2.0/24"),
+            ],
+            ..Checkpoint::default()
+        };
+        let mut index = ClaimIndex::of(&record);
+        assert_eq!(claimants(&index, "10.0.0.1"), ["a"]);
+        assert_eq!(claimants(&index, "10.1.2.0/24"), ["b"]);
+        assert!(claimants(&index, "10.0.0.9").is_empty());
+        assert!(index.counts(&record) && index.ids_are_distinct());
+
+        // b readdressed onto a's old address, a gone, c new.
+        let names = ["a".to_string(), "b".to_string(), "c".to_string()];
+        let part = Checkpoint {
+            nodes: vec![
+                node("b", 2, "10.0.0.1", "10.1.2.0/24"),
+                node("c", 3, "10.0.0.3", "10.1.3.0/24"),
+            ],
+            ..Checkpoint::default()
+        };
+        index.splice(&record, &names, &part.nodes);
+        record.splice(&names, part);
+        assert_eq!(index, ClaimIndex::of(&record));
+        assert_eq!(claimants(&index, "10.0.0.1"), ["b"]);
+        assert!(claimants(&index, "10.0.0.2").is_empty());
+        assert_eq!(claimants(&index, "10.0.0.3"), ["c"]);
+        assert!(index.counts(&record) && index.ids_are_distinct());
+        assert!(!index.ids().contains(NodeId::new(1).unwrap()));
+
+        // A record sharing an ID: the index still names every claimant (a superset: an ID
+        // names both records), and says the IDs are not distinct.
+        let names = ["d".to_string()];
+        let part = Checkpoint {
+            nodes: vec![node("d", 3, "10.0.0.4", "10.1.4.0/24")],
+            ..Checkpoint::default()
+        };
+        index.splice(&record, &names, &part.nodes);
+        record.splice(&names, part);
+        assert_eq!(index, ClaimIndex::of(&record));
+        assert_eq!(claimants(&index, "10.0.0.3"), ["c", "d"]);
+        assert!(!index.ids_are_distinct());
+    }
 
     #[test]
     fn a_multimap_is_the_same_whatever_the_order_of_its_changes() {

@@ -386,8 +386,9 @@ pub struct Plan {
     /// record what the live nodes need, with nothing held by the brake and nothing pending,
     /// except for the live nodes named here (held, or with an input error of their own). The
     /// next change may then be planned event-sized with these nodes planned again beside it
-    /// ([`plan_scoped`]); `None` otherwise. Empty when settled. At 65,000 nodes a few nodes
-    /// always have something wrong; without this, each would make every event a full plan.
+    /// ([`plan_scoped`]); `None` otherwise. A settled plan is steady (naming at most nodes
+    /// still registering). At 65,000 nodes a few nodes always have something wrong; without
+    /// this, each would make every event a full plan.
     pub steady: Option<Vec<String>>,
     /// For an event-sized plan: the names [`Plan::checkpoint`] covers. The rest of the record
     /// stands as it was; [`Checkpoint::splice`] puts the two together.
