@@ -59,7 +59,7 @@ pub struct Reconciler<K: Kernel> {
     plan_config: PlanConfig,
     /// The agent's record: the restored checkpoint at first, then the one each reconcile implies.
     record: Option<Checkpoint>,
-    /// Which records claim what, for event-sized plans: built from a settled record, kept
+    /// Which records claim what, for event-sized plans: built from a steady record, kept
     /// across their splices, dropped when a full plan replaces the record.
     claims: Option<ClaimIndex>,
     restored_nodes: usize,
