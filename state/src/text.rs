@@ -6,10 +6,7 @@
 //! nothing beyond the record itself; anything longer (a hand-written NodeList may say anything)
 //! goes to the heap as before. It reads as a `&str` everywhere and serializes as a string.
 
-use std::borrow::Borrow;
-use std::cmp::Ordering;
 use std::fmt;
-use std::hash::{Hash, Hasher};
 use std::ops::Deref;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -72,18 +69,6 @@ impl Deref for ShortText {
     }
 }
 
-impl AsRef<str> for ShortText {
-    fn as_ref(&self) -> &str {
-        self.as_str()
-    }
-}
-
-impl Borrow<str> for ShortText {
-    fn borrow(&self) -> &str {
-        self.as_str()
-    }
-}
-
 impl From<&str> for ShortText {
     fn from(s: &str) -> Self {
         Self::new(s)
@@ -96,18 +81,6 @@ impl From<String> for ShortText {
             0..=INLINE => Self::new(&s),
             _ => Self(Repr::Heap(s.into_boxed_str())),
         }
-    }
-}
-
-impl From<&String> for ShortText {
-    fn from(s: &String) -> Self {
-        Self::new(s)
-    }
-}
-
-impl From<ShortText> for String {
-    fn from(s: ShortText) -> Self {
-        s.as_str().to_owned()
     }
 }
 
@@ -128,30 +101,6 @@ impl PartialEq<str> for ShortText {
 impl PartialEq<&str> for ShortText {
     fn eq(&self, other: &&str) -> bool {
         self.as_str() == *other
-    }
-}
-
-impl PartialEq<String> for ShortText {
-    fn eq(&self, other: &String) -> bool {
-        self.as_str() == other
-    }
-}
-
-impl PartialOrd for ShortText {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for ShortText {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.as_str().cmp(other.as_str())
-    }
-}
-
-impl Hash for ShortText {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.as_str().hash(state);
     }
 }
 
@@ -219,8 +168,6 @@ mod tests {
             assert_eq!(serde_json::from_str::<ShortText>(&json).unwrap(), t);
         }
         assert!(matches!(ShortText::from(uuid).0, Repr::Inline { .. }));
-        let (a, b) = (ShortText::from("a"), ShortText::from(uuid));
-        assert_eq!(a.cmp(&b), "a".cmp(uuid));
         assert_eq!(std::mem::size_of::<ShortText>(), 40);
     }
 }

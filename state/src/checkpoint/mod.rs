@@ -87,22 +87,18 @@ impl Checkpoint {
             agent_version,
             written_at,
             local_node: _,
-            nodes,
+            mut nodes,
             pending_deletes,
             ids,
             removals,
             ipsec_keys,
         } = part;
-        let mut nodes = nodes;
         nodes.sort_by(|a, b| a.name.cmp(&b.name));
         let mut changed = self.agent_version != agent_version
             || self.ids != ids
             || self.removals != removals
             || self.ipsec_keys != ipsec_keys;
-        let mut spliced: Vec<String> = names.to_vec();
-        spliced.extend(nodes.iter().map(|n| n.name.clone()));
-        spliced.sort_unstable();
-        spliced.dedup();
+        let spliced = spliced_names(names, &nodes);
         let mut incoming = nodes.into_iter().peekable();
         for name in &spliced {
             let mut group = Vec::new();
@@ -133,6 +129,16 @@ impl Checkpoint {
         self.ipsec_keys = ipsec_keys;
         changed
     }
+}
+
+/// The names whose records [`Checkpoint::splice`] replaces: those named and those of the part's
+/// nodes, sorted, each once. [`crate::plan::ClaimIndex::splice`] follows the same names.
+pub(crate) fn spliced_names(names: &[String], part: &[Node]) -> Vec<String> {
+    let mut spliced: Vec<String> = names.to_vec();
+    spliced.extend(part.iter().map(|n| n.name.clone()));
+    spliced.sort_unstable();
+    spliced.dedup();
+    spliced
 }
 
 /// Removals the brake let through at one time.

@@ -20,7 +20,7 @@ use foldhash::fast::FixedState;
 use foldhash::{HashMap, HashMapExt};
 
 use super::claims::{Resource, resources_of};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, spliced_names};
 use crate::ids::IdSet;
 use crate::node::{Node, name_range};
 use crate::objects::NodeId;
@@ -30,7 +30,7 @@ use crate::objects::NodeId;
 pub struct ClaimIndex {
     /// Resource hash -> node IDs of the records claiming a resource of that hash.
     claims: MultiMap<u32, NodeId>,
-    /// Node ID -> names of the records holding it (one, in a settled record).
+    /// Node ID -> names of the records holding it (one, in a steady record).
     holders: MultiMap<NodeId, Box<str>>,
     /// Every ID some record holds.
     ids: IdSet,
@@ -61,7 +61,7 @@ impl ClaimIndex {
     /// Follows [`Checkpoint::splice`]: call it with the record *before* that splice, the same
     /// names, and the nodes of the part about to be spliced in.
     pub fn splice(&mut self, record: &Checkpoint, names: &[String], part: &[Node]) {
-        for name in names {
+        for name in &spliced_names(names, part) {
             for n in &record.nodes[name_range(&record.nodes, name)] {
                 self.remove(n);
             }

@@ -1152,7 +1152,7 @@ mod tests {
                 &hex[16..20],
                 &hex[20..32]
             );
-            assert_eq!(format_uuid(&b), text);
+            assert_eq!(format_uuid(&b).as_str(), text);
             assert_eq!(parse_uuid(&text), Some(b));
         }
         let good = "0a1b2c3d-4e5f-6789-abcd-ef0123456789";
@@ -1173,7 +1173,7 @@ mod tests {
     fn only_canonical_uuids_are_stored_as_bytes() {
         let uuid = "0a1b2c3d-4e5f-6789-abcd-ef0123456789";
         let b = parse_uuid(uuid).unwrap();
-        assert_eq!(format_uuid(&b), uuid);
+        assert_eq!(format_uuid(&b).as_str(), uuid);
         assert_eq!(ident(uuid), Ident::Uuid(b));
         for text in [
             "",
