@@ -21,6 +21,7 @@ mod assign;
 mod claim_index;
 mod classify;
 mod deletes;
+mod interner;
 mod records;
 mod resource_index;
 mod scope;

@@ -4,8 +4,9 @@
 //! who had it (incumbents), who has it now (conflicts), how many live nodes claim it and is its
 //! map entry in the kernel (map room). Asked of a hash table each, at 65,000 nodes every question
 //! is a cache miss in a table of a quarter of a million entries. Here each resource of each node
-//! and record is hashed once into a dense index; the steps after that keep their facts in
-//! vectors indexed by it, and the inventory is walked once to tie our objects to it.
+//! and record is hashed once into a dense index ([`super::interner`], which also looks up the
+//! key resource of each of our objects in the kernel); the steps after that keep their facts in
+//! vectors indexed by it, and the inventory is walked once, in order, to tie our objects to it.
 
 use foldhash::{HashMap, HashMapExt};
 use smallvec::SmallVec;
@@ -13,15 +14,17 @@ use smallvec::SmallVec;
 use super::PlanConfig;
 use super::claims::{Resource, key_resource, secondary_resource};
 use super::classify::Live;
+pub(super) use super::interner::Res;
+use super::interner::{Batch, Interner, MISSING};
 use super::records::Record;
 use crate::desired::maps_address;
 use crate::ids::IdSet;
 use crate::inventory::Inventory;
-use crate::node::Node;
+use crate::node::{Family, Node};
 use crate::objects::{KernelObject, NexthopId, ObjectKind};
 
-/// A resource's place in a [`ResourceIndex`].
-pub(super) type Res = u32;
+/// In a list of each object's key resource: the object has none.
+const NO_KEY: Res = u32::MAX;
 
 /// No object of the kind at the resource.
 const NO_SLOT: u32 = u32::MAX;
@@ -54,8 +57,7 @@ impl NodeResources {
 /// Every resource a live node (as it is now, and as recorded) or a record claims, and how our
 /// objects in the kernel relate to them.
 pub(super) struct ResourceIndex {
-    index: HashMap<Resource, Res>,
-    resources: Vec<Resource>,
+    interner: Interner,
     /// Per live node.
     pub live: Vec<NodeResources>,
     /// Per record.
@@ -64,7 +66,7 @@ pub(super) struct ResourceIndex {
     /// (a pod CIDR), [`NO_SLOT`] or [`SEVERAL`].
     primary: Vec<u32>,
     /// The inventory slots of our nexthops.
-    nexthops: HashMap<NexthopId, u32>,
+    nexthops: NexthopSlots,
     /// Per inventory slot: someone claims the object through its key, its node ID or its
     /// secondary resource; an object of ours that no one claims is an orphan.
     owned: Vec<bool>,
@@ -79,52 +81,98 @@ impl ResourceIndex {
         inventory: &Inventory,
         cfg: &PlanConfig,
     ) -> Self {
+        // A record of a live node that lists what the node has now (the common case) shares the
+        // node's indices; any other record's resources are interned too.
+        let same: Vec<Option<usize>> = records
+            .iter()
+            .map(|rec| {
+                rec.live.filter(|&i| {
+                    let n = live[i].node;
+                    n.addresses == rec.node.addresses && n.pod_cidrs == rec.node.pod_cidrs
+                })
+            })
+            .collect();
+        let interned_nodes = live.iter().map(|l| l.node).chain(
+            records
+                .iter()
+                .zip(&same)
+                .filter(|(_, s)| s.is_none())
+                .map(|(r, _)| r.node),
+        );
+        let count = |n: &Node| n.addresses.len() + n.pod_cidrs.len();
+        let total: usize = interned_nodes.clone().map(count).sum();
+
+        // Every node's addresses then pod CIDRs, one after another in `flat`; every object's key
+        // resource at its inventory slot in `keys`.
+        let mut batch = Batch::new(total, inventory.len());
+        let mut at = 0u32;
+        for n in interned_nodes.clone() {
+            for r in node_resources(n) {
+                batch.intern(r, at);
+                at += 1;
+            }
+        }
+        let mut keys = vec![NO_KEY; inventory.len()];
+        for (slot, o) in inventory.slotted() {
+            if let Some(r) = key_resource(o) {
+                batch.look_up(r, slot as u32);
+            }
+        }
+        let mut flat = vec![0; total];
+        let interner = batch.run(&mut flat, &mut keys);
+
+        let mut nodes = interned_nodes.scan(0usize, |start, n| {
+            let out = claims_of(n, &flat[*start..*start + count(n)], cfg);
+            *start += count(n);
+            Some(out)
+        });
+        let live_res: Vec<NodeResources> = nodes.by_ref().take(live.len()).collect();
+        let records_res = same
+            .iter()
+            .map(|s| match s {
+                Some(i) => live_res[*i].clone(),
+                None => nodes.next().unwrap_or_default(),
+            })
+            .collect();
         let mut s = Self {
-            // Live nodes and records mostly claim the same things: sized for one of them.
-            index: HashMap::with_capacity(4 * live.len().max(records.len())),
-            resources: Vec::with_capacity(4 * live.len().max(records.len())),
-            live: Vec::with_capacity(live.len()),
-            records: Vec::with_capacity(records.len()),
-            primary: Vec::new(),
-            nexthops: HashMap::with_capacity(inventory.count(ObjectKind::Nexthop)),
+            primary: vec![NO_SLOT; interner.len()],
+            interner,
+            live: live_res,
+            records: records_res,
+            nexthops: NexthopSlots::new(inventory.count(ObjectKind::Nexthop)),
             owned: Vec::with_capacity(inventory.len()),
             entry_address: Vec::with_capacity(inventory.len()),
         };
-        for l in live {
-            let r = s.intern_node(l.node, cfg);
-            s.live.push(r);
-        }
-        for rec in records {
-            // A record of a live node that lists what the node has now: the common case.
-            let same = rec.live.filter(|&i| {
-                let n = live[i].node;
-                n.addresses == rec.node.addresses && n.pod_cidrs == rec.node.pod_cidrs
-            });
-            let r = match same {
-                Some(i) => s.live[i].clone(),
-                None => s.intern_node(rec.node, cfg),
-            };
-            s.records.push(r);
-        }
-        s.primary = vec![NO_SLOT; s.resources.len()];
+        s.tie_inventory(inventory, records, &keys);
+        s
+    }
+
+    /// Walks the inventory once: our map entries and routes by resource, our nexthops by ID, and
+    /// which of our objects anyone claims. `keys` has each object's key resource's index,
+    /// [`MISSING`] if no one claims it, or [`NO_KEY`].
+    fn tie_inventory(&mut self, inventory: &Inventory, records: &[Record<'_>], keys: &[Res]) {
         let mut recorded_ids = IdSet::new();
         for id in records.iter().filter_map(|r| r.node.node_id) {
             recorded_ids.insert(id);
         }
         for (slot, o) in inventory.slotted() {
-            let key = key_resource(o).map(|r| s.get(&r));
+            let key = match keys[slot] {
+                NO_KEY => None,
+                MISSING => Some(None),
+                r => Some(Some(r)),
+            };
             let mut address = None;
             match (o, key) {
                 (KernelObject::MapEntry(_), Some(Some(r))) => {
-                    s.primary[r as usize] = slot as u32;
+                    self.primary[r as usize] = slot as u32;
                     address = Some(r);
                 }
                 (KernelObject::Route(_), Some(Some(r))) => {
-                    let p = &mut s.primary[r as usize];
+                    let p = &mut self.primary[r as usize];
                     *p = if *p == NO_SLOT { slot as u32 } else { SEVERAL };
                 }
                 (KernelObject::Nexthop(n), _) => {
-                    s.nexthops.insert(n.id(), slot as u32);
+                    self.nexthops.insert(n.id(), slot as u32);
                 }
                 _ => {}
             }
@@ -132,52 +180,26 @@ impl ResourceIndex {
                 None | Some(Some(_)) => true,
                 Some(None) => {
                     o.node_id().is_some_and(|id| recorded_ids.contains(id))
-                        || secondary_resource(o).is_some_and(|r| s.get(&r).is_some())
+                        || secondary_resource(o).is_some_and(|r| self.get(&r).is_some())
                 }
             };
-            s.owned.push(owned);
-            s.entry_address.push(address);
+            self.owned.push(owned);
+            self.entry_address.push(address);
         }
-        s
-    }
-
-    fn intern(&mut self, r: Resource) -> Res {
-        let next = self.resources.len() as Res;
-        let at = *self.index.entry(r).or_insert(next);
-        if at == next {
-            self.resources.push(r);
-        }
-        at
-    }
-
-    fn intern_node(&mut self, n: &Node, cfg: &PlanConfig) -> NodeResources {
-        let mut out = NodeResources::default();
-        for a in &n.addresses {
-            let r = self.intern(Resource::Address(a.ip));
-            out.addresses.push(r);
-            if maps_address(cfg.include_external_ips, a.kind) {
-                out.claims.push(r);
-            }
-        }
-        out.mapped = out.claims.len();
-        for c in &n.pod_cidrs {
-            out.claims.push(self.intern(Resource::PodCidr(*c)));
-        }
-        out
     }
 
     /// How many resources there are: the length of a vector of facts about them.
     pub fn len(&self) -> usize {
-        self.resources.len()
+        self.interner.len()
     }
 
     /// The index of `r`, if anyone claims it.
     pub fn get(&self, r: &Resource) -> Option<Res> {
-        self.index.get(r).copied()
+        self.interner.get(r)
     }
 
     pub fn resource(&self, r: Res) -> Resource {
-        self.resources[r as usize]
+        self.interner.resource(r)
     }
 
     /// Whether our map entry for address `r` is in the kernel.
@@ -213,10 +235,7 @@ impl ResourceIndex {
                     .map(|k| self.primary[res.cidrs()[k] as usize]),
                 true,
             ),
-            KernelObject::Nexthop(n) => (
-                Some(self.nexthops.get(&n.id()).copied().unwrap_or(NO_SLOT)),
-                false,
-            ),
+            KernelObject::Nexthop(n) => (Some(self.nexthops.get(n.id())), false),
             _ => (None, false),
         };
         match at {
@@ -237,5 +256,87 @@ impl ResourceIndex {
     /// For a map entry at inventory slot `slot`, its address, if anyone claims it.
     pub fn entry_address(&self, slot: usize) -> Option<Res> {
         self.entry_address[slot]
+    }
+}
+
+/// The inventory slots of our nexthops, by ID. Ours are numbered by node ID and family
+/// ([`NexthopId::of`]): where there are many, a vector indexed that way finds each one without a
+/// hash lookup (at 65,000 nodes, a cache miss apiece); a few, or any ID outside our range, go in
+/// a small table.
+struct NexthopSlots {
+    by_node: Vec<u32>,
+    other: HashMap<NexthopId, u32>,
+}
+
+impl NexthopSlots {
+    /// From this many nexthops on, the vector over every node ID and family (512 KiB): below it,
+    /// filling the vector would cost more than the lookups it saves. Debug builds (every test)
+    /// take the vector from the first nexthop, so that the planner's tests go the way a large
+    /// cluster does.
+    const BY_NODE_FROM: usize = if cfg!(debug_assertions) { 1 } else { 4096 };
+
+    fn new(count: usize) -> Self {
+        let by_node = count >= Self::BY_NODE_FROM;
+        Self {
+            by_node: if by_node {
+                vec![NO_SLOT; 2 << 16]
+            } else {
+                Vec::new()
+            },
+            other: HashMap::with_capacity(if by_node { 0 } else { count }),
+        }
+    }
+
+    fn position(&self, id: NexthopId) -> Option<usize> {
+        if self.by_node.is_empty() {
+            return None;
+        }
+        let (node, family) = id.decode()?;
+        Some(2 * usize::from(node.get()) + usize::from(family == Family::V6))
+    }
+
+    fn insert(&mut self, id: NexthopId, slot: u32) {
+        match self.position(id) {
+            Some(i) => self.by_node[i] = slot,
+            None => {
+                self.other.insert(id, slot);
+            }
+        }
+    }
+
+    /// The slot of nexthop `id`, or [`NO_SLOT`].
+    fn get(&self, id: NexthopId) -> u32 {
+        match self.position(id) {
+            Some(i) => self.by_node[i],
+            None => self.other.get(&id).copied().unwrap_or(NO_SLOT),
+        }
+    }
+}
+
+/// A node's resources in the order [`ResourceIndex::new`] lays them out: its addresses, then its
+/// pod CIDRs.
+fn node_resources(n: &Node) -> impl Iterator<Item = Resource> + '_ {
+    n.addresses
+        .iter()
+        .map(|a| Resource::Address(a.ip))
+        .chain(n.pod_cidrs.iter().map(|c| Resource::PodCidr(*c)))
+}
+
+/// What node `n` claims, from the indices of its resources in [`node_resources`] order.
+fn claims_of(n: &Node, indices: &[Res], cfg: &PlanConfig) -> NodeResources {
+    let (addresses, cidrs) = indices.split_at(n.addresses.len());
+    let mut claims: SmallVec<[Res; 4]> = n
+        .addresses
+        .iter()
+        .zip(addresses)
+        .filter(|(a, _)| maps_address(cfg.include_external_ips, a.kind))
+        .map(|(_, r)| *r)
+        .collect();
+    let mapped = claims.len();
+    claims.extend_from_slice(cidrs);
+    NodeResources {
+        claims,
+        mapped,
+        addresses: addresses.into(),
     }
 }
