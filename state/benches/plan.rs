@@ -10,6 +10,7 @@
 use std::collections::BTreeSet;
 use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use state::checkpoint::{Checkpoint, CheckpointStore, decode, encode};
@@ -129,7 +130,7 @@ fn run(nodes: usize) -> Figures {
     let with_local = |mut nodes: Vec<Node>| {
         nodes.push(local());
         LiveView {
-            nodes,
+            nodes: nodes.into_iter().map(Arc::new).collect(),
             malformed: Vec::new(),
             synced: true,
             relists: 1,
@@ -241,7 +242,7 @@ fn run(nodes: usize) -> Figures {
         ..node(4 * nodes + 1, 2 * five + 11)
     };
     let mut with_held = unchanged.live.nodes.clone();
-    with_held.push(held.clone());
+    with_held.push(Arc::new(held.clone()));
     let held_plan = plan(&PlanInput {
         live: &LiveView {
             nodes: with_held,

@@ -16,6 +16,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -212,7 +213,7 @@ impl World {
         let mut nodes: Vec<Node> = self.cluster.0.values().cloned().collect();
         nodes.push(make("local", LOCAL_SLOT, true, LOCAL_SLOT));
         let live = LiveView {
-            nodes,
+            nodes: nodes.into_iter().map(Arc::new).collect(),
             malformed: Vec::new(),
             synced: true,
             relists: 1,

@@ -15,6 +15,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -166,7 +167,7 @@ impl World {
                 .live
                 .values()
                 .filter(|n| wanted(&n.name))
-                .cloned()
+                .map(|n| Arc::new(n.clone()))
                 .collect(),
             malformed: self
                 .malformed

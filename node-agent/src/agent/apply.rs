@@ -189,9 +189,9 @@ mod tests {
         };
         let live = LiveView {
             nodes: vec![
-                node("local", "10.0.0.100", "10.1.100.0/24"),
-                node("a", "10.0.0.1", "10.1.1.0/24"),
-                node("b", "10.0.0.2", "10.1.2.0/24"),
+                node("local", "10.0.0.100", "10.1.100.0/24").into(),
+                node("a", "10.0.0.1", "10.1.1.0/24").into(),
+                node("b", "10.0.0.2", "10.1.2.0/24").into(),
             ],
             synced: true,
             ..LiveView::default()
@@ -237,7 +237,7 @@ mod tests {
         let mut all = vec![node("local", "10.0.0.100", "10.1.100.0/24")];
         all.extend(nodes);
         let live = LiveView {
-            nodes: all,
+            nodes: all.into_iter().map(Into::into).collect(),
             synced: true,
             ..LiveView::default()
         };

@@ -9,6 +9,7 @@
 //! (invariant 15).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use state::node::{Node, NodeError, RawNode};
 use state::plan::{LiveView, MalformedNode};
@@ -19,11 +20,12 @@ use super::SourceEvent;
 pub struct LiveState {
     /// The node this agent runs on.
     local: String,
-    nodes: BTreeMap<String, Node>,
+    /// Shared with every view taken of them ([`LiveView::nodes`]).
+    nodes: BTreeMap<String, Arc<Node>>,
     /// Nodes whose latest record failed validation, with the reason.
     errors: BTreeMap<String, Rejected>,
     /// The full list being received, between `Init` and `InitDone`.
-    relist: Option<BTreeMap<String, Node>>,
+    relist: Option<BTreeMap<String, Arc<Node>>>,
     relist_errors: BTreeMap<String, Rejected>,
     synced: bool,
     relists: u64,
@@ -142,16 +144,16 @@ impl LiveState {
     /// Folds `raw` into `into`. A malformed record keeps the good one `previous` had (`None`:
     /// `into` is the map the good one is already in).
     fn fold(
-        into: &mut BTreeMap<String, Node>,
+        into: &mut BTreeMap<String, Arc<Node>>,
         errors: &mut BTreeMap<String, Rejected>,
-        previous: Option<&BTreeMap<String, Node>>,
+        previous: Option<&BTreeMap<String, Arc<Node>>>,
         raw: RawNode,
     ) {
         let (name, uid) = (raw.name.clone(), raw.uid.clone());
         match Node::from_raw(raw) {
             Ok(node) => {
                 errors.remove(&name);
-                into.insert(name, node);
+                into.insert(name, Arc::new(node));
             }
             Err(e) => {
                 if let Some(good) = previous.and_then(|p| p.get(&name)) {
@@ -234,7 +236,7 @@ impl LiveState {
     }
 
     pub fn get(&self, name: &str) -> Option<&Node> {
-        self.nodes.get(name)
+        self.nodes.get(name).map(|n| &**n)
     }
 }
 

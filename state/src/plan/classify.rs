@@ -60,7 +60,12 @@ pub(super) fn classify<'a>(
     local: &str,
     errors: &mut Vec<InputError>,
 ) -> Vec<Live<'a>> {
-    let mut valid: Vec<&Node> = view.nodes.iter().filter(|n| n.name != local).collect();
+    let mut valid: Vec<&Node> = view
+        .nodes
+        .iter()
+        .map(|n| &**n)
+        .filter(|n| n.name != local)
+        .collect();
     // Stable: a repeated name follows the first entry with it, which wins.
     valid.sort_by(|a, b| a.name.cmp(&b.name));
     let mut malformed: Vec<&MalformedNode> =

@@ -205,8 +205,9 @@ impl MalformedNode {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LiveView {
     /// Valid records, one per name (the source keeps a node's last good record when a new one
-    /// does not validate).
-    pub nodes: Vec<Node>,
+    /// does not validate). Shared with the source's own state: a view of 65,000 nodes is then a
+    /// vector of pointers, not a copy of every node.
+    pub nodes: Vec<Arc<Node>>,
     /// Live nodes with no valid record at all: their latest record does not validate and the
     /// source never had a good one. The agent's own record of them stands in (invariant 8).
     pub malformed: Vec<MalformedNode>,

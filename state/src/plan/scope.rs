@@ -16,6 +16,7 @@
 //! every ID in use. The property test `state/tests/scoped.rs` holds its plans to the full ones.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use super::claim_index::ClaimIndex;
 use super::claims::{Resource, resources_of};
@@ -104,10 +105,10 @@ pub fn plan_scoped(
         relists: input.live.relists,
     };
     for n in part.iter().filter(|n| !touched.contains(&n.name)) {
-        live.nodes.push(Node {
+        live.nodes.push(Arc::new(Node {
             node_id: None,
             ..(*n).clone()
-        });
+        }));
     }
     let names: Vec<String> = touched
         .iter()
@@ -135,7 +136,11 @@ pub fn plan_scoped(
 
 /// Everything the touched nodes claim, now and as recorded, sorted.
 fn claimed_by(touched: &BTreeSet<String>, live: &LiveView, record: &Checkpoint) -> Vec<Resource> {
-    let live = live.nodes.iter().filter(|n| touched.contains(&n.name));
+    let live = live
+        .nodes
+        .iter()
+        .map(|n| &**n)
+        .filter(|n| touched.contains(&n.name));
     let recorded = touched
         .iter()
         .flat_map(|t| &record.nodes[name_range(&record.nodes, t)]);

@@ -176,7 +176,7 @@ impl Run {
             nodes.push(local());
         }
         LiveView {
-            nodes,
+            nodes: nodes.into_iter().map(Arc::new).collect(),
             malformed: self.malformed.clone(),
             synced: self.synced,
             relists: self.relists,
