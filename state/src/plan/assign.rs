@@ -87,7 +87,7 @@ fn staying_entries(
             KernelObject::MapEntry(e) => {
                 !is_local_entry(o, local)
                     && (index
-                        .entry_address(*slot)
+                        .key(*slot)
                         .is_some_and(|r| claims[r as usize] > 0 || kept_addresses.contains(&r))
                         || kept_ids.contains(&e.node_id)
                         || !brake.releases_orphan(&o.id()))

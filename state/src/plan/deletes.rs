@@ -11,10 +11,10 @@
 use foldhash::{HashMap, HashMapExt, HashSet};
 
 use super::brake::{Brake, is_local_entry};
-use super::claims::{Resource, key_resource, secondary_resource};
+use super::claims::secondary_resource;
 use super::classify::{Live, LiveClass};
 use super::records::Record;
-use super::resource_index::{NodeResources, ResourceIndex};
+use super::resource_index::{NodeResources, Res, ResourceIndex};
 use super::{Delete, DeleteReason, Local, PlanInput};
 use crate::desired::desired_objects;
 use crate::ids::IdSet;
@@ -61,14 +61,12 @@ impl OwnerIndex<'_> {
         }
     }
 
-    fn owner(&self, o: &KernelObject) -> Option<Owner> {
-        let of = |r: Option<Resource>| {
-            r.and_then(|r| self.index.get(&r))
-                .and_then(|r| self.resources[r as usize])
-        };
-        of(key_resource(o))
+    /// The owner of our object `o`, at inventory slot `slot`.
+    fn owner(&self, slot: usize, o: &KernelObject) -> Option<Owner> {
+        let of = |r: Option<Res>| r.and_then(|r| self.resources[r as usize]);
+        of(self.index.key(slot))
             .or_else(|| o.node_id().and_then(|id| self.ids.get(&id).copied()))
-            .or_else(|| of(secondary_resource(o)))
+            .or_else(|| of(secondary_resource(o).and_then(|r| self.index.get(&r))))
     }
 }
 
@@ -102,13 +100,12 @@ pub(super) fn decide(
     desired: &Marks,
     local: &Local,
 ) -> Deleted {
-    let mut pool: Vec<&KernelObject> = input
+    let mut pool: Vec<(usize, &KernelObject)> = input
         .inventory
         .slotted()
         .filter(|(s, _)| !desired.is_marked(*s))
-        .map(|(_, o)| o)
         .collect();
-    pool.sort_by_cached_key(|o| (o.kind().rank(), o.id()));
+    pool.sort_by_cached_key(|(_, o)| (o.kind().rank(), o.id()));
     let mut out = Deleted {
         deletes: Vec::new(),
         held: Vec::new(),
@@ -166,7 +163,7 @@ pub(super) fn decide(
         });
         ids.contains(&o.id())
     };
-    for o in pool {
+    for (slot, o) in pool {
         let keep = |out: &mut Deleted| {
             if let Some(id) = o.node_id() {
                 out.kept_ids.insert(id);
@@ -183,7 +180,7 @@ pub(super) fn decide(
             // Undesired only when IPsec is off; belongs to no node, the brake does not count it.
             (DeleteReason::Disabled, None)
         } else {
-            match index.owner(o) {
+            match index.owner(slot, o) {
                 Some(Owner::Held(i)) => {
                     keep(&mut out);
                     out.kept_unrecorded |= !derived(i, o);

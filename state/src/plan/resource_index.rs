@@ -70,8 +70,9 @@ pub(super) struct ResourceIndex {
     /// Per inventory slot: someone claims the object through its key, its node ID or its
     /// secondary resource; an object of ours that no one claims is an orphan.
     owned: Vec<bool>,
-    /// Per inventory slot: for a map entry whose address someone claims, that address.
-    entry_address: Vec<Option<Res>>,
+    /// Per inventory slot: the index of the object's key resource, [`MISSING`] if no one claims
+    /// it, or [`NO_KEY`] (the agent's own objects, nexthops).
+    keys: Vec<Res>,
 }
 
 impl ResourceIndex {
@@ -141,31 +142,28 @@ impl ResourceIndex {
             records: records_res,
             nexthops: NexthopSlots::new(inventory.count(ObjectKind::Nexthop)),
             owned: Vec::with_capacity(inventory.len()),
-            entry_address: Vec::with_capacity(inventory.len()),
+            keys,
         };
-        s.tie_inventory(inventory, records, &keys);
+        s.tie_inventory(inventory, records);
         s
     }
 
     /// Walks the inventory once: our map entries and routes by resource, our nexthops by ID, and
-    /// which of our objects anyone claims. `keys` has each object's key resource's index,
-    /// [`MISSING`] if no one claims it, or [`NO_KEY`].
-    fn tie_inventory(&mut self, inventory: &Inventory, records: &[Record<'_>], keys: &[Res]) {
+    /// which of our objects anyone claims.
+    fn tie_inventory(&mut self, inventory: &Inventory, records: &[Record<'_>]) {
         let mut recorded_ids = IdSet::new();
         for id in records.iter().filter_map(|r| r.node.node_id) {
             recorded_ids.insert(id);
         }
         for (slot, o) in inventory.slotted() {
-            let key = match keys[slot] {
+            let key = match self.keys[slot] {
                 NO_KEY => None,
                 MISSING => Some(None),
                 r => Some(Some(r)),
             };
-            let mut address = None;
             match (o, key) {
                 (KernelObject::MapEntry(_), Some(Some(r))) => {
                     self.primary[r as usize] = slot as u32;
-                    address = Some(r);
                 }
                 (KernelObject::Route(_), Some(Some(r))) => {
                     let p = &mut self.primary[r as usize];
@@ -184,7 +182,6 @@ impl ResourceIndex {
                 }
             };
             self.owned.push(owned);
-            self.entry_address.push(address);
         }
     }
 
@@ -253,9 +250,10 @@ impl ResourceIndex {
         self.owned[slot]
     }
 
-    /// For a map entry at inventory slot `slot`, its address, if anyone claims it.
-    pub fn entry_address(&self, slot: usize) -> Option<Res> {
-        self.entry_address[slot]
+    /// The index of the key resource (a map entry's address, a route's destination) of our
+    /// object at inventory slot `slot`, if anyone claims it.
+    pub fn key(&self, slot: usize) -> Option<Res> {
+        Some(self.keys[slot]).filter(|&r| r != NO_KEY && r != MISSING)
     }
 }
 
