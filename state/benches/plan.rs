@@ -127,8 +127,10 @@ fn run(nodes: usize) -> Figures {
     let now = Duration::from_secs(1_750_000_000);
     // Converge once on the original cluster.
     let before: Vec<Node> = (0..nodes).map(|i| node(i, i)).collect();
+    // In name order, as the agent's views come (its live state is a map by name).
     let with_local = |mut nodes: Vec<Node>| {
         nodes.push(local());
+        nodes.sort_by(|a, b| a.name.cmp(&b.name));
         LiveView {
             nodes: nodes.into_iter().map(Arc::new).collect(),
             malformed: Vec::new(),

@@ -250,7 +250,8 @@ pub(super) fn admit(
     let wants = |i: usize| index.live[i].claims.as_slice();
     let mut allocations = Vec::new();
     for i in order {
-        let name = live[i].node.name.clone();
+        // The node outlives `live`'s borrow: its name needs no copy.
+        let name = &live[i].node.name[..];
         let checked = claims.check(i, wants(i), |j, r| match live[j].class {
             // What a registering or malformed node claims now is unknown: its record stands.
             LiveClass::Held(HeldWhy::Registering | HeldWhy::Malformed) => true,
@@ -261,7 +262,7 @@ pub(super) fn admit(
         });
         if let Err((resource, blocker)) = checked {
             let problem = conflict(index.resource(resource), blocker, live, records);
-            err(errors, &name, problem);
+            err(errors, name, problem);
             live[i].class = LiveClass::Held(HeldWhy::Conflict);
             continue;
         }
@@ -269,7 +270,7 @@ pub(super) fn admit(
         if !room.fits(adds, frees) {
             err(
                 errors,
-                &name,
+                name,
                 InputProblem::MapFull {
                     limit: cfg.map_capacity,
                     needed: adds,
@@ -287,7 +288,7 @@ pub(super) fn admit(
                 live[i].class = LiveClass::Programmed(id);
             }
             Err(e) => {
-                err(errors, &name, e.into());
+                err(errors, name, e.into());
                 live[i].class = LiveClass::Held(HeldWhy::NoId);
             }
         }
