@@ -8,7 +8,8 @@
 //! 1. [`records`]: the agent's record of remote nodes, one per name;
 //! 2. [`classify`]: live nodes paired with their records, held or candidates;
 //! 3. [`brake`]: which removals (gone nodes, orphans) may happen now, on the resources every node
-//!    and record claims, indexed once ([`resource_index`]) for this step and the next;
+//!    and record claims, indexed once ([`resource_index`], hashed in cache-sized parts by
+//!    [`interner`]) for this step and the next;
 //! 4. [`claims`] and [`assign`]: conflicts, map room and node IDs, candidate by candidate;
 //! 5. desired objects ([`crate::desired`]) and the upserts they need;
 //! 6. [`deletes`]: every undesired object of ours, with the reason it goes or stays;
