@@ -12,7 +12,7 @@ use foldhash::{HashMap, HashMapExt};
 use smallvec::SmallVec;
 
 use super::PlanConfig;
-use super::claims::{Resource, key_resource, secondary_resource};
+use super::claims::{Resource, key_resource, resources_of, secondary_resource};
 use super::classify::Live;
 pub(super) use super::interner::Res;
 use super::interner::{Batch, Interner, MISSING};
@@ -108,7 +108,7 @@ impl ResourceIndex {
         let mut batch = Batch::new(total, inventory.len());
         let mut at = 0u32;
         for n in interned_nodes.clone() {
-            for r in node_resources(n) {
+            for r in resources_of(n) {
                 batch.intern(r, at);
                 at += 1;
             }
@@ -311,16 +311,8 @@ impl NexthopSlots {
     }
 }
 
-/// A node's resources in the order [`ResourceIndex::new`] lays them out: its addresses, then its
-/// pod CIDRs.
-fn node_resources(n: &Node) -> impl Iterator<Item = Resource> + '_ {
-    n.addresses
-        .iter()
-        .map(|a| Resource::Address(a.ip))
-        .chain(n.pod_cidrs.iter().map(|c| Resource::PodCidr(*c)))
-}
-
-/// What node `n` claims, from the indices of its resources in [`node_resources`] order.
+/// What node `n` claims, from the indices of its resources in [`resources_of`] order (its
+/// addresses, then its pod CIDRs).
 fn claims_of(n: &Node, indices: &[Res], cfg: &PlanConfig) -> NodeResources {
     let (addresses, cidrs) = indices.split_at(n.addresses.len());
     let mut claims: SmallVec<[Res; 4]> = n
