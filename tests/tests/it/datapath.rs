@@ -12,10 +12,13 @@ use std::time::Duration;
 use aya::programs::TcAttachType;
 use node_agent::datapath::attach::Attachment;
 use node_agent::datapath::{Datapath, DatapathConfig, DatapathError, node_ids_pin, node_stats_pin};
+use node_agent::freed_ids::{self, FreedIds};
 use node_agent::node_map::{NodeEntry, NodeMap, NodeStatsMap};
 use node_agent_common::{NodeStats, NodeValue};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::{VethPair, agent_bin, attached, ip, report, run, sandbox};
+use state::ids::FreedId;
+use state::objects::NodeId;
 
 fn ipaddr(s: &str) -> IpAddr {
     s.parse().unwrap()
@@ -142,6 +145,107 @@ fn pin_with_another_capacity_is_refused() {
         );
         // The original pin is untouched and still usable.
         drop(Datapath::load(&small).unwrap());
+    });
+}
+
+/// A freed-ID record pinned by an agent before the record was mappable (what `bpftool` makes
+/// here: an array created without flags) is read as it is by a dry run, then replaced by a
+/// mappable copy holding every slot, through a staging pin that a crashed attempt may have left.
+#[test]
+fn a_freed_id_record_from_before_it_was_mappable_is_copied_into_a_mappable_one() {
+    require_sandbox!("a_freed_id_record_from_before_it_was_mappable_is_copied_into_a_mappable_one");
+    sandbox(|sb| {
+        let pin = freed_ids::pin(&sb.bpffs);
+        std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
+        let old = |at: &Path| {
+            run(Command::new("bpftool")
+                .args(["map", "create"])
+                .arg(at)
+                .args([
+                    "type",
+                    "array",
+                    "key",
+                    "4",
+                    "value",
+                    "8",
+                    "entries",
+                    "65536",
+                    "name",
+                    "freed_ids",
+                ]));
+        };
+        old(&pin);
+        let slots = [(7u32, 1_700_000_000u64), (65_535, 1_700_000_123), (1, 42)];
+        for (id, secs) in slots {
+            let key = id.to_le_bytes().map(|b| b.to_string());
+            let value = secs.to_le_bytes().map(|b| b.to_string());
+            run(Command::new("bpftool")
+                .args(["map", "update", "pinned"])
+                .arg(&pin)
+                .arg("key")
+                .args(key)
+                .arg("value")
+                .args(value));
+        }
+        let expected: Vec<FreedId> = slots
+            .iter()
+            .map(|&(id, secs)| FreedId {
+                id: NodeId::new(u16::try_from(id).unwrap()).unwrap(),
+                freed_at: Duration::from_secs(secs),
+            })
+            .collect();
+        let sorted = |mut v: Vec<FreedId>| {
+            v.sort_by_key(|f| f.id);
+            v
+        };
+
+        // A dry run reads the old record and changes nothing.
+        let read = FreedIds::open(&pin).unwrap().read().unwrap();
+        assert_eq!(sorted(read), sorted(expected.clone()));
+        assert!(!freed_ids::is_mappable(&pin).unwrap());
+
+        // An interrupted replacement left its staging pin.
+        let staged = pin.with_file_name("freed_ids_next");
+        old(&staged);
+        let mut record = FreedIds::open_or_create(&pin).unwrap();
+        assert!(
+            freed_ids::is_mappable(&pin).unwrap(),
+            "replaced by a mappable record"
+        );
+        assert!(!staged.exists(), "the staging pin is gone");
+        assert_eq!(sorted(record.read().unwrap()), sorted(expected.clone()));
+
+        // Writes land in the pinned record: another reader, and bpftool, see them.
+        let later = FreedId {
+            id: NodeId::new(9).unwrap(),
+            freed_at: Duration::from_millis(1_800_000_000_500),
+        };
+        record.write(&[later]).unwrap();
+        let again = FreedIds::open_or_create(&pin).unwrap().read().unwrap();
+        let mut with_later = expected.clone();
+        with_later.push(FreedId {
+            freed_at: Duration::from_secs(1_800_000_001),
+            ..later
+        });
+        assert_eq!(sorted(again), sorted(with_later));
+        let out = run(Command::new("bpftool")
+            .args(["--json", "map", "lookup", "pinned"])
+            .arg(&pin)
+            .args(["key", "9", "0", "0", "0"]));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let bytes: Vec<u8> = json["value"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| u8::from_str_radix(b.as_str().unwrap().trim_start_matches("0x"), 16).unwrap())
+            .collect();
+        assert_eq!(bytes, 1_800_000_001u64.to_le_bytes());
+
+        // A new record is mappable from the start.
+        std::fs::remove_file(&pin).unwrap();
+        let fresh = FreedIds::open_or_create(&pin).unwrap();
+        assert!(freed_ids::is_mappable(&pin).unwrap());
+        assert!(fresh.read().unwrap().is_empty());
     });
 }
 
