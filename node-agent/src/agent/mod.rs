@@ -11,6 +11,7 @@ pub mod checkpointer;
 pub mod config;
 pub mod drift;
 pub mod hold_file;
+pub mod intake;
 pub mod kernel;
 pub mod reconciler;
 pub mod report;

@@ -25,6 +25,7 @@ use state::rotation::rotation;
 use super::apply::{OpResult, apply_plan};
 use super::config::AgentConfig;
 use super::drift::{Drift, Found};
+use super::intake::Intake;
 use super::kernel::Kernel;
 use super::{AgentError, report};
 use crate::source::SourceEvent;
@@ -79,6 +80,8 @@ pub struct Reconciler<K: Kernel> {
     /// Every operation of the last reconcile succeeded, so [`Self::expected`] is what the
     /// kernel holds as far as the agent knows; after a failure the next reconcile dumps.
     expected_exact: bool,
+    /// The dump taken while the source synced at start, until the first reconcile uses it.
+    early_dump: Option<Inventory>,
     total_writes: usize,
     pruned: BTreeSet<String>,
     telemetry: Arc<Telemetry>,
@@ -157,6 +160,7 @@ impl<K: Kernel> Reconciler<K> {
             logged_errors: BTreeSet::new(),
             expected: None,
             expected_exact: false,
+            early_dump: None,
             total_writes: 0,
             pruned: BTreeSet::new(),
             telemetry,
@@ -219,19 +223,27 @@ impl<K: Kernel> Reconciler<K> {
     /// Folds a source event into the live view; `true` if a reconcile is due: the view changed,
     /// or a fresh full list arrived that a held brake waits for.
     pub fn on_event(&mut self, event: SourceEvent) -> bool {
-        let m = &self.telemetry.metrics;
-        if matches!(event, SourceEvent::Error(_)) {
-            m.source_errors.inc();
-        }
-        let relists = self.live.relists();
-        let changed = self.live.apply(event);
-        let relisted = self.live.relists() > relists;
-        if relisted {
-            m.source_relists.inc();
-        }
-        m.source_synced.set(i64::from(self.live.synced()));
-        self.telemetry.set_source_failing(self.live.failing());
-        self.live.synced() && (changed || (relisted && self.hold.is_some()))
+        let taken = self.sync_parts().1.take(event);
+        self.live.synced() && (taken.changed || (taken.relisted && self.hold.is_some()))
+    }
+
+    /// The kernel and the event intake, borrowed apart: at start the source's first list is
+    /// taken in while the kernel is dumped for the first reconcile ([`Self::keep_early_dump`]).
+    pub fn sync_parts(&mut self) -> (&mut K, Intake<'_>) {
+        let intake = Intake {
+            live: &mut self.live,
+            telemetry: &self.telemetry,
+        };
+        (&mut self.kernel, intake)
+    }
+
+    /// A dump of the kernel taken while the source synced at start: the first reconcile (or
+    /// plan) starts from it instead of dumping again. Nothing of the agent's has written to the
+    /// kernel since, and a foreign change since is what any dump can miss before its apply:
+    /// creates are exclusive and deletes carry our markers, and the nexthop users' watch counts
+    /// from the start of this dump.
+    pub fn keep_early_dump(&mut self, inventory: Inventory) {
+        self.early_dump = Some(inventory);
     }
 
     /// An operator confirmed the hold `id` (`node-agent prune confirm`); the next plan releases
@@ -398,7 +410,7 @@ impl<K: Kernel> Reconciler<K> {
 
     /// Plans against the kernel as it is now, without changing anything.
     pub async fn plan(&mut self) -> Result<Plan, AgentError> {
-        let inventory = self.kernel.dump().await?;
+        let inventory = self.dump_kernel().await?;
         self.record_objects(&inventory);
         let now = wall_clock();
         self.refresh_ipsec(now, true);
@@ -591,7 +603,7 @@ impl<K: Kernel> Reconciler<K> {
     /// succeeds, no reconcile plans from the view it was to check.
     async fn dump(&mut self) -> Result<(Inventory, Drift), AgentError> {
         self.expected_exact = false;
-        let inventory = self.kernel.dump().await?;
+        let inventory = self.dump_kernel().await?;
         // The view is done with once compared: at scale it is as large as the dump, and the
         // plan about to be made is the reconcile's peak memory.
         let drift = self
@@ -600,6 +612,14 @@ impl<K: Kernel> Reconciler<K> {
             .map(|e| Drift::detect(&e, &inventory))
             .unwrap_or_default();
         Ok((inventory, drift))
+    }
+
+    /// The kernel's objects: the early dump the first time, if there is one.
+    async fn dump_kernel(&mut self) -> Result<Inventory, AgentError> {
+        match self.early_dump.take() {
+            Some(inventory) => Ok(inventory),
+            None => Ok(self.kernel.dump().await?),
+        }
     }
 
     /// Grows the maps when `plan` would leave them more than three quarters full or could not

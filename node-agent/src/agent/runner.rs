@@ -16,6 +16,7 @@ use tokio::time::sleep_until;
 
 use super::checkpointer::Checkpointer;
 use super::config::AgentConfig;
+use super::intake::Intake;
 use super::kernel::Kernel;
 use super::reconciler::{Outcome, Reconciler, wall_clock};
 use super::report::{self, RunReport};
@@ -51,6 +52,13 @@ const ONCE_MAX_PASSES: usize = 5;
 /// atomic symlink swap, so the next read sees the whole new file).
 const KEY_FILE_POLL: Duration = Duration::from_secs(2);
 
+/// How old the dump taken while the source synced may be when the sync completes, for the first
+/// reconcile to start from it. Its plan misses what changed in the kernel since (creates stay
+/// exclusive and deletes carry our markers, so it cannot touch what is not ours, but a
+/// repair would wait for the next resync); a sync slower than this already dominates the start,
+/// and a fresh dump is then the smaller cost.
+const EARLY_DUMP_MAX_AGE: Duration = Duration::from_secs(5);
+
 /// How the wait for the first full list may end early.
 #[derive(Clone, Copy)]
 struct SyncWait {
@@ -60,15 +68,38 @@ struct SyncWait {
     fail_on_error: bool,
 }
 
-/// Start-up step: feeds events in until the source completes its first full list.
-async fn wait_for_sync<K: Kernel>(
+/// Start-up step: feeds events in until the source completes its first full list, and dumps
+/// the kernel meanwhile for the first reconcile. At 65,000 nodes the list takes about half a
+/// second to arrive and the dump a second; one after the other, they were most of a restart.
+/// A dump that fails is not kept, nor one that the sync outlasted by more than
+/// [`EARLY_DUMP_MAX_AGE`]: the first reconcile then dumps again (and reports a failure).
+async fn sync_and_dump<K: Kernel>(
     rec: &mut Reconciler<K>,
+    rx: &mut mpsc::Receiver<SourceEvent>,
+    wait: SyncWait,
+) -> Result<(), AgentError> {
+    let (kernel, mut intake) = rec.sync_parts();
+    // Tokio's clock, which the tests can pause.
+    let dump = async { (kernel.dump().await, tokio::time::Instant::now()) };
+    let (synced, (dumped, at)) = tokio::join!(wait_for_sync(&mut intake, rx, wait), dump);
+    synced?;
+    match dumped {
+        Ok(inventory) if at.elapsed() <= EARLY_DUMP_MAX_AGE => rec.keep_early_dump(inventory),
+        Ok(_) => tracing::debug!("the source synced long after the dump taken meanwhile"),
+        Err(e) => tracing::debug!("the dump taken while syncing failed: {e}"),
+    }
+    Ok(())
+}
+
+/// Feeds events in until the source completes its first full list.
+async fn wait_for_sync(
+    intake: &mut Intake<'_>,
     rx: &mut mpsc::Receiver<SourceEvent>,
     wait: SyncWait,
 ) -> Result<(), AgentError> {
     let started = Instant::now();
     let mut next_log = started + WAIT_LOG_EVERY;
-    while !rec.live().synced() {
+    while !intake.live().synced() {
         let deadline = wait.timeout.map(|t| started + t);
         let wake = deadline.map_or(next_log, |d| d.min(next_log));
         tokio::select! {
@@ -76,21 +107,21 @@ async fn wait_for_sync<K: Kernel>(
                 Some(SourceEvent::Error(e)) if wait.fail_on_error => {
                     return Err(AgentError::SourceUnusable(e));
                 }
-                Some(ev) => { rec.on_event(ev); }
+                Some(ev) => { intake.take(ev); }
                 None => return Err(AgentError::SourceEnded),
             },
             () = sleep_until(wake.into()) => {
                 if let (Some(d), Some(t)) = (deadline, wait.timeout) && Instant::now() >= d {
                     return Err(AgentError::SyncTimeout(t));
                 }
-                tracing::info!(waited_s = started.elapsed().as_secs(), last_error = rec.live().last_error().unwrap_or("-"), "still waiting for the node source to sync; nothing is pruned before it does");
+                tracing::info!(waited_s = started.elapsed().as_secs(), last_error = intake.live().last_error().unwrap_or("-"), "still waiting for the node source to sync; nothing is pruned before it does");
                 next_log = Instant::now() + WAIT_LOG_EVERY;
             }
         }
     }
     // Take in whatever else already arrived, so the first plan sees it.
     while let Ok(ev) = rx.try_recv() {
-        rec.on_event(ev);
+        intake.take(ev);
     }
     Ok(())
 }
@@ -119,7 +150,7 @@ pub async fn run_once(
     let (checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
     let backends = Backends::open(&config, dry_run).await?;
     let mut rec = Reconciler::new(config, record, backends, telemetry);
-    wait_for_sync(&mut rec, &mut rx, wait).await?;
+    sync_and_dump(&mut rec, &mut rx, wait).await?;
     crate::memory::give_back();
     if dry_run {
         let plan = rec.plan().await?;
@@ -234,7 +265,7 @@ pub async fn run(
         fail_on_error: false,
     };
     let synced = tokio::select! {
-        r = wait_for_sync(&mut rec, &mut rx, wait) => Some(r),
+        r = sync_and_dump(&mut rec, &mut rx, wait) => Some(r),
         _ = signals.term.recv() => None,
         _ = signals.int.recv() => None,
     };
@@ -538,6 +569,104 @@ mod tests {
 
     fn errors(d: &Daemon<FakeKernel>) -> String {
         d.telemetry.metrics.encode()
+    }
+
+    /// A reconciler restarted over `kernel` with `record`, and the source's first list of
+    /// `nodes` on its way, `delay` before its end.
+    fn restarted(
+        kernel: FakeKernel,
+        record: Option<state::checkpoint::Checkpoint>,
+        nodes: Vec<RawNode>,
+        delay: Duration,
+    ) -> (Reconciler<FakeKernel>, mpsc::Receiver<SourceEvent>) {
+        let config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+        let rec = Reconciler::new(config, record, kernel, telemetry);
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            tx.send(SourceEvent::Init).await.unwrap();
+            for n in nodes {
+                tx.send(SourceEvent::InitApply(n)).await.unwrap();
+            }
+            tokio::time::sleep(delay).await;
+            tx.send(SourceEvent::InitDone).await.unwrap();
+        });
+        (rec, rx)
+    }
+
+    const SYNC: SyncWait = SyncWait {
+        timeout: None,
+        fail_on_error: true,
+    };
+
+    /// A kernel programmed for `cluster(2)`, and the record that says so.
+    async fn programmed() -> (FakeKernel, Option<state::checkpoint::Checkpoint>) {
+        let config = AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs");
+        let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+        let mut rec = Reconciler::new(config, None, FakeKernel::default(), telemetry);
+        list(&mut rec, &cluster(2));
+        rec.reconcile().await.unwrap();
+        let record = rec.record().cloned();
+        let mut kernel = std::mem::take(rec.kernel());
+        kernel.dumps = 0;
+        (kernel, record)
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_first_reconcile_plans_from_the_dump_taken_while_the_source_synced() {
+        let (kernel, record) = programmed().await;
+        let before = kernel.ours.len();
+        // n2 went away while the agent was down.
+        let (mut rec, mut rx) = restarted(kernel, record, cluster(1), Duration::ZERO);
+        sync_and_dump(&mut rec, &mut rx, SYNC).await.unwrap();
+        assert_eq!(rec.kernel().dumps, 1, "dumped while syncing");
+        let outcome = rec.reconcile().await.unwrap();
+        assert_eq!(
+            rec.kernel().dumps,
+            1,
+            "the first reconcile did not dump again"
+        );
+        assert!(outcome.pruned.contains("n2"), "{:?}", outcome.pruned);
+        assert_eq!(
+            rec.kernel().ours.len(),
+            before - 2,
+            "n2's route and map entry"
+        );
+        rec.reconcile().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 2, "later reconciles dump");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_dump_the_sync_outlasted_is_not_planned_from() {
+        let (kernel, record) = programmed().await;
+        let late = EARLY_DUMP_MAX_AGE + Duration::from_secs(1);
+        let (mut rec, mut rx) = restarted(kernel, record, cluster(2), late);
+        sync_and_dump(&mut rec, &mut rx, SYNC).await.unwrap();
+        assert_eq!(rec.kernel().dumps, 1);
+        // Meanwhile n1's route went away behind the agent's back: a dump now sees it.
+        let route = rec
+            .kernel()
+            .ours
+            .keys()
+            .find(|id| matches!(id, state::objects::ObjectId::Route { .. }))
+            .cloned()
+            .unwrap();
+        rec.kernel().ours.remove(&route);
+        let outcome = rec.reconcile().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 2, "dumped again");
+        assert_eq!(outcome.writes, 1, "the route is put back");
+        assert!(rec.kernel().ours.contains_key(&route));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_failed_dump_while_syncing_leaves_the_first_reconcile_to_dump() {
+        let (mut kernel, record) = programmed().await;
+        kernel.faults.dumps = 1;
+        let (mut rec, mut rx) = restarted(kernel, record, cluster(2), Duration::ZERO);
+        sync_and_dump(&mut rec, &mut rx, SYNC).await.unwrap();
+        let outcome = rec.reconcile().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 2);
+        assert_eq!(outcome.writes, 0);
     }
 
     #[tokio::test(flavor = "current_thread")]

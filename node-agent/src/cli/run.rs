@@ -288,6 +288,11 @@ async fn spawn_source(args: &SourceArgs) -> anyhow::Result<Source> {
             tokio::spawn(source.run(client, tx, rx));
         }
     }
+    // The source starts its first list now, before the agent reads its checkpoint and loads
+    // the datapath (tens of milliseconds that need neither): a file is parsed on a blocking
+    // thread meanwhile, and a Kubernetes list is already asked for. On this single-threaded
+    // runtime the spawned task would otherwise first run at the agent's first await.
+    tokio::task::yield_now().await;
     Ok(Source {
         events,
         requests,
