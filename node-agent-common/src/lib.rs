@@ -33,7 +33,8 @@ pub const POD_CIDRS_PIN: &str = "pod_cidrs";
 
 /// Pin name, under [`PIN_DIR`], of the record of freed node IDs: an array of one `u64` per node
 /// ID, the second (since the Unix epoch) the ID was last freed, 0 for never. Only the agent
-/// uses it; it keeps a freed ID's cool-down when the checkpoint is lost.
+/// uses it; it keeps a freed ID's cool-down when the checkpoint is lost. Created mappable
+/// (`BPF_F_MMAPABLE`) where the kernel can, so the agent reads it as memory at start.
 pub const FREED_IDS_PIN: &str = "freed_ids";
 
 /// Capacity of `NODE_IDS` (and `POD_CIDRS`) when the agent creates them without being told
