@@ -102,7 +102,15 @@ impl FreedIds {
                     expected: layout(),
                 });
             }
-            Some(_) => {}
+            Some(_) => {
+                // A pin from before the record was made mappable is replaced by a copy that
+                // is; a fresh one is already as mappable as this kernel makes it.
+                let record = Self::open(pin)?;
+                return match record.slots {
+                    Some(_) => Ok(record),
+                    None => record.made_mappable(),
+                };
+            }
             None => {
                 create()
                     .map_err(err)?
@@ -113,11 +121,7 @@ impl FreedIds {
                     })?;
             }
         }
-        let record = Self::open(pin)?;
-        match record.slots {
-            Some(_) => Ok(record),
-            None => record.made_mappable(),
-        }
+        Self::open(pin)
     }
 
     /// Opens an existing record, changing nothing.
@@ -154,7 +158,6 @@ impl FreedIds {
         };
         Ok(slots
             .into_iter()
-            .filter(|(_, secs)| *secs > 0)
             .filter_map(|(i, secs)| {
                 Some(FreedId {
                     id: NodeId::new(u16::try_from(i).ok()?)?,
@@ -174,20 +177,23 @@ impl FreedIds {
     }
 
     /// A record that cannot be mapped, read through syscalls: in batches where the kernel can
-    /// (Linux 5.6), else two syscalls a slot.
+    /// (Linux 5.6), else two syscalls a slot. Only the slots ever written (not 0), as
+    /// [`Slots::read`].
     fn read_slot_by_slot(&self) -> Result<Vec<(u32, u64)>, FreedIdsError> {
         let err = |source| FreedIdsError::Map {
             pin: self.pin.clone(),
             source,
         };
-        match crate::map_batch::lookup_all(self.map.map().fd().as_fd()).map_err(err)? {
-            Some(slots) => Ok(slots),
-            None => (0..)
-                .zip(self.map.iter())
-                .map(|(i, secs)| secs.map(|s| (i, s)))
-                .collect::<Result<_, _>>()
-                .map_err(err),
-        }
+        let slots: Vec<(u32, u64)> =
+            match crate::map_batch::lookup_all(self.map.map().fd().as_fd()).map_err(err)? {
+                Some(slots) => slots,
+                None => (0..)
+                    .zip(self.map.iter())
+                    .map(|(i, secs)| secs.map(|s| (i, s)))
+                    .collect::<Result<_, _>>()
+                    .map_err(err)?,
+            };
+        Ok(slots.into_iter().filter(|(_, secs)| *secs > 0).collect())
     }
 
     /// This record, replaced by a mappable copy: filled, pinned beside it and renamed over it,
