@@ -232,7 +232,8 @@ impl Marks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::objects::{MapEntry, NodeId};
+    use crate::node::Family;
+    use crate::objects::{MapEntry, Nexthop, NexthopId, NodeId, Route, Via};
 
     fn entry(last: u8, id: u16) -> KernelObject {
         KernelObject::MapEntry(MapEntry {
@@ -259,18 +260,53 @@ mod tests {
         assert_eq!(inv.count(ObjectKind::MapEntry), 4);
     }
 
+    /// One of a few objects of each kind and family the agent owns in bulk, drawn by `kind`;
+    /// `last` picks which one (its identity), `id` what it carries.
+    fn any_object(kind: u8, last: u8, id: u16) -> KernelObject {
+        let node_id = NodeId::new(id).unwrap();
+        let v6 = std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, u16::from(last));
+        match kind {
+            0 => entry(last, id),
+            1 => KernelObject::MapEntry(MapEntry {
+                ip: v6.into(),
+                node_id,
+                spi: 0,
+            }),
+            // Nexthops are identified by their node and family: `last` names the node.
+            2 | 3 => {
+                let node_id = NodeId::new(u16::from(last)).unwrap();
+                let gateway = match kind {
+                    2 => [10, 0, 0, id as u8].into(),
+                    _ => std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, id).into(),
+                };
+                KernelObject::Nexthop(Nexthop { node_id, gateway })
+            }
+            4 => KernelObject::Route(Route {
+                dst: format!("10.1.{last}.0/24").parse().unwrap(),
+                via: Via::Nexthop(NexthopId::of(node_id, Family::V4)),
+                metric: Route::DEFAULT_METRIC_V4,
+            }),
+            _ => KernelObject::Route(Route {
+                dst: format!("fd01:{last}::/64").parse().unwrap(),
+                via: Via::Gateway(v6.into()),
+                metric: Route::DEFAULT_METRIC_V6,
+            }),
+        }
+    }
+
     proptest::proptest! {
-        /// Any sequence of creates, replaces and deletes leaves the inventory holding what a
-        /// map by identity holds, every object findable at its slot, and the counts right
-        /// (deletes move the last slot's object; the table grows from empty as a dump's does).
+        /// Any sequence of creates, replaces and deletes, of every kind and family the index
+        /// holds, leaves the inventory holding what a map by identity holds, every object
+        /// findable at its slot, and the counts right (deletes move the last slot's object; the
+        /// table grows from empty as a dump's does).
         #[test]
         fn the_index_follows_any_sequence_of_operations(
-            ops in proptest::collection::vec((0u8..3, 1u8..40, 1u16..5), 1..300)
+            ops in proptest::collection::vec((0u8..3, 0u8..6, 1u8..40, 1u16..5), 1..300)
         ) {
             let mut inv = Inventory::new();
             let mut model = std::collections::BTreeMap::new();
-            for (verb, last, id) in ops {
-                let o = entry(last, id);
+            for (verb, kind, last, id) in ops {
+                let o = any_object(kind, last, id);
                 match verb {
                     0 => inv.apply(&Op::Create(o.clone())),
                     1 => inv.apply(&Op::Replace(o.clone())),
@@ -282,15 +318,20 @@ mod tests {
                 };
             }
             proptest::prop_assert_eq!(inv.len(), model.len());
-            proptest::prop_assert_eq!(inv.count(ObjectKind::MapEntry), model.len());
+            for kind in [ObjectKind::MapEntry, ObjectKind::Nexthop, ObjectKind::Route] {
+                let want = model.values().filter(|o| o.kind() == kind).count();
+                proptest::prop_assert_eq!(inv.count(kind), want, "{:?}", kind);
+            }
             for (id, o) in &model {
                 let slot = inv.slot(id);
                 proptest::prop_assert!(slot.is_some(), "{id:?} not found");
                 proptest::prop_assert_eq!(inv.at(slot.unwrap()), o);
             }
-            for last in 1u8..40 {
-                let id = entry(last, 1).id();
-                proptest::prop_assert_eq!(inv.contains(&id), model.contains_key(&id));
+            for kind in 0u8..6 {
+                for last in 1u8..40 {
+                    let id = any_object(kind, last, 1).id();
+                    proptest::prop_assert_eq!(inv.contains(&id), model.contains_key(&id));
+                }
             }
         }
     }
