@@ -46,6 +46,11 @@ pub trait Kernel {
     /// off.
     fn route_nexthops(&self) -> bool;
 
+    /// Whether no one else has changed a route since the last dump, as far as the kernel's
+    /// announcements tell (`false` whenever that is not known): then the routes the last
+    /// reconcile left as ours are still ours, and a plan may replace them without a dump.
+    fn routes_unchanged_since_dump(&mut self) -> bool;
+
     /// Attaches the pod classifier to pod interfaces that appeared since the datapath loaded;
     /// returns those that still do not exist.
     fn attach_pending(&mut self) -> Vec<String>;
@@ -107,6 +112,9 @@ pub mod fake {
         pub nexthops: bool,
         /// The capacities [`Kernel::grow_maps`] was asked for.
         pub grown: Vec<u32>,
+        /// Someone else changed a route since the last dump (what a test planted there):
+        /// [`Kernel::routes_unchanged_since_dump`] says so until the next dump.
+        pub routes_changed: bool,
     }
 
     fn busy(what: &str) -> OpError {
@@ -166,6 +174,7 @@ pub mod fake {
     impl Kernel for FakeKernel {
         async fn dump(&mut self) -> Result<Inventory, DumpError> {
             self.dumps += 1;
+            self.routes_changed = false;
             if self.faults.dumps > 0 {
                 self.faults.dumps -= 1;
                 return Err(DumpError::Kernel {
@@ -215,6 +224,10 @@ pub mod fake {
 
         fn route_nexthops(&self) -> bool {
             self.nexthops
+        }
+
+        fn routes_unchanged_since_dump(&mut self) -> bool {
+            !self.routes_changed
         }
 
         fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {

@@ -456,7 +456,7 @@ impl<K: Kernel> Reconciler<K> {
             Some(plan) => plan,
             None => self.make_plan(&inventory, now, &config),
         };
-        if !dumped && needs_a_fresh_view(&plan) {
+        if !dumped && needs_a_fresh_view(&plan) && !self.kernel.routes_unchanged_since_dump() {
             self.expected = Some(inventory);
             drop(plan);
             (inventory, drift) = self.dump().await?;
@@ -863,10 +863,12 @@ fn map_growth(plan: &Plan, inventory: &Inventory, capacity: usize) -> Option<u32
     (target > capacity).then_some(target as u32)
 }
 
-/// Whether a plan made from the last reconcile's view must be made again from a dump: it
-/// replaces a route (a replace matches the destination, whoever's route is there now). A plan
-/// that deletes a nexthop needs none: the backend reads the routes before it deletes one, and
-/// leaves alone a nexthop something goes through.
+/// Whether a plan made from the last reconcile's view must be made again from a dump unless
+/// the kernel can tell that no one else changed a route since the last one: it replaces a
+/// route (a replace matches the destination, whoever's route is there now; a readdressed
+/// node's routes move to its new nexthop so). A plan that deletes a nexthop needs none: the
+/// backend reads the routes before it deletes one, and leaves alone a nexthop something goes
+/// through.
 fn needs_a_fresh_view(plan: &Plan) -> bool {
     plan.upserts
         .iter()
@@ -1370,6 +1372,53 @@ mod tests {
         }
         rec.reconcile().await.unwrap();
         assert!(rec.claims.is_none(), "a full plan replaced the record");
+    }
+
+    /// A readdressed node's routes move to its new nexthop by replace, which matches the
+    /// destination whoever's route is there: from the last reconcile's view only while the
+    /// kernel says no one else changed a route since the last dump, else from a fresh dump.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_readdress_replaces_routes_from_the_last_view_only_while_no_one_else_changed_one() {
+        let kernel = FakeKernel {
+            nexthops: true,
+            ..FakeKernel::default()
+        };
+        let mut rec = reconciler_with(config(), kernel, &[("a", 1), ("b", 2)]);
+        rec.reconcile().await.unwrap();
+        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.11", "10.1.1.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert!(out.plan.scope.is_some() && out.plan.settled);
+        assert_eq!(rec.kernel().dumps, 1, "planned from the last view");
+        assert!(
+            out.plan
+                .ops()
+                .iter()
+                .any(|op| matches!(op, Op::Replace(KernelObject::Route(_)))),
+            "the route moved to the new nexthop: {:?}",
+            out.plan.ops()
+        );
+        // Someone else's route took b's destination since: the view no longer holds.
+        let dst: ipnet::IpNet = "10.1.2.0/24".parse().unwrap();
+        let theirs = ObjectId::Route { dst, metric: 0 };
+        rec.kernel().ours.remove(&theirs);
+        rec.kernel()
+            .foreign
+            .insert(theirs.clone(), "route 10.1.2.0/24 proto static".into());
+        rec.kernel().routes_changed = true;
+        rec.on_event(SourceEvent::Apply(raw("b", "10.0.0.12", "10.1.2.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 2, "made again from a dump");
+        assert!(out.plan.scope.is_none());
+        assert!(
+            !out.plan.ops().iter().any(|op| op.object().id() == theirs),
+            "theirs is left alone: {:?}",
+            out.plan.ops()
+        );
+        assert!(
+            out.plan.errors.iter().any(|e| e.node == "b"),
+            "and reported: {:?}",
+            out.plan.errors
+        );
     }
 
     #[tokio::test(flavor = "current_thread")]

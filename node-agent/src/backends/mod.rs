@@ -381,7 +381,7 @@ impl Backends {
 impl Kernel for Backends {
     async fn dump(&mut self) -> Result<Inventory, DumpError> {
         if let Some(w) = &mut self.watch {
-            w.reading();
+            w.dumping();
         }
         let dumped = self.dump_all().await;
         if let (Err(_), Some(w)) = (&dumped, &mut self.watch) {
@@ -461,6 +461,12 @@ impl Kernel for Backends {
 
     fn route_nexthops(&self) -> bool {
         self.route_nexthops
+    }
+
+    fn routes_unchanged_since_dump(&mut self) -> bool {
+        self.watch
+            .as_mut()
+            .is_some_and(UsersWatch::unchanged_since_dump)
     }
 
     fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {

@@ -13,6 +13,11 @@
 //! announcement (the socket's buffer overran, as our own cold start of 130,000 routes does),
 //! makes the next check read them again.
 //!
+//! The same announcements say whether anyone else changed a route since the last full dump
+//! ([`UsersWatch::unchanged_since_dump`]): while no one did, a route the agent's view holds as
+//! its own at a destination is still its own there, and the view may be trusted to replace it
+//! (a replace matches the destination, whoever's route is there).
+//!
 //! The socket is only read when asked; between reads the kernel queues at most its buffer's
 //! worth, and an overrun costs one read, never a wrong answer.
 
@@ -43,8 +48,11 @@ pub struct UsersWatch {
     buf: Vec<u8>,
     protocol: u8,
     table: u32,
-    /// Every announcement since the last read was of one of our routes, none was lost.
+    /// Every announcement since the last read of the users was of one of our routes, none
+    /// was lost.
     unchanged: bool,
+    /// The same, since the last full dump.
+    unchanged_since_dump: bool,
 }
 
 impl UsersWatch {
@@ -63,7 +71,14 @@ impl UsersWatch {
             protocol,
             table,
             unchanged: false,
+            unchanged_since_dump: false,
         })
+    }
+
+    /// A full dump begins: what was announced before it is in it.
+    pub fn dumping(&mut self) {
+        self.reading();
+        self.unchanged_since_dump = true;
     }
 
     /// A full read of the routes and nexthops begins: what was announced before it is in it.
@@ -72,15 +87,22 @@ impl UsersWatch {
         self.unchanged = true;
     }
 
-    /// The read that began did not complete: nothing counts as read.
+    /// The read or dump that began did not complete: nothing counts as read.
     pub fn forget(&mut self) {
         self.unchanged = false;
+        self.unchanged_since_dump = false;
     }
 
     /// Whether nothing announced since the last full read can have come to use our nexthops.
     pub fn unchanged_since_read(&mut self) -> bool {
         self.drain();
         self.unchanged
+    }
+
+    /// Whether no one else changed a route (or a nexthop group) since the last full dump.
+    pub fn unchanged_since_dump(&mut self) -> bool {
+        self.drain();
+        self.unchanged_since_dump
     }
 
     fn drain(&mut self) {
@@ -90,19 +112,24 @@ impl UsersWatch {
                 Ok(0) => return,
                 Ok(n) => {
                     if !only_ours(&self.buf[..n], self.protocol, self.table) {
-                        self.unchanged = false;
+                        self.changed();
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 // Announcements were lost: what changed is no longer known. The socket goes on.
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => self.unchanged = false,
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => self.changed(),
                 Err(_) => {
-                    self.unchanged = false;
+                    self.changed();
                     return;
                 }
             }
         }
+    }
+
+    fn changed(&mut self) {
+        self.unchanged = false;
+        self.unchanged_since_dump = false;
     }
 }
 
