@@ -1,4 +1,6 @@
-//! The kernel objects a remote node should have, derived from its record alone.
+//! The kernel objects a remote node should have, derived from its record alone, but for
+//! which of its two nexthop IDs a nexthop holds: that follows what the kernel holds
+//! ([`nexthop_toward`]).
 //!
 //! Kept apart from the planner so that the planner, the tests' oracle and the backends' debug
 //! tooling all agree on one derivation.
@@ -7,10 +9,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+use crate::inventory::Inventory;
 use crate::node::{AddressKind, Family, Node};
 use crate::objects::{
-    KernelObject, MapEntry, Nexthop, NexthopId, NodeId, PodCidrEntry, Route, Via, XfrmDir,
-    XfrmGuard, XfrmPolicy, XfrmState,
+    KernelObject, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, PodCidrEntry, Route, Via,
+    XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
 };
 use crate::plan::{InputProblem, Pair, PlanConfig};
 
@@ -50,13 +53,60 @@ pub fn global_objects(config: &PlanConfig) -> Vec<KernelObject> {
         .collect()
 }
 
+/// Node `id`'s nexthop of `family` toward `gateway`, at the one of its two IDs that `kernel`
+/// calls for:
+/// 1. the ID of a nexthop of ours that already has this gateway (the first ID if both do);
+/// 2. where ours has another gateway (the node was readdressed), the other ID if nothing is
+///    there and nothing foreign uses ours: the new nexthop is made there, the routes move to it
+///    and then the old one is deleted, instead of replacing the old one under its routes, which
+///    makes the kernel walk every IPv4 route (see "Scale" in `docs/design.md`); else ours,
+///    replaced in place;
+/// 3. with nothing of ours at either, the first ID (a foreign nexthop there keeps the routes
+///    from being written, and is reported, as at any identity of ours).
+pub fn nexthop_toward(kernel: &Inventory, id: NodeId, family: Family, gateway: IpAddr) -> Nexthop {
+    let at = |second| Nexthop {
+        node_id: id,
+        gateway,
+        second,
+    };
+    let ours = |second: bool| match kernel.get(&ObjectId::Nexthop {
+        id: NexthopId::of_pair(id, family, second),
+    }) {
+        Some(KernelObject::Nexthop(n)) => Some(n),
+        _ => None,
+    };
+    let (first, second) = (ours(false), ours(true));
+    if let Some(n) = [first, second]
+        .into_iter()
+        .flatten()
+        .find(|n| n.gateway == gateway)
+    {
+        return at(n.second);
+    }
+    let Some(old) = first.or(second) else {
+        return at(false);
+    };
+    let other = ObjectId::Nexthop {
+        id: NexthopId::of_pair(id, family, !old.second),
+    };
+    let free = !kernel.contains(&other) && kernel.foreign(&other).is_none();
+    let shared = kernel
+        .foreign_user(&ObjectId::Nexthop { id: old.id() })
+        .is_some();
+    at(if free && !shared {
+        !old.second
+    } else {
+        old.second
+    })
+}
+
 /// Appends `node`'s routes to `out`, one per pod CIDR via the node's InternalIP of the CIDR's
-/// family; with `nexthops`, through one nexthop object per family, pushed before the routes
-/// that use it.
+/// family; with nexthops (`kernel`), through one nexthop object per family
+/// ([`nexthop_toward`]), pushed before the routes that use it.
 fn routes(
     node: &Node,
     id: NodeId,
-    nexthops: bool,
+    nexthops: Option<&Inventory>,
     out: &mut Vec<KernelObject>,
     problems: &mut Vec<InputProblem>,
 ) {
@@ -76,14 +126,14 @@ fn routes(
             }));
             continue;
         };
-        let via = if nexthops {
-            out.push(KernelObject::Nexthop(Nexthop {
-                node_id: id,
-                gateway,
-            }));
-            Via::Nexthop(NexthopId::of(id, family))
-        } else {
-            Via::Gateway(gateway)
+        let via = match nexthops {
+            Some(kernel) => {
+                let nexthop = nexthop_toward(kernel, id, family, gateway);
+                let via = Via::Nexthop(nexthop.id());
+                out.push(KernelObject::Nexthop(nexthop));
+                via
+            }
+            None => Via::Gateway(gateway),
         };
         for cidr in cidrs {
             out.push(KernelObject::Route(Route {
@@ -96,7 +146,8 @@ fn routes(
 }
 
 /// Appends the objects `node` should have under `id` to `out`, and the problems that kept some
-/// from being derived (a pod CIDR without an InternalIP of its family) to `problems`.
+/// from being derived (a pod CIDR without an InternalIP of its family) to `problems`. `kernel`
+/// is what the kernel holds: it decides which of the node's nexthop IDs are used.
 ///
 /// With IPsec, per family both ends have an address in: an OUT and an IN state for every key in
 /// use, an OUT policy per pod CIDR and key, and a pod-CIDR entry that marks traffic toward the
@@ -105,6 +156,7 @@ pub fn desired_objects(
     node: &Node,
     id: NodeId,
     config: &PlanConfig,
+    kernel: &Inventory,
     out: &mut Vec<KernelObject>,
     problems: &mut Vec<InputProblem>,
 ) {
@@ -118,7 +170,8 @@ pub fn desired_objects(
             }));
         }
     }
-    routes(node, id, config.route_nexthops, out, problems);
+    let nexthops = config.route_nexthops.then_some(kernel);
+    routes(node, id, nexthops, out, problems);
     let Some(ipsec) = &config.ipsec else {
         return;
     };

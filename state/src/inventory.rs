@@ -272,14 +272,19 @@ mod tests {
                 node_id,
                 spi: 0,
             }),
-            // Nexthops are identified by their node and family: `last` names the node.
+            // Nexthops are identified by their node, family and which of the pair: `last` names
+            // the node and the pair's ID.
             2 | 3 => {
-                let node_id = NodeId::new(u16::from(last)).unwrap();
+                let node_id = NodeId::new(u16::from(last / 2 + 1)).unwrap();
                 let gateway = match kind {
                     2 => [10, 0, 0, id as u8].into(),
                     _ => std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, id).into(),
                 };
-                KernelObject::Nexthop(Nexthop { node_id, gateway })
+                KernelObject::Nexthop(Nexthop {
+                    node_id,
+                    gateway,
+                    second: last % 2 == 1,
+                })
             }
             4 => KernelObject::Route(Route {
                 dst: format!("10.1.{last}.0/24").parse().unwrap(),

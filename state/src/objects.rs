@@ -132,18 +132,24 @@ impl fmt::Display for Via {
 }
 
 /// The kernel ID of one of our nexthop objects. Nexthop IDs are global in a network namespace,
-/// so ours live in a fixed range that reads in decimal: `2014NNNNN` for a node's IPv4 nexthop
+/// so ours live in fixed ranges that read in decimal: `2014NNNNN` for a node's IPv4 nexthop
 /// and `2016NNNNN` for its IPv6 one, where `NNNNN` is the node ID (`ip nexthop show id
-/// 201400042` is node 42's IPv4 nexthop). An ID in the range is still ours only if the nexthop
-/// carries our route protocol; anything else there is foreign and left alone.
+/// 201400042` is node 42's IPv4 nexthop). Each node and family has a second ID, `2015NNNNN`
+/// and `2017NNNNN`: a node that is readdressed while routes use its nexthop gets a new one at
+/// the ID it does not hold, its routes move to it, and then the old one goes. Replacing an
+/// IPv4 nexthop that routes use instead makes the kernel walk every IPv4 route of the
+/// namespace (see "Scale" in `docs/design.md`). An ID in the ranges is still ours only if the
+/// nexthop carries our route protocol; anything else there is foreign and left alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct NexthopId(pub u32);
 
 impl NexthopId {
     const BASE_V4: u32 = 201_400_000;
     const BASE_V6: u32 = 201_600_000;
+    /// From a node's first ID of a family to its second.
+    const SECOND: u32 = 100_000;
 
-    /// The ID of `node`'s nexthop of `family`.
+    /// The first ID of `node`'s nexthop of `family`.
     pub const fn of(node: NodeId, family: Family) -> Self {
         Self(
             match family {
@@ -153,18 +159,40 @@ impl NexthopId {
         )
     }
 
-    /// The node and family an ID of our range stands for; `None` outside it.
+    /// The first or the second ID of `node`'s nexthop of `family`.
+    pub const fn of_pair(node: NodeId, family: Family, second: bool) -> Self {
+        let first = Self::of(node, family);
+        if second {
+            Self(first.0 + Self::SECOND)
+        } else {
+            first
+        }
+    }
+
+    /// The node and family an ID of our ranges stands for; `None` outside them.
     pub fn decode(self) -> Option<(NodeId, Family)> {
-        let (base, family) = match self.0 {
-            v if (Self::BASE_V4..Self::BASE_V4 + 65_536).contains(&v) => {
-                (Self::BASE_V4, Family::V4)
-            }
-            v if (Self::BASE_V6..Self::BASE_V6 + 65_536).contains(&v) => {
-                (Self::BASE_V6, Family::V6)
-            }
-            _ => return None,
-        };
-        Some((NodeId::new((self.0 - base) as u16)?, family))
+        self.decode_pair().map(|(node, family, _)| (node, family))
+    }
+
+    /// The node and family an ID of our ranges stands for, and whether it is the second ID of
+    /// the pair; `None` outside the ranges.
+    pub fn decode_pair(self) -> Option<(NodeId, Family, bool)> {
+        let bases = [
+            (Self::BASE_V4, Family::V4, false),
+            (Self::BASE_V4 + Self::SECOND, Family::V4, true),
+            (Self::BASE_V6, Family::V6, false),
+            (Self::BASE_V6 + Self::SECOND, Family::V6, true),
+        ];
+        let (base, family, second) = bases
+            .into_iter()
+            .find(|(base, ..)| (*base..*base + 65_536).contains(&self.0))?;
+        Some((NodeId::new((self.0 - base) as u16)?, family, second))
+    }
+
+    /// The other ID of the pair this one belongs to; `None` outside our ranges.
+    pub fn other(self) -> Option<Self> {
+        let (node, family, second) = self.decode_pair()?;
+        Some(Self::of_pair(node, family, !second))
     }
 }
 
@@ -184,11 +212,13 @@ impl fmt::Display for NexthopId {
 pub struct Nexthop {
     pub node_id: NodeId,
     pub gateway: IpAddr,
+    /// Whether it holds the second of the node's two IDs of the family ([`NexthopId`]).
+    pub second: bool,
 }
 
 impl Nexthop {
     pub fn id(&self) -> NexthopId {
-        NexthopId::of(self.node_id, Family::of(&self.gateway))
+        NexthopId::of_pair(self.node_id, Family::of(&self.gateway), self.second)
     }
 }
 
@@ -578,9 +608,35 @@ mod tests {
                 assert_eq!(NexthopId::of(n, family).decode(), Some((n, family)));
             }
         }
-        assert_eq!(NexthopId(201_400_000).decode(), None, "node ID 0");
-        assert_eq!(NexthopId(201_465_536).decode(), None);
-        assert_eq!(NexthopId(7).decode(), None);
+        assert_eq!(
+            NexthopId::of_pair(id, Family::V4, true),
+            NexthopId(201_500_042)
+        );
+        assert_eq!(
+            NexthopId::of_pair(id, Family::V6, true),
+            NexthopId(201_700_042)
+        );
+        for family in [Family::V4, Family::V6] {
+            for n in [id, top] {
+                for second in [false, true] {
+                    let nh = NexthopId::of_pair(n, family, second);
+                    assert_eq!(nh.decode_pair(), Some((n, family, second)));
+                    assert_eq!(nh.decode(), Some((n, family)));
+                    assert_eq!(nh.other(), Some(NexthopId::of_pair(n, family, !second)));
+                }
+            }
+        }
+        for outside in [
+            201_400_000,
+            201_465_536,
+            201_500_000,
+            201_565_536,
+            201_765_536,
+            7,
+        ] {
+            assert_eq!(NexthopId(outside).decode(), None, "{outside}");
+            assert_eq!(NexthopId(outside).other(), None, "{outside}");
+        }
     }
 
     #[test]

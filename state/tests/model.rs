@@ -48,6 +48,11 @@ enum Event {
         ip: usize,
         cidr: usize,
     },
+    /// New addresses, the same pod CIDRs: the routes stay, their nexthops change.
+    Move {
+        pick: usize,
+        ip: usize,
+    },
     Rename {
         pick: usize,
         name: usize,
@@ -71,6 +76,7 @@ fn event() -> impl Strategy<Value = Event> {
             .prop_map(|(name, ip, dual, cidr)| Event::Add { name, ip, dual, cidr }),
         2 => (0..NAMES).prop_map(|pick| Event::Delete { pick }),
         1 => (0..NAMES, 0..POOL, 0..POOL).prop_map(|(pick, ip, cidr)| Event::Readdress { pick, ip, cidr }),
+        1 => (0..NAMES, 0..POOL).prop_map(|(pick, ip)| Event::Move { pick, ip }),
         1 => (0..NAMES, 0..NAMES).prop_map(|(pick, name)| Event::Rename { pick, name }),
         1 => Just(Event::Nothing),
     ]
@@ -156,6 +162,15 @@ impl Cluster {
                     }
                 }
             }
+            Event::Move { pick, ip } => {
+                let Some(name) = self.pick(pick) else { return };
+                let Some(ip) = self.free_slot(ip) else { return };
+                let n = self.0.get_mut(&name).unwrap();
+                n.addresses[0].ip = v4(ip);
+                if let Some(a) = n.addresses.get_mut(1) {
+                    a.ip = v6(ip);
+                }
+            }
             Event::Rename { pick, name } => {
                 let (Some(old), Some(new)) = (self.pick(pick), self.free_name(name)) else {
                     return;
@@ -232,7 +247,7 @@ impl World {
             config: cfg,
         });
         // Invariant 3 at every step: no delete hits an object a live node desires.
-        let desired = desired_ids(&p.checkpoint, &self.cluster, cfg);
+        let desired = desired_ids(&p.checkpoint, &self.cluster, cfg, &inventory);
         for d in &p.deletes {
             assert!(
                 !desired.contains(&d.object.id()),
@@ -258,6 +273,7 @@ impl World {
                 Op::Replace(o) => {
                     let before = self.kernel.insert(o.id(), o.clone());
                     assert!(before.is_some(), "replace of nothing: {o}");
+                    self.no_nexthop_moved_under_its_routes(before.as_ref(), o);
                 }
                 Op::Delete(o) => {
                     self.kernel.remove(&o.id());
@@ -268,6 +284,27 @@ impl World {
         }
     }
 
+    /// Make before break: a nexthop that routes use gets another gateway in place (which makes
+    /// the kernel walk every IPv4 route) only where the other ID of its pair is not free, as
+    /// a crash between its steps leaves it.
+    fn no_nexthop_moved_under_its_routes(
+        &self,
+        before: Option<&KernelObject>,
+        after: &KernelObject,
+    ) {
+        let (Some(KernelObject::Nexthop(old)), KernelObject::Nexthop(new)) = (before, after) else {
+            return;
+        };
+        let used = self.kernel.values().any(|r| r.uses() == Some(after.id()));
+        let other = ObjectId::Nexthop {
+            id: new.id().other().expect("ours"),
+        };
+        assert!(
+            old.gateway == new.gateway || !used || self.kernel.contains_key(&other),
+            "{after} replaced under its routes, with its other ID free"
+        );
+    }
+
     fn reconcile(&mut self, cfg: &PlanConfig) -> Plan {
         let p = self.plan(cfg);
         self.apply(&p.ops());
@@ -276,10 +313,12 @@ impl World {
     }
 }
 
+/// What the record's live nodes should have, with their nexthops where `kernel` puts them.
 fn desired_of(
     cp: &Checkpoint,
     cluster: &Cluster,
     cfg: &PlanConfig,
+    kernel: &Inventory,
 ) -> BTreeMap<ObjectId, KernelObject> {
     let mut out = Vec::new();
     let mut problems = Vec::new();
@@ -287,7 +326,7 @@ fn desired_of(
         if let (Some(id), Some(live)) = (n.node_id, cluster.0.get(&n.name))
             && live.addresses == n.addresses
         {
-            desired_objects(live, id, cfg, &mut out, &mut problems);
+            desired_objects(live, id, cfg, kernel, &mut out, &mut problems);
         }
     }
     assert!(problems.is_empty(), "{problems:?}");
@@ -295,8 +334,13 @@ fn desired_of(
     out.into_iter().map(|o| (o.id(), o)).collect()
 }
 
-fn desired_ids(cp: &Checkpoint, cluster: &Cluster, cfg: &PlanConfig) -> HashSet<ObjectId> {
-    desired_of(cp, cluster, cfg).into_keys().collect()
+fn desired_ids(
+    cp: &Checkpoint,
+    cluster: &Cluster,
+    cfg: &PlanConfig,
+    kernel: &Inventory,
+) -> HashSet<ObjectId> {
+    desired_of(cp, cluster, cfg, kernel).into_keys().collect()
 }
 
 fn config(ipsec: bool) -> PlanConfig {
@@ -355,7 +399,8 @@ fn run_history(steps: &[(Event, Agent)], ipsec: bool) -> Result<(), TestCaseErro
     let ids: HashSet<_> = cp.nodes.iter().map(|n| n.node_id.expect("ID")).collect();
     prop_assert_eq!(ids.len(), cp.nodes.len(), "IDs are unique");
     prop_assert!(cp.pending_deletes.is_empty());
-    prop_assert_eq!(&w.kernel, &desired_of(&cp, &w.cluster, &cfg));
+    let kernel: Inventory = w.kernel.values().cloned().collect();
+    prop_assert_eq!(&w.kernel, &desired_of(&cp, &w.cluster, &cfg, &kernel));
     // And nothing more to do.
     w.now += Duration::from_secs(10);
     let again = w.plan(&forced);

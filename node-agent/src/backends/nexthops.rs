@@ -95,13 +95,17 @@ impl NexthopBackend {
                 );
             }
         }
-        let Some((node_id, family)) = id.decode() else {
+        let Some((node_id, family, second)) = id.decode_pair() else {
             return; // not at an identity we write
         };
         let ours = m.protocol == self.protocol;
         match m.gateway {
             Some(gateway) if ours && !m.other && Family::of(&gateway) == family => {
-                inv.insert(KernelObject::Nexthop(Nexthop { node_id, gateway }));
+                inv.insert(KernelObject::Nexthop(Nexthop {
+                    node_id,
+                    gateway,
+                    second,
+                }));
             }
             _ => {
                 if ours {

@@ -157,7 +157,14 @@ pub(super) fn decide(
             let mut objects = Vec::new();
             let rec = live[i].record.map(|r| records[r].node);
             if let Some((rec, id)) = rec.and_then(|r| Some((r, r.node_id?))) {
-                desired_objects(rec, id, input.config, &mut objects, &mut Vec::new());
+                desired_objects(
+                    rec,
+                    id,
+                    input.config,
+                    input.inventory,
+                    &mut objects,
+                    &mut Vec::new(),
+                );
             }
             objects.iter().map(KernelObject::id).collect()
         });

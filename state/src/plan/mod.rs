@@ -611,7 +611,14 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
             continue;
         };
         objects.clear();
-        desired_objects(l.node, id, cfg, &mut objects, &mut problems);
+        desired_objects(
+            l.node,
+            id,
+            cfg,
+            input.inventory,
+            &mut objects,
+            &mut problems,
+        );
         for p in problems.drain(..) {
             err(&mut errors, &l.node.name, p);
         }

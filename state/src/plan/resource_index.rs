@@ -257,8 +257,8 @@ impl ResourceIndex {
     }
 }
 
-/// The inventory slots of our nexthops, by ID. Ours are numbered by node ID and family
-/// ([`NexthopId::of`]): where there are many, a vector indexed that way finds each one without a
+/// The inventory slots of our nexthops, by ID. Ours are numbered by node ID, family and which
+/// of the pair ([`NexthopId`]): where there are many, a vector indexed that way finds each one without a
 /// hash lookup (at 65,000 nodes, a cache miss apiece); a few, or any ID outside our range, go in
 /// a small table.
 struct NexthopSlots {
@@ -267,7 +267,8 @@ struct NexthopSlots {
 }
 
 impl NexthopSlots {
-    /// From this many nexthops on, the vector over every node ID and family (512 KiB): below it,
+    /// From this many nexthops on, the vector over every node ID, family and ID of the pair
+    /// (1 MiB): below it,
     /// filling the vector would cost more than the lookups it saves. Debug builds (every test)
     /// take the vector from the first nexthop, so that the planner's tests go the way a large
     /// cluster does.
@@ -277,7 +278,7 @@ impl NexthopSlots {
         let by_node = count >= Self::BY_NODE_FROM;
         Self {
             by_node: if by_node {
-                vec![NO_SLOT; 2 << 16]
+                vec![NO_SLOT; 4 << 16]
             } else {
                 Vec::new()
             },
@@ -289,8 +290,12 @@ impl NexthopSlots {
         if self.by_node.is_empty() {
             return None;
         }
-        let (node, family) = id.decode()?;
-        Some(2 * usize::from(node.get()) + usize::from(family == Family::V6))
+        let (node, family, second) = id.decode_pair()?;
+        Some(
+            4 * usize::from(node.get())
+                + 2 * usize::from(second)
+                + usize::from(family == Family::V6),
+        )
     }
 
     fn insert(&mut self, id: NexthopId, slot: u32) {

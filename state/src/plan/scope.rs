@@ -84,13 +84,22 @@ pub fn plan_scoped(
         ids,
     };
 
-    // The part's kernel objects: what its records need, found by identity. A steady kernel
-    // holds nothing else of the part's: a new identity a touched node wants is either claimed
-    // through a record of the part, or free.
+    // The part's kernel objects: what its records need, found by identity (their nexthops at
+    // the IDs the kernel has them at). A steady kernel holds nothing else of the part's: a new
+    // identity a touched node wants (a readdressed node's nexthop at the other ID of its pair)
+    // is either claimed through a record of the part, or free; and what is foreign, or used by
+    // something foreign, the part knows in full.
     let mut objects: Vec<KernelObject> = global_objects(cfg);
     let mut problems = Vec::new();
     for n in &part {
-        desired_objects(n, n.node_id?, cfg, &mut objects, &mut problems);
+        desired_objects(
+            n,
+            n.node_id?,
+            cfg,
+            input.inventory,
+            &mut objects,
+            &mut problems,
+        );
     }
     let inventory = input.inventory.part(objects.iter().map(KernelObject::id));
     elsewhere.objects = input.inventory.len() - inventory.len();

@@ -1620,6 +1620,7 @@ fn nh(node: u16, gw: &str) -> KernelObject {
     KernelObject::Nexthop(Nexthop {
         node_id: id(node),
         gateway: ip(gw),
+        second: false,
     })
 }
 fn nh_id(node: u16, family: Family) -> NexthopId {
@@ -1665,27 +1666,117 @@ fn routes_go_through_one_nexthop_per_node_and_family_created_before_them() {
     assert!(last_nexthop < first_route, "{ops:?}");
 }
 
+fn ops_of(p: &Plan) -> Vec<String> {
+    p.ops()
+        .iter()
+        .map(|o| format!("{} {}", o.verb(), o.object()))
+        .collect()
+}
+
+/// Make before break: replacing an IPv4 nexthop that routes use makes the kernel walk every
+/// IPv4 route, so a readdressed node's new nexthop is made at the other ID of its pair, its
+/// routes move there, and the old one goes last; the next readdress moves it back.
 #[test]
-fn readdressing_a_node_rewrites_its_nexthop_and_no_route() {
+fn readdressing_a_node_moves_its_routes_to_a_new_nexthop_at_its_other_id() {
     let r = with_nexthops();
     let mut k = Kernel::default();
     let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
     let moved = node("a", &["10.0.0.9"], &["10.1.1.0/24"]);
-    let (p, _) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
-    let ops: Vec<String> = p
-        .ops()
-        .iter()
-        .map(|o| format!("{} {}", o.verb(), o.object()))
-        .collect();
+    let (p, cp) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
     assert_eq!(
-        ops,
+        ops_of(&p),
         [
             "delete map 10.0.0.1 -> node 1",
             "create map 10.0.0.9 -> node 1",
-            "replace nexthop 201400001 via 10.0.0.9 node 1",
+            "create nexthop 201500001 via 10.0.0.9 node 1",
+            "replace route 10.1.1.0/24 nhid 201500001 metric 0",
+            "delete nexthop 201400001 via 10.0.0.1 node 1",
         ]
     );
-    assert!(k.has(&nh_route("10.1.1.0/24", 1)));
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    let (p, cp) = r.reconcile(
+        Some(&cp),
+        &[node("a", &["10.0.0.9"], &["10.1.1.0/24"]), b()],
+        &mut k,
+    );
+    assert!(p.is_empty(), "settled on the second ID: {:?}", ops_of(&p));
+    let back = node("a", &["10.0.0.7"], &["10.1.1.0/24"]);
+    let (p, _) = r.reconcile(Some(&cp), &[back, b()], &mut k);
+    assert_eq!(
+        ops_of(&p)[2..],
+        [
+            "create nexthop 201400001 via 10.0.0.7 node 1",
+            "replace route 10.1.1.0/24 nhid 201400001 metric 0",
+            "delete nexthop 201500001 via 10.0.0.9 node 1",
+        ]
+    );
+}
+
+/// Where the other ID is not free (a foreign nexthop holds it) or a foreign route uses the
+/// node's nexthop (it would lose it), the nexthop is replaced in place, as before nexthops had
+/// pairs: slower at scale, but nothing foreign is touched and no route is left behind.
+#[test]
+fn a_readdressed_nodes_nexthop_is_replaced_in_place_when_its_other_id_is_not_free() {
+    for foreign_at_other in [true, false] {
+        let r = with_nexthops();
+        let mut k = Kernel::default();
+        let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+        let ours = ObjectId::Nexthop {
+            id: nh_id(1, Family::V4),
+        };
+        if foreign_at_other {
+            k.foreign.insert(
+                ObjectId::Nexthop {
+                    id: NexthopId::of_pair(id(1), Family::V4, true),
+                },
+                "nexthop 201500001 proto static".into(),
+            );
+        } else {
+            k.used_by
+                .insert(ours, "route 192.168.7.0/24 table 100 proto static".into());
+        }
+        let moved = node("a", &["10.0.0.9"], &["10.1.1.0/24"]);
+        let (p, _) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
+        assert_eq!(
+            ops_of(&p),
+            [
+                "delete map 10.0.0.1 -> node 1",
+                "create map 10.0.0.9 -> node 1",
+                "replace nexthop 201400001 via 10.0.0.9 node 1",
+            ],
+            "foreign at the other ID: {foreign_at_other}"
+        );
+        assert!(p.errors.is_empty(), "{:?}", p.errors);
+        assert!(k.has(&nh_route("10.1.1.0/24", 1)));
+    }
+}
+
+/// A crash between making the new nexthop and deleting the old leaves both: the one with the
+/// node's gateway is kept, whichever ID it holds, the routes still on the other move to it,
+/// and the other goes last.
+#[test]
+fn of_a_pair_left_by_a_crash_the_nexthop_with_the_gateway_stays() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    let second = Nexthop {
+        node_id: id(1),
+        gateway: ip("10.0.0.9"),
+        second: true,
+    };
+    let second = KernelObject::Nexthop(second);
+    k.ours.insert(second.id(), second);
+    let moved = node("a", &["10.0.0.9"], &["10.1.1.0/24"]);
+    let (p, _) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
+    assert_eq!(
+        ops_of(&p),
+        [
+            "delete map 10.0.0.1 -> node 1",
+            "create map 10.0.0.9 -> node 1",
+            "replace route 10.1.1.0/24 nhid 201500001 metric 0",
+            "delete nexthop 201400001 via 10.0.0.1 node 1",
+        ]
+    );
 }
 
 #[test]

@@ -32,7 +32,7 @@ pub struct Snapshot {
 /// The table the checker plants foreign routes through our nexthops in.
 pub const FOREIGN_TABLE: &str = "100";
 
-/// The ID of node `id`'s nexthop of a family, as the agent numbers them.
+/// The first ID of node `id`'s nexthop of a family, as the agent numbers them.
 pub fn nexthop_id(id: u16, v6: bool) -> u32 {
     let family = if v6 { Family::V6 } else { Family::V4 };
     NexthopId::of(NodeId::new(id).expect("a remote node's ID"), family).0
@@ -86,12 +86,17 @@ impl Snapshot {
             .collect()
     }
 
-    /// Whether a foreign nexthop holds the ID of node `id`'s nexthop of a family: its routes of
-    /// that family must not be written.
+    /// Whether a foreign nexthop keeps node `id`'s routes of a family from being written: it
+    /// holds the first ID of the node's pair, and the agent has no nexthop at the second (a
+    /// node readdressed onto its second ID keeps its routes through it; otherwise the agent
+    /// would use the first).
     pub fn nexthop_taken(&self, id: u16, v6: bool) -> bool {
+        let family = if v6 { Family::V6 } else { Family::V4 };
+        let second = NexthopId::of_pair(NodeId::new(id).expect("a remote node's ID"), family, true);
         self.nexthops
             .get(&nexthop_id(id, v6))
             .is_some_and(|(_, p)| !ours(p))
+            && !self.nexthops.get(&second.0).is_some_and(|(_, p)| ours(p))
     }
 
     /// Our nexthops that no route uses, or that routes of ours use though the map gives their

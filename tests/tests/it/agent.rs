@@ -551,6 +551,54 @@ fn a_map_an_earlier_release_created_keeps_its_capacity_grows_on_request_and_new_
     });
 }
 
+/// Make before break on the real kernel: a node readdressed while the agent was down keeps its
+/// pod CIDRs, and its routes move to a new nexthop at the other ID of its pair (`2015…` for
+/// IPv4, `2017…` for IPv6) before the old one goes, rather than the old one being replaced
+/// under them (which makes the kernel walk every IPv4 route). The next readdress moves them
+/// back to the first IDs; the other node is not touched.
+#[test]
+fn a_readdressed_nodes_routes_move_to_a_new_nexthop_at_the_other_id_of_its_pair() {
+    require_sandbox!(
+        "a_readdressed_nodes_routes_move_to_a_new_nexthop_at_the_other_id_of_its_pair"
+    );
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let mut nodes = cluster(2);
+        env.write_nodes(&nodes);
+        let (code, _, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        let id = u32::from(ids_of(&env, &nodes)[&nodes[0].name]);
+        let first = |v6: bool| if v6 { 201_600_000 } else { 201_400_000 } + id;
+        let through = |env: &AgentEnv| env.routes_through_nexthops("main");
+        let before = through(&env);
+        for (readdress, offset) in [(20, 100_000), (30, 0)] {
+            nodes[0].ips = TestNode::dual("moved", readdress).ips;
+            env.write_nodes(&nodes);
+            let (code, report, err) = env.once(&[]);
+            assert_eq!(code, 0, "{err}");
+            assert_exact(&env, &nodes);
+            // Two map entries out and two in, two nexthops made, two routes moved onto them
+            // and the two old nexthops deleted.
+            assert_eq!(report["kernel_writes"], 10, "{report}");
+            for (dst, nhid) in through(&env) {
+                if nodes[0].cidrs.contains(&dst) {
+                    assert_eq!(nhid, first(dst.contains(':')) + offset, "{dst}");
+                } else {
+                    assert_eq!(nhid, before[&dst], "the other node's {dst} stays");
+                }
+            }
+            let ours: Vec<u32> = env
+                .nexthops()
+                .into_iter()
+                .filter(|(_, (_, proto))| proto == "201")
+                .map(|(nh, _)| nh)
+                .collect();
+            assert_eq!(ours.len(), 4, "one nexthop per node and family: {ours:?}");
+            assert_eq!(env.once(&[]).1["kernel_writes"], 0, "settled");
+        }
+    });
+}
+
 #[test]
 fn routes_with_their_own_gateway_move_to_nexthops_in_place_and_back() {
     require_sandbox!("routes_with_their_own_gateway_move_to_nexthops_in_place_and_back");

@@ -20,6 +20,7 @@ fn nh(node: u16, gw: &str) -> KernelObject {
     KernelObject::Nexthop(Nexthop {
         node_id: NodeId::new(node).unwrap(),
         gateway: gw.parse().unwrap(),
+        second: false,
     })
 }
 
