@@ -53,6 +53,29 @@ pub fn global_objects(config: &PlanConfig) -> Vec<KernelObject> {
         .collect()
 }
 
+/// What [`nexthop_toward`] asks of the kernel's view: an [`Inventory`], or an index over one
+/// that finds our nexthops faster (the planner's, at scale).
+pub trait KernelNexthops {
+    /// Our nexthop at `id`, if there is one.
+    fn ours(&self, id: NexthopId) -> Option<&Nexthop>;
+
+    /// The view itself: what is foreign, and which of ours foreign objects use.
+    fn inventory(&self) -> &Inventory;
+}
+
+impl KernelNexthops for Inventory {
+    fn ours(&self, id: NexthopId) -> Option<&Nexthop> {
+        match self.get(&ObjectId::Nexthop { id }) {
+            Some(KernelObject::Nexthop(n)) => Some(n),
+            _ => None,
+        }
+    }
+
+    fn inventory(&self) -> &Inventory {
+        self
+    }
+}
+
 /// Node `id`'s nexthop of `family` toward `gateway`, at the one of its two IDs that `kernel`
 /// calls for:
 /// 1. the ID of a nexthop of ours that already has this gateway (the first ID if both do);
@@ -63,34 +86,34 @@ pub fn global_objects(config: &PlanConfig) -> Vec<KernelObject> {
 ///    replaced in place;
 /// 3. with nothing of ours at either, the first ID (a foreign nexthop there keeps the routes
 ///    from being written, and is reported, as at any identity of ours).
-pub fn nexthop_toward(kernel: &Inventory, id: NodeId, family: Family, gateway: IpAddr) -> Nexthop {
+pub fn nexthop_toward(
+    kernel: &impl KernelNexthops,
+    id: NodeId,
+    family: Family,
+    gateway: IpAddr,
+) -> Nexthop {
     let at = |second| Nexthop {
         node_id: id,
         gateway,
         second,
     };
-    let ours = |second: bool| match kernel.get(&ObjectId::Nexthop {
-        id: NexthopId::of_pair(id, family, second),
-    }) {
-        Some(KernelObject::Nexthop(n)) => Some(n),
-        _ => None,
-    };
-    let (first, second) = (ours(false), ours(true));
-    if let Some(n) = [first, second]
-        .into_iter()
-        .flatten()
-        .find(|n| n.gateway == gateway)
-    {
-        return at(n.second);
+    let first = kernel.ours(NexthopId::of_pair(id, family, false));
+    if first.is_some_and(|n| n.gateway == gateway) {
+        return at(false);
+    }
+    let second = kernel.ours(NexthopId::of_pair(id, family, true));
+    if second.is_some_and(|n| n.gateway == gateway) {
+        return at(true);
     }
     let Some(old) = first.or(second) else {
         return at(false);
     };
+    let view = kernel.inventory();
     let other = ObjectId::Nexthop {
         id: NexthopId::of_pair(id, family, !old.second),
     };
-    let free = !kernel.contains(&other) && kernel.foreign(&other).is_none();
-    let shared = kernel
+    let free = !view.contains(&other) && view.foreign(&other).is_none();
+    let shared = view
         .foreign_user(&ObjectId::Nexthop { id: old.id() })
         .is_some();
     at(if free && !shared {
@@ -106,7 +129,7 @@ pub fn nexthop_toward(kernel: &Inventory, id: NodeId, family: Family, gateway: I
 fn routes(
     node: &Node,
     id: NodeId,
-    nexthops: Option<&Inventory>,
+    nexthops: Option<&impl KernelNexthops>,
     out: &mut Vec<KernelObject>,
     problems: &mut Vec<InputProblem>,
 ) {
@@ -156,7 +179,7 @@ pub fn desired_objects(
     node: &Node,
     id: NodeId,
     config: &PlanConfig,
-    kernel: &Inventory,
+    kernel: &impl KernelNexthops,
     out: &mut Vec<KernelObject>,
     problems: &mut Vec<InputProblem>,
 ) {

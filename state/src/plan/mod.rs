@@ -603,6 +603,10 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     // 5. Desired objects of programmed nodes, and the upserts they need.
     // Desired objects already in the kernel, by slot: what the deletes leave alone.
     let mut desired = Marks::for_inventory(input.inventory);
+    let nexthops = resource_index::IndexedNexthops {
+        index: &index,
+        inventory: input.inventory,
+    };
     let mut upserts = Vec::new();
     let mut objects = Vec::new();
     let mut problems = Vec::new();
@@ -611,14 +615,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
             continue;
         };
         objects.clear();
-        desired_objects(
-            l.node,
-            id,
-            cfg,
-            input.inventory,
-            &mut objects,
-            &mut problems,
-        );
+        desired_objects(l.node, id, cfg, &nexthops, &mut objects, &mut problems);
         for p in problems.drain(..) {
             err(&mut errors, &l.node.name, p);
         }

@@ -17,11 +17,11 @@ use super::classify::Live;
 pub(super) use super::interner::Res;
 use super::interner::{Batch, Interner, MISSING};
 use super::records::Record;
-use crate::desired::maps_address;
+use crate::desired::{KernelNexthops, maps_address};
 use crate::ids::IdSet;
 use crate::inventory::Inventory;
 use crate::node::{Family, Node};
-use crate::objects::{KernelObject, NexthopId, ObjectKind};
+use crate::objects::{KernelObject, Nexthop, NexthopId, ObjectKind};
 
 /// In a list of each object's key resource: the object has none.
 const NO_KEY: Res = u32::MAX;
@@ -254,6 +254,29 @@ impl ResourceIndex {
     /// object at inventory slot `slot`, if anyone claims it.
     pub fn key(&self, slot: usize) -> Option<Res> {
         Some(self.keys[slot]).filter(|&r| r != NO_KEY && r != MISSING)
+    }
+}
+
+/// The planner's view of our nexthops for [`crate::desired::nexthop_toward`]: found through
+/// the index's table of nexthop slots, not by hash (two lookups per node and family at scale).
+pub(super) struct IndexedNexthops<'a> {
+    pub index: &'a ResourceIndex,
+    pub inventory: &'a Inventory,
+}
+
+impl KernelNexthops for IndexedNexthops<'_> {
+    fn ours(&self, id: NexthopId) -> Option<&Nexthop> {
+        match self.index.nexthops.get(id) {
+            NO_SLOT => None,
+            slot => match self.inventory.at(slot as usize) {
+                KernelObject::Nexthop(n) => Some(n),
+                _ => None,
+            },
+        }
+    }
+
+    fn inventory(&self) -> &Inventory {
+        self.inventory
     }
 }
 
