@@ -80,8 +80,10 @@ impl Checkpoint {
     /// Puts the record of an event-sized plan into this one: the nodes and pending deletes
     /// named in `names` are replaced by `part`'s, everything that is not per node (IDs,
     /// removals, keys, version, time) comes from `part`. Returns whether anything but the time
-    /// changed. Works name by name, so the cost follows the names, not the whole record: a name
-    /// with as many records before as after is replaced in place.
+    /// changed. A name with as many records before as after is replaced in place, so the cost
+    /// of a readdress follows the names; names added or removed are merged into the record in
+    /// one pass. Splicing them in one by one moved the rest of the record once per name: with a
+    /// few thousand new nodes at 65,000, that was a seventh of a restart.
     pub fn splice(&mut self, names: &[String], part: Checkpoint) -> bool {
         let Checkpoint {
             agent_version,
@@ -100,6 +102,9 @@ impl Checkpoint {
             || self.ipsec_keys != ipsec_keys;
         let spliced = spliced_names(names, &nodes);
         let mut incoming = nodes.into_iter().peekable();
+        // Names whose count of records changes, and their new records, both in name order.
+        let mut resized: Vec<&str> = Vec::new();
+        let mut arriving: Vec<Node> = Vec::new();
         for name in &spliced {
             let mut group = Vec::new();
             while let Some(n) = incoming.next_if(|n| n.name == *name) {
@@ -113,9 +118,17 @@ impl Checkpoint {
                     *slot = n;
                 }
             } else {
-                changed = true;
-                self.nodes.splice(at, group);
+                resized.push(name);
+                arriving.extend(group);
             }
+        }
+        if !resized.is_empty() {
+            changed = true;
+            let old = std::mem::take(&mut self.nodes);
+            let staying = old
+                .into_iter()
+                .filter(|n| resized.binary_search(&n.name.as_str()).is_err());
+            self.nodes = merged_by_name(staying, arriving);
         }
         let before = self.pending_deletes.len();
         self.pending_deletes
@@ -129,6 +142,20 @@ impl Checkpoint {
         self.ipsec_keys = ipsec_keys;
         changed
     }
+}
+
+/// `a` and `b`, each in name order and sharing no name, as one list in name order.
+fn merged_by_name(a: impl Iterator<Item = Node>, b: Vec<Node>) -> Vec<Node> {
+    let mut out = Vec::with_capacity(a.size_hint().0 + b.len());
+    let mut b = b.into_iter().peekable();
+    for n in a {
+        while let Some(m) = b.next_if(|m| m.name < n.name) {
+            out.push(m);
+        }
+        out.push(n);
+    }
+    out.extend(b);
+    out
 }
 
 /// The names whose records [`Checkpoint::splice`] replaces: those named and those of the part's
