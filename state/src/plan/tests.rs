@@ -1673,16 +1673,24 @@ fn ops_of(p: &Plan) -> Vec<String> {
         .collect()
 }
 
+/// Converges nodes a and b with nexthops, lets `before` change the kernel, then readdresses a to
+/// 10.0.0.9, keeping its pod CIDR: that plan, and the record it left.
+fn readdress_a(k: &mut Kernel, before: impl FnOnce(&mut Kernel)) -> (Run, Plan, Checkpoint) {
+    let r = with_nexthops();
+    let (_, cp) = r.reconcile(None, &[a(), b()], k);
+    before(k);
+    let moved = node("a", &["10.0.0.9"], &["10.1.1.0/24"]);
+    let (p, cp) = r.reconcile(Some(&cp), &[moved, b()], k);
+    (r, p, cp)
+}
+
 /// Make before break: replacing an IPv4 nexthop that routes use makes the kernel walk every
 /// IPv4 route, so a readdressed node's new nexthop is made at the other ID of its pair, its
 /// routes move there, and the old one goes last; the next readdress moves it back.
 #[test]
 fn readdressing_a_node_moves_its_routes_to_a_new_nexthop_at_its_other_id() {
-    let r = with_nexthops();
     let mut k = Kernel::default();
-    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
-    let moved = node("a", &["10.0.0.9"], &["10.1.1.0/24"]);
-    let (p, cp) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
+    let (r, p, cp) = readdress_a(&mut k, |_| {});
     assert_eq!(
         ops_of(&p),
         [
@@ -1718,25 +1726,23 @@ fn readdressing_a_node_moves_its_routes_to_a_new_nexthop_at_its_other_id() {
 #[test]
 fn a_readdressed_nodes_nexthop_is_replaced_in_place_when_its_other_id_is_not_free() {
     for foreign_at_other in [true, false] {
-        let r = with_nexthops();
         let mut k = Kernel::default();
-        let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
-        let ours = ObjectId::Nexthop {
-            id: nh_id(1, Family::V4),
-        };
-        if foreign_at_other {
-            k.foreign.insert(
-                ObjectId::Nexthop {
-                    id: NexthopId::of_pair(id(1), Family::V4, true),
-                },
-                "nexthop 201500001 proto static".into(),
-            );
-        } else {
-            k.used_by
-                .insert(ours, "route 192.168.7.0/24 table 100 proto static".into());
-        }
-        let moved = node("a", &["10.0.0.9"], &["10.1.1.0/24"]);
-        let (p, _) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
+        let (_, p, _) = readdress_a(&mut k, |k| {
+            if foreign_at_other {
+                k.foreign.insert(
+                    ObjectId::Nexthop {
+                        id: NexthopId::of_pair(id(1), Family::V4, true),
+                    },
+                    "nexthop 201500001 proto static".into(),
+                );
+            } else {
+                let ours = ObjectId::Nexthop {
+                    id: nh_id(1, Family::V4),
+                };
+                k.used_by
+                    .insert(ours, "route 192.168.7.0/24 table 100 proto static".into());
+            }
+        });
         assert_eq!(
             ops_of(&p),
             [
