@@ -112,6 +112,36 @@ fn main() {
     }
 }
 
+/// What the daemon pays after each event that adds or removes a node, to put the event plan's
+/// record into the whole one: the median of `runs` turns of a node in the middle of the record
+/// replaced by a new one, and back, halved.
+fn splice_event(settled: &Checkpoint, runs: usize) -> Duration {
+    let mut record = settled.clone();
+    let header = Checkpoint {
+        nodes: Vec::new(),
+        pending_deletes: Vec::new(),
+        ..settled.clone()
+    };
+    let gone = record.nodes[record.nodes.len() / 2].clone();
+    let new = Node {
+        name: format!("{}-new", gone.name),
+        ..gone.clone()
+    };
+    let part = |n: &Node| Checkpoint {
+        nodes: vec![n.clone()],
+        ..header.clone()
+    };
+    let turn = time(runs, || {
+        record.splice(std::slice::from_ref(&gone.name), part(&new));
+        record.splice(std::slice::from_ref(&new.name), part(&gone));
+    });
+    assert!(
+        record.same_content(settled),
+        "the turns put the record back"
+    );
+    turn / 2
+}
+
 fn run(nodes: usize) -> Figures {
     let cfg = PlanConfig {
         local_node: "local".into(),
@@ -256,6 +286,8 @@ fn run(nodes: usize) -> Figures {
     assert_eq!(held_plan.steady, Some(vec![held.name.clone()]));
     let plan_event_add_beside_held = event(added.name.clone(), Some(added), Some(&held));
 
+    let splice_event = splice_event(&settled, runs * 4);
+
     let cp: Checkpoint = p.checkpoint.clone();
     let bytes = encode(&cp).unwrap();
     let runs = if nodes > 20_000 { 7 } else { 51 };
@@ -324,6 +356,11 @@ fn run(nodes: usize) -> Figures {
             "ms (one node, planned event-sized)",
         );
     }
+    out(
+        "checkpoint_splice_event",
+        format!("{:.3}", ms(splice_event)),
+        "ms (an event's record put into the whole one: a node gone, another new)",
+    );
     out(
         "claim_index_build",
         format!("{:.3}", ms(index_build)),
