@@ -7,6 +7,8 @@
 
 use std::future::Future;
 
+use ipnet::IpNet;
+
 use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::Op;
@@ -46,10 +48,11 @@ pub trait Kernel {
     /// off.
     fn route_nexthops(&self) -> bool;
 
-    /// Whether no one else has changed a route since the last dump, as far as the kernel's
-    /// announcements tell (`false` whenever that is not known): then the routes the last
-    /// reconcile left as ours are still ours, and a plan may replace them without a dump.
-    fn routes_unchanged_since_dump(&mut self) -> bool;
+    /// Whether no one else has changed a route in our table at any of `at` since the last
+    /// dump, as far as the kernel's announcements tell (`false` whenever that is not known):
+    /// then the routes the last reconcile left as ours there are still ours, and a plan may
+    /// replace them without a dump.
+    fn routes_untouched_since_dump(&mut self, at: &[IpNet]) -> bool;
 
     /// Attaches the pod classifier to pod interfaces that appeared since the datapath loaded;
     /// returns those that still do not exist.
@@ -112,9 +115,9 @@ pub mod fake {
         pub nexthops: bool,
         /// The capacities [`Kernel::grow_maps`] was asked for.
         pub grown: Vec<u32>,
-        /// Someone else changed a route since the last dump (what a test planted there):
-        /// [`Kernel::routes_unchanged_since_dump`] says so until the next dump.
-        pub routes_changed: bool,
+        /// Destinations where someone else changed a route since the last dump (what a test
+        /// planted there): [`Kernel::routes_untouched_since_dump`] says so until the next dump.
+        pub routes_touched: Vec<IpNet>,
     }
 
     fn busy(what: &str) -> OpError {
@@ -174,7 +177,7 @@ pub mod fake {
     impl Kernel for FakeKernel {
         async fn dump(&mut self) -> Result<Inventory, DumpError> {
             self.dumps += 1;
-            self.routes_changed = false;
+            self.routes_touched.clear();
             if self.faults.dumps > 0 {
                 self.faults.dumps -= 1;
                 return Err(DumpError::Kernel {
@@ -226,8 +229,8 @@ pub mod fake {
             self.nexthops
         }
 
-        fn routes_unchanged_since_dump(&mut self) -> bool {
-            !self.routes_changed
+        fn routes_untouched_since_dump(&mut self, at: &[IpNet]) -> bool {
+            !at.iter().any(|dst| self.routes_touched.contains(dst))
         }
 
         fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {

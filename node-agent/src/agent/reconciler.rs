@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use ipnet::IpNet;
 use state::checkpoint::Checkpoint;
 use state::ids::{AllocatorState, FreedId};
 use state::inventory::Inventory;
@@ -456,7 +457,8 @@ impl<K: Kernel> Reconciler<K> {
             Some(plan) => plan,
             None => self.make_plan(&inventory, now, &config),
         };
-        if !dumped && needs_a_fresh_view(&plan) && !self.kernel.routes_unchanged_since_dump() {
+        let replaced = replaced_routes(&plan);
+        if !dumped && !replaced.is_empty() && !self.kernel.routes_untouched_since_dump(&replaced) {
             self.expected = Some(inventory);
             drop(plan);
             (inventory, drift) = self.dump().await?;
@@ -863,16 +865,21 @@ fn map_growth(plan: &Plan, inventory: &Inventory, capacity: usize) -> Option<u32
     (target > capacity).then_some(target as u32)
 }
 
-/// Whether a plan made from the last reconcile's view must be made again from a dump unless
-/// the kernel can tell that no one else changed a route since the last one: it replaces a
-/// route (a replace matches the destination, whoever's route is there now; a readdressed
-/// node's routes move to its new nexthop so). A plan that deletes a nexthop needs none: the
-/// backend reads the routes before it deletes one, and leaves alone a nexthop something goes
-/// through.
-fn needs_a_fresh_view(plan: &Plan) -> bool {
+/// The destinations where a plan made from the last reconcile's view replaces a route: it is
+/// made again from a dump unless the kernel can tell that no one else changed a route at any
+/// of them since the last one (a replace matches the destination, whoever's route is there
+/// now; a readdressed node's routes move to its new nexthop so). A plan that deletes a nexthop
+/// needs none: the backend reads the routes before it deletes one, and leaves alone a nexthop
+/// something goes through.
+fn replaced_routes(plan: &Plan) -> Vec<IpNet> {
     plan.upserts
         .iter()
-        .any(|u| u.update && u.object.kind() == ObjectKind::Route)
+        .filter(|u| u.update)
+        .filter_map(|u| match &u.object {
+            KernelObject::Route(r) => Some(r.dst),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Where a reconcile's view of the kernel comes from.
@@ -1376,15 +1383,20 @@ mod tests {
 
     /// A readdressed node's routes move to its new nexthop by replace, which matches the
     /// destination whoever's route is there: from the last reconcile's view only while the
-    /// kernel says no one else changed a route since the last dump, else from a fresh dump.
+    /// kernel says no one else changed a route at those destinations since the last dump, else
+    /// from a fresh dump.
     #[tokio::test(flavor = "current_thread")]
-    async fn a_readdress_replaces_routes_from_the_last_view_only_while_no_one_else_changed_one() {
+    async fn a_readdress_replaces_routes_from_the_last_view_only_while_no_one_else_changed_one_there()
+     {
         let kernel = FakeKernel {
             nexthops: true,
             ..FakeKernel::default()
         };
         let mut rec = reconciler_with(config(), kernel, &[("a", 1), ("b", 2)]);
         rec.reconcile().await.unwrap();
+        // Someone else changed a route at a destination that is none of ours: no matter.
+        let elsewhere: ipnet::IpNet = "192.168.50.0/24".parse().unwrap();
+        rec.kernel().routes_touched.push(elsewhere);
         rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.11", "10.1.1.0/24")));
         let out = rec.reconcile_event().await.unwrap();
         assert!(out.plan.scope.is_some() && out.plan.settled);
@@ -1404,7 +1416,7 @@ mod tests {
         rec.kernel()
             .foreign
             .insert(theirs.clone(), "route 10.1.2.0/24 proto static".into());
-        rec.kernel().routes_changed = true;
+        rec.kernel().routes_touched.push(dst);
         rec.on_event(SourceEvent::Apply(raw("b", "10.0.0.12", "10.1.2.0/24")));
         let out = rec.reconcile_event().await.unwrap();
         assert_eq!(rec.kernel().dumps, 2, "made again from a dump");

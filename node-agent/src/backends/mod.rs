@@ -22,6 +22,8 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::PathBuf;
 
+use ipnet::IpNet;
+
 use users_watch::UsersWatch;
 
 use state::ids::FreedId;
@@ -463,10 +465,10 @@ impl Kernel for Backends {
         self.route_nexthops
     }
 
-    fn routes_unchanged_since_dump(&mut self) -> bool {
+    fn routes_untouched_since_dump(&mut self, at: &[IpNet]) -> bool {
         self.watch
             .as_mut()
-            .is_some_and(UsersWatch::unchanged_since_dump)
+            .is_some_and(|w| w.untouched_since_dump(at))
     }
 
     fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {

@@ -13,16 +13,21 @@
 //! announcement (the socket's buffer overran, as our own cold start of 130,000 routes does),
 //! makes the next check read them again.
 //!
-//! The same announcements say whether anyone else changed a route since the last full dump
-//! ([`UsersWatch::unchanged_since_dump`]): while no one did, a route the agent's view holds as
-//! its own at a destination is still its own there, and the view may be trusted to replace it
-//! (a replace matches the destination, whoever's route is there).
+//! The same announcements say where in our table anyone else changed a route since the last
+//! full dump ([`UsersWatch::untouched_since_dump`]): while no one did at a destination, a route
+//! the agent's view holds as its own there is still its own, and the view may be trusted to
+//! replace it (a replace matches the destination in the table, whoever's route is there).
+//! Routes others change elsewhere, in other tables or at other destinations (a busy node's main
+//! table), leave that trust alone.
 //!
 //! The socket is only read when asked; between reads the kernel queues at most its buffer's
 //! worth, and an overrun costs one read, never a wrong answer.
 
+use std::collections::HashSet;
 use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use ipnet::IpNet;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 /// `RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE`: the legacy group bits of the route announcements.
@@ -32,7 +37,10 @@ const NEXTHOP_GROUP: u32 = 32;
 const RTM_NEWROUTE: u16 = 24;
 const RTM_DELROUTE: u16 = 25;
 const RTM_NEWNEXTHOP: u16 = 104;
+const RTA_DST: u16 = 1;
 const RTA_TABLE: u16 = 15;
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 /// `struct nhmsg`: family, scope, protocol, reserved, flags (u32).
 const NHMSG_LEN: usize = 8;
 /// `NHA_GROUP`: the nexthop is a group of others.
@@ -42,6 +50,9 @@ const NLMSG_HDRLEN: usize = 16;
 const RTMSG_LEN: usize = 12;
 /// Room for the announcements of a reconcile's own writes between two checks.
 const RECEIVE_BUFFER: usize = 4 << 20;
+/// Destinations touched by others kept since a dump; past this many, none is trusted until the
+/// next dump (a node whose table churns that much gains little from the view anyway).
+const MAX_TOUCHED: usize = 4096;
 
 pub struct UsersWatch {
     socket: Socket,
@@ -51,8 +62,10 @@ pub struct UsersWatch {
     /// Every announcement since the last read of the users was of one of our routes, none
     /// was lost.
     unchanged: bool,
-    /// The same, since the last full dump.
-    unchanged_since_dump: bool,
+    /// Destinations in our table where someone else changed a route since the last full dump;
+    /// `None` when that is not known (no dump yet, one that failed, lost or unreadable
+    /// announcements, or more than [`MAX_TOUCHED`] of them).
+    touched_since_dump: Option<HashSet<IpNet>>,
 }
 
 impl UsersWatch {
@@ -71,14 +84,14 @@ impl UsersWatch {
             protocol,
             table,
             unchanged: false,
-            unchanged_since_dump: false,
+            touched_since_dump: None,
         })
     }
 
     /// A full dump begins: what was announced before it is in it.
     pub fn dumping(&mut self) {
         self.reading();
-        self.unchanged_since_dump = true;
+        self.touched_since_dump = Some(HashSet::new());
     }
 
     /// A full read of the routes and nexthops begins: what was announced before it is in it.
@@ -90,7 +103,7 @@ impl UsersWatch {
     /// The read or dump that began did not complete: nothing counts as read.
     pub fn forget(&mut self) {
         self.unchanged = false;
-        self.unchanged_since_dump = false;
+        self.touched_since_dump = None;
     }
 
     /// Whether nothing announced since the last full read can have come to use our nexthops.
@@ -99,10 +112,13 @@ impl UsersWatch {
         self.unchanged
     }
 
-    /// Whether no one else changed a route (or a nexthop group) since the last full dump.
-    pub fn unchanged_since_dump(&mut self) -> bool {
+    /// Whether no one else changed a route in our table at any of `at` since the last full
+    /// dump.
+    pub fn untouched_since_dump(&mut self, at: &[IpNet]) -> bool {
         self.drain();
-        self.unchanged_since_dump
+        self.touched_since_dump
+            .as_ref()
+            .is_some_and(|t| !at.iter().any(|dst| t.contains(dst)))
     }
 
     fn drain(&mut self) {
@@ -111,64 +127,114 @@ impl UsersWatch {
             match self.socket.recv(&mut buf, 0) {
                 Ok(0) => return,
                 Ok(n) => {
-                    if !only_ours(&self.buf[..n], self.protocol, self.table) {
-                        self.changed();
+                    let (protocol, table) = (self.protocol, self.table);
+                    for a in announcements(&self.buf[..n], protocol, table) {
+                        self.heard(a);
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 // Announcements were lost: what changed is no longer known. The socket goes on.
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => self.changed(),
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => self.heard(Announced::Unknown),
                 Err(_) => {
-                    self.changed();
+                    self.heard(Announced::Unknown);
                     return;
                 }
             }
         }
     }
 
-    fn changed(&mut self) {
-        self.unchanged = false;
-        self.unchanged_since_dump = false;
+    fn heard(&mut self, a: Announced) {
+        match a {
+            Announced::Nothing => {}
+            Announced::Group | Announced::Route { in_our_table: None } => self.unchanged = false,
+            Announced::Route {
+                in_our_table: Some(dst),
+            } => {
+                self.unchanged = false;
+                if let Some(t) = &mut self.touched_since_dump {
+                    t.insert(dst);
+                    if t.len() > MAX_TOUCHED {
+                        self.touched_since_dump = None;
+                    }
+                }
+            }
+            Announced::Unknown => {
+                self.unchanged = false;
+                self.touched_since_dump = None;
+            }
+        }
     }
 }
 
-/// Whether no announcement in `datagram` can have made a user of our nexthops: each route is
-/// ours (`protocol`, in `table`) and each new nexthop is not a group. Anything unreadable can.
-fn only_ours(datagram: &[u8], protocol: u8, table: u32) -> bool {
+/// What one announcement can have changed that the watch tracks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Announced {
+    /// Nothing: one of our routes, or a nexthop that is not a group.
+    Nothing,
+    /// A nexthop group, whoever's: it may hold one of our nexthops.
+    Group,
+    /// Someone else's route: it may go through one of our nexthops, and in our table it is at
+    /// a destination where a replace of ours would meet it.
+    Route { in_our_table: Option<IpNet> },
+    /// Anything: a message that does not parse, or announcements lost.
+    Unknown,
+}
+
+/// What each announcement in `datagram` can have changed: a route is ours when it has our
+/// `protocol` and is in our `table`.
+fn announcements(datagram: &[u8], protocol: u8, table: u32) -> Vec<Announced> {
+    let mut out = Vec::new();
     let mut rest = datagram;
     while rest.len() >= NLMSG_HDRLEN {
         let len = u32::from_ne_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
         let kind = u16::from_ne_bytes(rest[4..6].try_into().expect("2 bytes"));
         if len < NLMSG_HDRLEN || len > rest.len() {
-            return false;
+            out.push(Announced::Unknown);
+            return out;
         }
         let body = &rest[NLMSG_HDRLEN..len];
-        if matches!(kind, RTM_NEWROUTE | RTM_DELROUTE) && !is_ours(body, protocol, table) {
-            return false;
-        }
-        if kind == RTM_NEWNEXTHOP && is_group(body) {
-            return false;
-        }
+        out.push(match kind {
+            RTM_NEWROUTE | RTM_DELROUTE => route(body, protocol, table),
+            RTM_NEWNEXTHOP if is_group(body) => Announced::Group,
+            _ => Announced::Nothing,
+        });
         rest = &rest[align(len).min(rest.len())..];
     }
-    true
+    out
 }
 
-fn is_ours(rtmsg: &[u8], protocol: u8, table: u32) -> bool {
-    if rtmsg.len() < RTMSG_LEN || rtmsg[5] != protocol {
-        return false;
-    }
-    let Some(attrs) = attributes(&rtmsg[RTMSG_LEN..]) else {
-        return false;
+/// What a route announcement can have changed.
+fn route(rtmsg: &[u8], protocol: u8, table: u32) -> Announced {
+    let Some(attrs) = rtmsg.get(RTMSG_LEN..).and_then(attributes) else {
+        return Announced::Unknown;
     };
-    let route_table = attrs
-        .iter()
-        .find(|(kind, payload)| *kind == RTA_TABLE && payload.len() >= 4)
-        .map_or(u32::from(rtmsg[4]), |(_, p)| {
-            u32::from_ne_bytes(p[..4].try_into().expect("4 bytes"))
-        });
-    route_table == table
+    let attr = |kind: u16| attrs.iter().find(|(k, _)| *k == kind).map(|(_, p)| *p);
+    let route_table = match attr(RTA_TABLE) {
+        Some(p) if p.len() >= 4 => u32::from_ne_bytes(p[..4].try_into().expect("4 bytes")),
+        Some(_) => return Announced::Unknown,
+        None => u32::from(rtmsg[4]),
+    };
+    if route_table != table {
+        return Announced::Route { in_our_table: None };
+    }
+    if rtmsg[5] == protocol {
+        return Announced::Nothing;
+    }
+    // No RTA_DST is the default route of the family.
+    let dst = match (rtmsg[0], attr(RTA_DST)) {
+        (AF_INET, None) => Some(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+        (AF_INET6, None) => Some(IpAddr::V6(Ipv6Addr::UNSPECIFIED)),
+        (AF_INET, Some(p)) => <[u8; 4]>::try_from(p).ok().map(IpAddr::from),
+        (AF_INET6, Some(p)) => <[u8; 16]>::try_from(p).ok().map(IpAddr::from),
+        _ => None,
+    };
+    match dst.and_then(|ip| IpNet::new(ip, rtmsg[1]).ok()) {
+        Some(dst) => Announced::Route {
+            in_our_table: Some(dst),
+        },
+        None => Announced::Unknown,
+    }
 }
 
 /// Whether a nexthop message is of a group (or unreadable).
@@ -200,11 +266,17 @@ fn align(len: usize) -> usize {
 mod tests {
     use super::*;
 
-    fn announcement(kind: u16, protocol: u8, table: u32) -> Vec<u8> {
-        let mut body = vec![2, 24, 0, 0, 254, protocol, 0, 1, 0, 0, 0, 0];
+    /// A route announcement to 10.1.2.0/24 (with `RTA_DST` unless `dst` is false).
+    fn announcement(kind: u16, protocol: u8, table: u32, dst: bool) -> Vec<u8> {
+        let mut body = vec![AF_INET, 24, 0, 0, 254, protocol, 0, 1, 0, 0, 0, 0];
         body.extend_from_slice(&8u16.to_ne_bytes());
         body.extend_from_slice(&RTA_TABLE.to_ne_bytes());
         body.extend_from_slice(&table.to_ne_bytes());
+        if dst {
+            body.extend_from_slice(&8u16.to_ne_bytes());
+            body.extend_from_slice(&RTA_DST.to_ne_bytes());
+            body.extend_from_slice(&[10, 1, 2, 0]);
+        }
         let mut msg = ((NLMSG_HDRLEN + body.len()) as u32).to_ne_bytes().to_vec();
         msg.extend_from_slice(&kind.to_ne_bytes());
         msg.extend_from_slice(&[0; 10]);
@@ -212,16 +284,41 @@ mod tests {
         msg
     }
 
+    fn heard(datagram: &[u8]) -> Vec<Announced> {
+        announcements(datagram, 201, 254)
+    }
+
     #[test]
-    fn only_our_protocol_in_our_table_is_ours() {
-        let ours = announcement(RTM_NEWROUTE, 201, 254);
-        assert!(only_ours(&ours, 201, 254));
-        assert!(only_ours(&announcement(RTM_DELROUTE, 201, 254), 201, 254));
+    fn our_protocol_in_our_table_is_ours_and_anyone_elses_route_is_where_it_is() {
+        let at = |dst: &str| Announced::Route {
+            in_our_table: Some(dst.parse().unwrap()),
+        };
+        let ours = announcement(RTM_NEWROUTE, 201, 254, true);
+        assert_eq!(heard(&ours), [Announced::Nothing]);
+        assert_eq!(
+            heard(&announcement(RTM_DELROUTE, 201, 254, true)),
+            [Announced::Nothing]
+        );
         let mut two = ours.clone();
-        two.extend(announcement(RTM_NEWROUTE, 4, 254));
-        assert!(!only_ours(&two, 201, 254), "a static route among ours");
-        assert!(!only_ours(&announcement(RTM_NEWROUTE, 201, 100), 201, 254));
-        assert!(!only_ours(&ours[..ours.len() - 6], 201, 254), "truncated");
+        two.extend(announcement(RTM_NEWROUTE, 4, 254, true));
+        assert_eq!(heard(&two), [Announced::Nothing, at("10.1.2.0/24")]);
+        assert_eq!(
+            heard(&announcement(RTM_DELROUTE, 4, 254, false)),
+            [at("0.0.0.0/24")],
+            "without RTA_DST, the family's zero address"
+        );
+        for protocol in [201, 4] {
+            assert_eq!(
+                heard(&announcement(RTM_NEWROUTE, protocol, 100, true)),
+                [Announced::Route { in_our_table: None }],
+                "another table, protocol {protocol}"
+            );
+        }
+        assert_eq!(
+            heard(&ours[..ours.len() - 6]),
+            [Announced::Unknown],
+            "truncated"
+        );
     }
 
     fn nexthop(attr: u16) -> Vec<u8> {
@@ -239,7 +336,7 @@ mod tests {
     #[test]
     fn a_nexthop_matters_only_as_a_group() {
         // NHA_ID (1): anyone's plain nexthop uses nothing.
-        assert!(only_ours(&nexthop(1), 201, 254));
-        assert!(!only_ours(&nexthop(NHA_GROUP), 201, 254));
+        assert_eq!(heard(&nexthop(1)), [Announced::Nothing]);
+        assert_eq!(heard(&nexthop(NHA_GROUP)), [Announced::Group]);
     }
 }

@@ -9,7 +9,7 @@ use node_agent::backends::nexthops::NexthopBackend;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
 use node_agent::backends::users_watch::UsersWatch;
 use node_agent::backends::{Backend, OpError, apply_nexthops, users_of};
-use node_agent_tests::{ip, require_sandbox, runtime, sandbox};
+use node_agent_tests::{ip, ip_batch, require_sandbox, runtime, sandbox};
 use state::inventory::Inventory;
 use state::node::Family;
 use state::objects::{KernelObject, Nexthop, NexthopId, NodeId, ObjectId, Op, Route, Via};
@@ -258,6 +258,65 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
         assert!(!all.contains("id 201400003 "), "the unused one goes: {all}");
         let t100 = shown(&["route", "show", "table", "100"]);
         assert!(t100.contains("192.168.7.0/24 nhid 201400001"), "{t100}");
+    });
+}
+
+/// After a dump, the watch tells where in our table someone else changed a route: a replace
+/// from the agent's view stays trusted at every other destination, whatever others do in other
+/// tables or with our own routes, and nowhere once announcements were lost.
+#[test]
+fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dump() {
+    require_sandbox!(
+        "the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dump"
+    );
+    sandbox(|_| {
+        link_with_gateways();
+        let mut w = UsersWatch::open(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+        let ours: IpNet = "10.1.1.0/24".parse().unwrap();
+        let theirs: IpNet = "10.1.2.0/24".parse().unwrap();
+        let theirs6: IpNet = "fd00:2::/64".parse().unwrap();
+        assert!(
+            !w.untouched_since_dump(&[ours]),
+            "nothing is known before a dump"
+        );
+        w.dumping();
+        for line in [
+            "route add 10.1.1.0/24 via 10.88.0.2 proto 201",
+            "route add 10.1.1.0/24 via 10.88.0.2 table 100 proto static",
+            "route add 10.1.2.0/24 via 10.88.0.3 proto static",
+            "route add fd00:2::/64 via fd00:88::3 proto static",
+        ] {
+            assert!(ip_line(line).status.success(), "{line}");
+        }
+        assert!(w.untouched_since_dump(&[ours]), "ours, and another table's");
+        assert!(!w.untouched_since_dump(&[ours, theirs]));
+        assert!(!w.untouched_since_dump(&[theirs6]));
+        w.dumping();
+        assert!(
+            w.untouched_since_dump(&[ours, theirs, theirs6]),
+            "a dump reads them"
+        );
+        assert!(
+            ip_line("route del 10.1.2.0/24 proto static")
+                .status
+                .success()
+        );
+        assert!(!w.untouched_since_dump(&[theirs]), "a delete touches too");
+        // More announcements than the socket holds between two looks: nothing is trusted.
+        w.dumping();
+        let lines: String = (0..20_000u32)
+            .map(|k| {
+                format!(
+                    "route add 10.200.{}.{}/32 via 10.88.0.2 proto 201\n",
+                    k >> 8,
+                    k & 0xff
+                )
+            })
+            .collect();
+        ip_batch(&[], &lines);
+        assert!(!w.untouched_since_dump(&[ours]), "announcements were lost");
+        w.dumping();
+        assert!(w.untouched_since_dump(&[ours]));
     });
 }
 
