@@ -466,10 +466,19 @@ impl<K: Kernel> Reconciler<K> {
             plan = self.make_plan(&inventory, now, &config);
         }
         if self.grow_maps_for(&plan, &inventory) {
-            // One plan at a time: at scale, two would be the reconcile's peak memory.
-            drop(plan);
             config = self.plan_config();
-            plan = self.make_plan(&inventory, now, &config);
+            // Only nodes held for want of room see the new capacity: without any, the plan
+            // stands as it is, and a second full plan (on every cold start of a cluster past
+            // 49,000 dual-stack nodes, which grows the maps) would only make it again.
+            if plan
+                .errors
+                .iter()
+                .any(|e| matches!(e.problem, InputProblem::MapFull { .. }))
+            {
+                // One plan at a time: at scale, two would be the reconcile's peak memory.
+                drop(plan);
+                plan = self.make_plan(&inventory, now, &config);
+            }
         }
         self.confirmed_hold = None;
         if dumped && self.live.synced() {
@@ -828,8 +837,6 @@ fn repaired(telemetry: &Telemetry, node: Option<&str>, o: &KernelObject, found: 
     }
 }
 
-/// Merges freed IDs the kernel remembers into the checkpoint's, keeping the later time of each:
-/// the safer cool-down.
 /// The capacity the maps should grow to for `plan`, if they should: when the entries it leaves
 /// in either map, plus those of nodes it held for want of room, fill more than three quarters of
 /// `capacity`, double it until they do not (a hash map that full keeps its lookups short, and a
@@ -891,6 +898,8 @@ enum InventoryFrom {
     Cached,
 }
 
+/// Merges freed IDs the kernel remembers into the checkpoint's, keeping the later time of each:
+/// the safer cool-down.
 fn merge_freed(ids: &mut AllocatorState, kernel: Vec<FreedId>) {
     let mut by_id: BTreeMap<u16, FreedId> = ids.freed.iter().map(|f| (f.id.get(), *f)).collect();
     for f in kernel {
@@ -1222,6 +1231,22 @@ mod tests {
         // Room enough now: the next reconcile grows nothing.
         rec.reconcile().await.unwrap();
         assert_eq!(rec.kernel().grown, [8]);
+        // A seventh fits in 8 but fills more than 3/4 of it: the map grows, nothing was held,
+        // and the plan made before the growth is applied. The next event is still planned
+        // event-sized, under the grown capacity.
+        rec.prepare_event_plans();
+        rec.on_event(SourceEvent::Apply(raw("n7", "10.0.0.7", "10.1.7.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert_eq!(rec.kernel().grown, [8, 16]);
+        assert!(out.plan.errors.is_empty(), "{:?}", out.plan.errors);
+        assert_eq!(count(&mut rec, ObjectKind::MapEntry), 7);
+        rec.on_event(SourceEvent::Apply(raw("n8", "10.0.0.8", "10.1.8.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert!(
+            out.plan.scope.is_some(),
+            "event-sized under the grown capacity"
+        );
+        assert_eq!(count(&mut rec, ObjectKind::MapEntry), 8);
     }
 
     #[test]
