@@ -457,8 +457,7 @@ impl<K: Kernel> Reconciler<K> {
             Some(plan) => plan,
             None => self.make_plan(&inventory, now, &config),
         };
-        let replaced = replaced_routes(&plan);
-        if !dumped && !replaced.is_empty() && !self.kernel.routes_untouched_since_dump(&replaced) {
+        if !dumped && !self.view_stands_for(&plan) {
             self.expected = Some(inventory);
             drop(plan);
             (inventory, drift) = self.dump().await?;
@@ -636,6 +635,13 @@ impl<K: Kernel> Reconciler<K> {
     /// Grows the maps when `plan` would leave them more than three quarters full or could not
     /// place a node for want of room; returns whether they grew (the plan is then made again).
     /// A capacity the kernel refused is not asked for again by this agent.
+    /// Whether the last reconcile's view can stand in for a dump for `plan`: it replaces no
+    /// route, or no one else changed a route at any destination it replaces since the last dump.
+    fn view_stands_for(&mut self, plan: &Plan) -> bool {
+        let replaced = replaced_routes(plan);
+        replaced.is_empty() || self.kernel.routes_untouched_since_dump(&replaced)
+    }
+
     fn grow_maps_for(&mut self, plan: &Plan, inventory: &Inventory) -> bool {
         let capacity = self.plan_config.map_capacity;
         if !self.config.node_map_grow {

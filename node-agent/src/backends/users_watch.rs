@@ -38,6 +38,8 @@ const RTM_NEWROUTE: u16 = 24;
 const RTM_DELROUTE: u16 = 25;
 const RTM_NEWNEXTHOP: u16 = 104;
 const RTA_DST: u16 = 1;
+const RTA_GATEWAY: u16 = 5;
+const RTA_NH_ID: u16 = 30;
 const RTA_TABLE: u16 = 15;
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -170,7 +172,8 @@ impl UsersWatch {
 /// What one announcement can have changed that the watch tracks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Announced {
-    /// Nothing: one of our routes, or a nexthop that is not a group.
+    /// Nothing: one of our routes (in the shape the route dump takes as ours), or a nexthop
+    /// that is not a group.
     Nothing,
     /// A nexthop group, whoever's: it may hold one of our nexthops.
     Group,
@@ -182,7 +185,9 @@ enum Announced {
 }
 
 /// What each announcement in `datagram` can have changed: a route is ours when it has our
-/// `protocol` and is in our `table`.
+/// `protocol`, is in our `table` and has the shape the route dump takes as ours (one gateway or
+/// one nexthop, no TOS). Anything else at one of our destinations, our protocol's multipath
+/// routes included, is someone else's: the dump leaves it alone, and so must a replace.
 fn announcements(datagram: &[u8], protocol: u8, table: u32) -> Vec<Announced> {
     let mut out = Vec::new();
     let mut rest = datagram;
@@ -218,7 +223,8 @@ fn route(rtmsg: &[u8], protocol: u8, table: u32) -> Announced {
     if route_table != table {
         return Announced::Route { in_our_table: None };
     }
-    if rtmsg[5] == protocol {
+    let single_hop = attr(RTA_GATEWAY).is_some() || attr(RTA_NH_ID).is_some();
+    if rtmsg[5] == protocol && rtmsg[3] == 0 && single_hop {
         return Announced::Nothing;
     }
     // No RTA_DST is the default route of the family.
@@ -266,9 +272,23 @@ fn align(len: usize) -> usize {
 mod tests {
     use super::*;
 
-    /// A route announcement to 10.1.2.0/24 (with `RTA_DST` unless `dst` is false).
+    /// A route announcement to 10.1.2.0/24 through a nexthop (with `RTA_DST` unless `dst` is
+    /// false).
     fn announcement(kind: u16, protocol: u8, table: u32, dst: bool) -> Vec<u8> {
-        let mut body = vec![AF_INET, 24, 0, 0, 254, protocol, 0, 1, 0, 0, 0, 0];
+        shaped(kind, protocol, table, dst, 0, Some(RTA_NH_ID))
+    }
+
+    /// The same with a TOS, and through `via` (`RTA_NH_ID`, `RTA_GATEWAY`, or neither, as a
+    /// multipath route's top level has).
+    fn shaped(
+        kind: u16,
+        protocol: u8,
+        table: u32,
+        dst: bool,
+        tos: u8,
+        via: Option<u16>,
+    ) -> Vec<u8> {
+        let mut body = vec![AF_INET, 24, 0, tos, 254, protocol, 0, 1, 0, 0, 0, 0];
         body.extend_from_slice(&8u16.to_ne_bytes());
         body.extend_from_slice(&RTA_TABLE.to_ne_bytes());
         body.extend_from_slice(&table.to_ne_bytes());
@@ -276,6 +296,11 @@ mod tests {
             body.extend_from_slice(&8u16.to_ne_bytes());
             body.extend_from_slice(&RTA_DST.to_ne_bytes());
             body.extend_from_slice(&[10, 1, 2, 0]);
+        }
+        if let Some(via) = via {
+            body.extend_from_slice(&8u16.to_ne_bytes());
+            body.extend_from_slice(&via.to_ne_bytes());
+            body.extend_from_slice(&[10, 88, 0, 2]);
         }
         let mut msg = ((NLMSG_HDRLEN + body.len()) as u32).to_ne_bytes().to_vec();
         msg.extend_from_slice(&kind.to_ne_bytes());
@@ -319,6 +344,19 @@ mod tests {
             [Announced::Unknown],
             "truncated"
         );
+        assert_eq!(
+            heard(&shaped(RTM_NEWROUTE, 201, 254, true, 0, Some(RTA_GATEWAY))),
+            [Announced::Nothing],
+            "ours with its own gateway"
+        );
+        // Our protocol in a shape the dump does not take as ours is someone else's route.
+        for (tos, via) in [(0, None), (4, Some(RTA_NH_ID))] {
+            assert_eq!(
+                heard(&shaped(RTM_NEWROUTE, 201, 254, true, tos, via)),
+                [at("10.1.2.0/24")],
+                "TOS {tos}, via {via:?}"
+            );
+        }
     }
 
     fn nexthop(attr: u16) -> Vec<u8> {

@@ -280,20 +280,39 @@ fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dum
             "nothing is known before a dump"
         );
         w.dumping();
+        let ours6: IpNet = "fd00:1::/64".parse().unwrap();
+        let multipath: IpNet = "10.1.3.0/24".parse().unwrap();
         for line in [
+            // Ours: with its own gateway, and through a nexthop, made, replaced and deleted.
             "route add 10.1.1.0/24 via 10.88.0.2 proto 201",
+            "nexthop add id 201600001 via fd00:88::2 dev gw0 proto 201",
+            "route add fd00:1::/64 nhid 201600001 proto 201",
+            "nexthop add id 201700001 via fd00:88::3 dev gw0 proto 201",
+            "route replace fd00:1::/64 nhid 201700001 proto 201",
+            "route del fd00:1::/64 proto 201",
+            // Someone else's: in another table, at other destinations, and our protocol in a
+            // shape the dump does not take as ours.
             "route add 10.1.1.0/24 via 10.88.0.2 table 100 proto static",
             "route add 10.1.2.0/24 via 10.88.0.3 proto static",
             "route add fd00:2::/64 via fd00:88::3 proto static",
+            "route add 10.1.3.0/24 proto 201 nexthop via 10.88.0.2 nexthop via 10.88.0.3",
         ] {
-            assert!(ip_line(line).status.success(), "{line}");
+            let out = ip_line(line);
+            assert!(out.status.success(), "{line}: {out:?}");
         }
-        assert!(w.untouched_since_dump(&[ours]), "ours, and another table's");
+        assert!(
+            w.untouched_since_dump(&[ours, ours6]),
+            "ours, and another table's"
+        );
         assert!(!w.untouched_since_dump(&[ours, theirs]));
         assert!(!w.untouched_since_dump(&[theirs6]));
+        assert!(
+            !w.untouched_since_dump(&[multipath]),
+            "our protocol, two hops"
+        );
         w.dumping();
         assert!(
-            w.untouched_since_dump(&[ours, theirs, theirs6]),
+            w.untouched_since_dump(&[ours, theirs, theirs6, multipath]),
             "a dump reads them"
         );
         assert!(
