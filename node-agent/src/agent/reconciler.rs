@@ -632,9 +632,6 @@ impl<K: Kernel> Reconciler<K> {
         }
     }
 
-    /// Grows the maps when `plan` would leave them more than three quarters full or could not
-    /// place a node for want of room; returns whether they grew (the plan is then made again).
-    /// A capacity the kernel refused is not asked for again by this agent.
     /// Whether the last reconcile's view can stand in for a dump for `plan`: it replaces no
     /// route, or no one else changed a route at any destination it replaces since the last dump.
     fn view_stands_for(&mut self, plan: &Plan) -> bool {
@@ -642,6 +639,10 @@ impl<K: Kernel> Reconciler<K> {
         replaced.is_empty() || self.kernel.routes_untouched_since_dump(&replaced)
     }
 
+    /// Grows the maps when `plan` would leave them more than three quarters full or could not
+    /// place a node for want of room; returns whether they grew (the plan is then made again if
+    /// it held a node for want of room). A capacity the kernel refused is not asked for again by
+    /// this agent.
     fn grow_maps_for(&mut self, plan: &Plan, inventory: &Inventory) -> bool {
         let capacity = self.plan_config.map_capacity;
         if !self.config.node_map_grow {
