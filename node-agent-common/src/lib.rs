@@ -37,6 +37,12 @@ pub const POD_CIDRS_PIN: &str = "pod_cidrs";
 /// (`BPF_F_MMAPABLE`) where the kernel can, so the agent reads it as memory at start.
 pub const FREED_IDS_PIN: &str = "freed_ids";
 
+/// Pin name, under [`PIN_DIR`], of the record of the brake's recent removals: an array of
+/// `[u64; 2]` slots, each the time of a removal (nanoseconds since the Unix epoch, 0 for an
+/// empty slot) and its counts (known nodes in the upper 32 bits, orphan objects in the lower).
+/// Only the agent uses it; it keeps the brake's window when the checkpoint is lost.
+pub const RECENT_REMOVALS_PIN: &str = "recent_removals";
+
 /// Capacity of `NODE_IDS` (and `POD_CIDRS`) when the agent creates them without being told
 /// another: a dual-stack cluster of 65,536 nodes (one entry per address). The maps allocate an
 /// entry when it is written (`BPF_F_NO_PREALLOC`), so a small cluster does not pay for it.

@@ -13,5 +13,6 @@ pub mod map_batch;
 pub mod memory;
 pub mod node_map;
 pub mod pod_cidr_map;
+pub mod recent_removals;
 pub mod source;
 pub mod telemetry;

@@ -235,7 +235,7 @@ impl World {
         };
         let inventory: Inventory = self.kernel.values().cloned().collect();
         let allocator = restored.as_ref().map(|c| c.ids.clone()).unwrap_or_default();
-        let brake = BrakeMemory::restored(restored.as_ref(), &allocator);
+        let brake = BrakeMemory::restored(restored.as_ref(), None, &allocator);
         let p = plan(&PlanInput {
             record: restored.as_ref(),
             live: &live,

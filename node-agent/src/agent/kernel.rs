@@ -6,9 +6,11 @@
 //! speed and fault injection, it replaces nothing.
 
 use std::future::Future;
+use std::time::Duration;
 
 use ipnet::IpNet;
 
+use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::Op;
@@ -36,6 +38,19 @@ pub trait Kernel {
 
     /// Remembers freed node IDs in the kernel.
     fn remember_freed(&mut self, freed: &[FreedId]) -> Result<(), OpError>;
+
+    /// The removals the brake let through that the kernel remembers, so that its window
+    /// survives a lost checkpoint (invariant 9); `None` when the kernel's record was made by
+    /// this start and knows nothing of the ones before.
+    fn recent_removals(&mut self) -> Option<Vec<RecentRemovals>>;
+
+    /// Remembers a removal the brake let through; entries it displaces from a full record are
+    /// merged into it while they are younger than `keep_since`.
+    fn remember_removal(
+        &mut self,
+        removal: RecentRemovals,
+        keep_since: Duration,
+    ) -> Result<(), OpError>;
 
     /// The IPsec keys states are written with, read again from the key file (the kernel side
     /// holds the key material; the planner sees SPIs and tags only); `None` without IPsec.
@@ -104,6 +119,8 @@ pub mod fake {
         /// Objects of ours that foreign ones use.
         pub used_by: BTreeMap<ObjectId, String>,
         pub freed: BTreeMap<u16, FreedId>,
+        /// The kernel's record of recent removals; `None` until one is remembered.
+        pub removals: Option<Vec<RecentRemovals>>,
         pub faults: Faults,
         pub dumps: usize,
         pub applied: Vec<Op>,
@@ -214,6 +231,19 @@ pub mod fake {
             for f in freed {
                 self.freed.insert(f.id.get(), *f);
             }
+            Ok(())
+        }
+
+        fn recent_removals(&mut self) -> Option<Vec<RecentRemovals>> {
+            self.removals.clone()
+        }
+
+        fn remember_removal(
+            &mut self,
+            removal: RecentRemovals,
+            _keep_since: Duration,
+        ) -> Result<(), OpError> {
+            self.removals.get_or_insert_default().push(removal);
             Ok(())
         }
 

@@ -130,6 +130,7 @@ impl<K: Kernel> Reconciler<K> {
             Ok(freed) => merge_freed(&mut ids, freed),
             Err(e) => tracing::warn!("reading the kernel's record of freed node IDs: {e}"),
         }
+        let kept = kernel.recent_removals();
         let plan_config = PlanConfig {
             local_node: config.node_name.clone(),
             local_addresses: Vec::new(),
@@ -149,7 +150,7 @@ impl<K: Kernel> Reconciler<K> {
         Self {
             live: LiveState::new(config.node_name.clone()),
             restored_nodes: record.as_ref().map_or(0, |cp| cp.records().count()),
-            brake: BrakeMemory::restored(record.as_ref(), &ids),
+            brake: BrakeMemory::restored(record.as_ref(), kept, &ids),
             config,
             plan_config,
             record,
@@ -577,6 +578,7 @@ impl<K: Kernel> Reconciler<K> {
             }),
             _ => None,
         };
+        self.remember_removal(&plan.brake_memory);
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
         self.total_writes += writes;
@@ -718,6 +720,23 @@ impl<K: Kernel> Reconciler<K> {
         if let Err(e) = self.kernel.remember_freed(&freed) {
             tracing::warn!(
                 "remembering freed node IDs in the kernel (the checkpoint has them): {e}"
+            );
+        }
+    }
+
+    /// Writes the removals this plan let through (the window's new entry) into the kernel's
+    /// record of recent removals, which outlives a lost checkpoint.
+    fn remember_removal(&mut self, next: &BrakeMemory) {
+        let Some(&newest) = next.window.last() else {
+            return;
+        };
+        if self.brake.window.last().is_some_and(|w| w.at >= newest.at) {
+            return;
+        }
+        let keep_since = newest.at.saturating_sub(self.plan_config.confirm_delay);
+        if let Err(e) = self.kernel.remember_removal(newest, keep_since) {
+            tracing::warn!(
+                "remembering the removals just made in the kernel (the checkpoint has them): {e}"
             );
         }
     }
@@ -1095,6 +1114,35 @@ mod tests {
             "{:?}",
             o.plan.errors
         );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_brake_window_survives_a_lost_checkpoint_through_the_kernel() {
+        let names: Vec<String> = (1..=10).map(|i| format!("n{i:02}")).collect();
+        let nodes: Vec<(&str, u8)> = names
+            .iter()
+            .zip(1..)
+            .map(|(n, i)| (n.as_str(), i))
+            .collect();
+        let mut rec = reconciler(&nodes);
+        rec.reconcile().await.unwrap();
+        // Four of ten go: within the ratio, and the kernel remembers it.
+        for (n, _) in &nodes[..4] {
+            rec.on_event(SourceEvent::Delete((*n).into()));
+        }
+        let o = rec.reconcile().await.unwrap();
+        assert!(o.plan.brake.is_none() && o.pruned.len() == 4);
+        let kept = rec.kernel().removals.clone().unwrap_or_default();
+        assert_eq!(kept.iter().map(|r| r.nodes).sum::<u32>(), 4, "{kept:?}");
+        // A restart without the checkpoint, on a kernel that remembers no freed ID either: two
+        // more are six of ten within the window.
+        let mut kernel = std::mem::take(rec.kernel());
+        kernel.freed.clear();
+        let mut rec = reconciler_with(config(), kernel, &nodes[6..]);
+        let o = rec.reconcile().await.unwrap();
+        let hold = o.plan.brake.as_ref().expect("held");
+        assert_eq!((hold.removed_nodes, hold.known_nodes), (6, 10));
+        assert!(o.pruned.is_empty());
     }
 
     fn keys(spis: &[u8], digest: u8) -> crate::agent::kernel::KeyRead {

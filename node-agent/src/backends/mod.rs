@@ -21,11 +21,13 @@ pub mod xfrm;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use ipnet::IpNet;
 
 use users_watch::UsersWatch;
 
+use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::{KernelObject, ObjectId, ObjectKind, Op};
@@ -39,6 +41,7 @@ use crate::agent::kernel::{Kernel, KeyRead};
 use crate::datapath::{Datapath, DatapathError, node_ids_pin, pod_cidrs_pin};
 use crate::freed_ids::{self, FreedIds, FreedIdsError};
 use crate::node_map::NodeMapError;
+use crate::recent_removals::{self, RecentRemovalsError, RecentRemovalsRecord};
 
 /// Why one operation failed. Per-operation, so one bad node never stops the others.
 #[derive(Debug, thiserror::Error)]
@@ -124,6 +127,8 @@ pub enum OpenError {
     NodeMap(Box<NodeMapError>),
     #[error(transparent)]
     FreedIds(#[from] FreedIdsError),
+    #[error(transparent)]
+    RecentRemovals(#[from] RecentRemovalsError),
     #[error("opening the routing netlink socket: {0}")]
     Netlink(std::io::Error),
     #[error("opening the xfrm netlink socket: {0}")]
@@ -163,6 +168,8 @@ pub struct Backends {
     pub key_file: Option<KeyFileState>,
     /// The kernel's record of freed node IDs; `None` in a dry run before it exists.
     pub freed: Option<FreedIds>,
+    /// The kernel's record of the brake's recent removals; `None` in a dry run before it exists.
+    pub removals: Option<RecentRemovalsRecord>,
     /// The loaded datapath (not in a dry run): the map backend writes what it reads.
     pub datapath: Option<Datapath>,
     /// Whether anything could have come to use our nexthops since the last dump; `None` where
@@ -181,6 +188,7 @@ impl Backends {
         let pin = node_ids_pin(bpffs);
         let cidr_pin = pod_cidrs_pin(bpffs);
         let freed_pin = freed_ids::pin(bpffs);
+        let removals_pin = recent_removals::pin(bpffs);
         let ipsec = config.ipsec_key_file.is_some();
         // IPsec's prerequisites first (a valid key file, a kernel with ESP): a start-up that
         // fails on them changes nothing.
@@ -218,6 +226,11 @@ impl Backends {
             (true, true) => Some(FreedIds::open(&freed_pin)?),
             (true, false) => None,
         };
+        let removals = match (dry_run, removals_pin.exists()) {
+            (false, _) => Some(RecentRemovalsRecord::open_or_create(&removals_pin)?),
+            (true, true) => Some(RecentRemovalsRecord::open(&removals_pin)?),
+            (true, false) => None,
+        };
         let routes = routes::RouteBackend::new(config.route_protocol, config.route_table)
             .map_err(OpenError::Netlink)?;
         let nexthops = nexthops::NexthopBackend::open(config.route_protocol)
@@ -244,6 +257,7 @@ impl Backends {
             xfrm,
             key_file,
             freed,
+            removals,
             datapath,
             watch,
         })
@@ -453,6 +467,24 @@ impl Kernel for Backends {
     fn remember_freed(&mut self, freed: &[FreedId]) -> Result<(), OpError> {
         match &mut self.freed {
             Some(f) => f.write(freed).map_err(freed_error),
+            None => Ok(()),
+        }
+    }
+
+    fn recent_removals(&mut self) -> Option<Vec<RecentRemovals>> {
+        self.removals.as_ref().and_then(RecentRemovalsRecord::read)
+    }
+
+    fn remember_removal(
+        &mut self,
+        removal: RecentRemovals,
+        keep_since: Duration,
+    ) -> Result<(), OpError> {
+        match &mut self.removals {
+            Some(r) => r.push(removal, keep_since).map_err(|e| OpError::Kernel {
+                what: "the kernel's record of recent removals".into(),
+                source: std::io::Error::other(e.to_string()),
+            }),
             None => Ok(()),
         }
     }

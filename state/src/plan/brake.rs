@@ -24,7 +24,7 @@ use super::resource_index::ResourceIndex;
 use super::{Delete, Elsewhere, Local, PlanConfig, PlanInput};
 use crate::checkpoint::{Checkpoint, RecentRemovals};
 use crate::ids::AllocatorState;
-use crate::objects::{KernelObject, ObjectId};
+use crate::objects::{KernelObject, NodeId, ObjectId};
 
 /// Something a plan would remove for good.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -58,13 +58,19 @@ pub struct BrakeMemory {
 impl BrakeMemory {
     /// The memory a restarted agent begins with: the window from its checkpoint, no holds (a
     /// hold starts over, which only ever delays a removal). Without a checkpoint the window went
-    /// with it; the IDs the kernel remembers freeing (`freed`, merged into the allocator state)
-    /// stand in for it, each one a node removed at that time. Entries older than the window
-    /// fall away at the first plan.
-    pub fn restored(cp: Option<&Checkpoint>, freed: &AllocatorState) -> Self {
-        let window = match cp {
-            Some(c) => c.removals.clone(),
-            None => freed
+    /// with it, and the kernel's own record of recent removals (`kept`) stands in for it. Where
+    /// the kernel has none from before this start either (an agent that did not keep one), the
+    /// IDs it remembers freeing (`freed`, merged into the allocator state) stand in, each one a
+    /// node removed at that time. Entries older than the window fall away at the first plan.
+    pub fn restored(
+        cp: Option<&Checkpoint>,
+        kept: Option<Vec<RecentRemovals>>,
+        freed: &AllocatorState,
+    ) -> Self {
+        let window = match (cp, kept) {
+            (Some(c), _) => c.removals.clone(),
+            (None, Some(kept)) => kept,
+            (None, None) => freed
                 .freed
                 .iter()
                 .map(|f| RecentRemovals {
@@ -428,19 +434,24 @@ impl Brake {
                 });
             }
         }
+        let mut orphaned_ids = HashSet::new();
         for (slot, o) in input.inventory.slotted() {
             if !index.owns_slot(slot) && !is_local_entry(o, local) {
                 asked.insert(Removal::Orphan(o.id()));
+                if let KernelObject::MapEntry(e) = o {
+                    orphaned_ids.insert(e.node_id);
+                }
             }
         }
-        let mut counts = Ask {
+        let counts = Ask {
             known_nodes: known + elsewhere.map_or(0, |e| e.known_nodes),
             our_objects: input.inventory.len() + elsewhere.map_or(0, |e| e.objects),
             orphan_nodes: 0,
         };
-        if records.is_empty() && elsewhere.is_none_or(|e| e.known_nodes == 0) {
-            counts = without_record(counts, input, index, local);
-        }
+        let counts = match orphaned_ids.is_empty() {
+            true => counts,
+            false => with_orphan_nodes(counts, orphaned_ids, input, records, index, elsewhere),
+        };
         brake.decision = decide(
             &asked,
             counts,
@@ -512,24 +523,39 @@ impl Brake {
     }
 }
 
-/// The node counts of a plan without a record: nodes are told apart by the IDs the map carries.
-fn without_record(counts: Ask, input: &PlanInput<'_>, index: &ResourceIndex, local: &Local) -> Ask {
-    let mut kept = HashSet::new();
-    let mut orphaned = HashSet::new();
+/// The node counts with the nodes that only orphan map entries still tell of, by the IDs those
+/// entries carry (`orphaned`): an ID that no entry we keep and no record carries is a node
+/// removed by the sweep, and a node known until now. Without a record these are all the nodes
+/// there are; with one, they are nodes a lost checkpoint forgot (a removal held before it was
+/// lost, say), and counting them only as objects would let the sweep walk around the brake.
+fn with_orphan_nodes(
+    counts: Ask,
+    orphaned: HashSet<NodeId>,
+    input: &PlanInput<'_>,
+    records: &[Record<'_>],
+    index: &ResourceIndex,
+    elsewhere: Option<&Elsewhere>,
+) -> Ask {
+    let mut accounted: HashSet<NodeId> = records.iter().filter_map(|r| r.node.node_id).collect();
     for (slot, o) in input.inventory.slotted() {
         if let KernelObject::MapEntry(e) = o
-            && !is_local_entry(o, local)
+            && index.owns_slot(slot)
         {
-            if index.owns_slot(slot) {
-                kept.insert(e.node_id);
-            } else {
-                orphaned.insert(e.node_id);
-            }
+            accounted.insert(e.node_id);
         }
     }
+    let unaccounted = orphaned
+        .iter()
+        .filter(|id| !accounted.contains(*id) && !elsewhere.is_some_and(|e| e.ids.contains(**id)))
+        .count();
+    let known_nodes = match records.is_empty() && elsewhere.is_none_or(|e| e.known_nodes == 0) {
+        // Without a record, nodes are told apart by the IDs the map carries.
+        true => accounted.union(&orphaned).count(),
+        false => counts.known_nodes + unaccounted,
+    };
     Ask {
-        known_nodes: kept.union(&orphaned).count(),
-        orphan_nodes: orphaned.difference(&kept).count(),
+        known_nodes,
+        orphan_nodes: unaccounted,
         ..counts
     }
 }

@@ -1356,6 +1356,42 @@ fn orphans_without_a_checkpoint_are_counted_in_objects() {
 }
 
 #[test]
+fn nodes_a_lost_checkpoint_forgot_count_as_nodes_when_a_record_exists_again() {
+    // Three nodes with many pod CIDRs, four with one: the four are few of our objects, but
+    // more than half of the nodes.
+    let many = |i: usize| -> Vec<String> { (0..6).map(|c| format!("10.{i}.{c}.0/24")).collect() };
+    let nodes: Vec<Node> = (1..=7)
+        .map(|i| {
+            let cidrs = match i <= 3 {
+                true => many(i),
+                false => vec![format!("10.9.{i}.0/24")],
+            };
+            let cidrs: Vec<&str> = cidrs.iter().map(String::as_str).collect();
+            node(&format!("n{i}"), &[&format!("10.0.1.{i}")], &cidrs)
+        })
+        .collect();
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &nodes, &mut k);
+    // The checkpoint was lost while the four's removal was held, and a run that held it again
+    // wrote a new one: it knows the three, the kernel still has the four's objects.
+    let mut forgot = cp.clone();
+    forgot.nodes.retain(|n| n.name.as_str() <= "n3");
+    let p = r.plan(Some(&forgot), &nodes[..3], &k);
+    let hold = p
+        .brake
+        .as_ref()
+        .expect("four of seven nodes, by the IDs their entries carry");
+    assert_eq!((hold.removed_nodes, hold.known_nodes), (4, 7));
+    assert!(hold.orphan_ratio < 0.5, "as objects they pass: {hold:?}");
+    assert!(p.deletes.is_empty(), "{:?}", p.deletes);
+    // Two of them are within the ratio, and the window remembers them as nodes.
+    let p = r.plan(Some(&forgot), &[&nodes[..3], &nodes[5..]].concat(), &k);
+    assert!(p.brake.is_none(), "{:?}", p.brake);
+    assert_eq!(p.brake_memory.window.last().map(|w| w.nodes), Some(2));
+}
+
+#[test]
 fn a_list_without_the_local_node_changes_nothing() {
     let mut r = Run::new();
     let mut k = Kernel::default();
@@ -1374,7 +1410,7 @@ fn a_list_without_the_local_node_changes_nothing() {
     let p = r.plan(None, &[], &k);
     assert!(p.is_empty() && p.brake.is_some());
     // Without a record, the window rebuilt from the kernel's freed IDs is kept for next time.
-    r.brake = BrakeMemory::restored(None, &cp.ids);
+    r.brake = BrakeMemory::restored(None, None, &cp.ids);
     r.brake.window.push(crate::checkpoint::RecentRemovals {
         at: NOW,
         nodes: 3,
@@ -1407,7 +1443,7 @@ fn removals_just_released_count_against_the_next_plan() {
     let p2 = r.plan(Some(&cp1), &nodes[6..], &k);
     assert!(p2.brake.is_some(), "{:?}", p2.deletes);
     // The window survives a restart through the checkpoint.
-    r.brake = BrakeMemory::restored(Some(&cp1), &cp1.ids);
+    r.brake = BrakeMemory::restored(Some(&cp1), None, &cp1.ids);
     let p3 = r.plan(Some(&cp1), &nodes[6..], &k);
     assert!(p3.brake.is_some());
     // After the window, two of six are fine.
@@ -1441,7 +1477,7 @@ fn a_lost_checkpoint_does_not_forget_the_removals_just_made() {
         live: &view,
         inventory: &inventory,
         allocator: &cp1.ids,
-        brake: &BrakeMemory::restored(None, &cp1.ids),
+        brake: &BrakeMemory::restored(None, None, &cp1.ids),
         confirmed_hold: None,
         now: r.now,
         config: &r.cfg,

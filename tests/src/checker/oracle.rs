@@ -291,7 +291,10 @@ pub struct StepFacts<'a> {
 /// What a step removed: nodes (known, no longer listed, whose entries went) and orphan objects
 /// (objects gone whose address or CIDR nobody listed claims), as the brake counts them.
 pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
-    let mut nodes = 0;
+    let mut nodes = unrecorded_ids(f)
+        .iter()
+        .filter(|id| !f.after.map.values().any(|v| v == *id))
+        .count();
     for r in f.record_before.unwrap_or_default() {
         if r.attempts > 0 || f.list.iter().any(|n| same_node(r, n)) {
             continue;
@@ -333,6 +336,36 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
             .count();
     }
     (nodes, objects)
+}
+
+/// The node IDs that map entries no listed node claims carry before the step, when no record
+/// carries them and no claimed entry does: nodes only the kernel still tells of (the checkpoint
+/// that knew them was lost). The brake counts each as a known node, and its going as a node
+/// removal. Without a record, every ID the map carries is such a node to the brake.
+fn unrecorded_ids(f: &StepFacts<'_>) -> BTreeSet<u16> {
+    let Some(record) = f.record_before else {
+        return f.before.map.values().copied().collect();
+    };
+    let claimed: BTreeSet<&str> = f
+        .list
+        .iter()
+        .flat_map(|n| n.ips.iter())
+        .map(String::as_str)
+        .collect();
+    let mut accounted: BTreeSet<u16> = record.iter().filter_map(|r| r.id).collect();
+    accounted.extend(
+        f.before
+            .map
+            .iter()
+            .filter(|(ip, _)| claimed.contains(ip.as_str()))
+            .map(|(_, id)| *id),
+    );
+    f.before
+        .map
+        .iter()
+        .filter(|(ip, id)| !claimed.contains(ip.as_str()) && !accounted.contains(*id))
+        .map(|(_, id)| *id)
+        .collect()
 }
 
 fn ratio(part: usize, whole: usize) -> f64 {
@@ -469,7 +502,8 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             .unwrap_or_default()
             .iter()
             .filter(|r| r.attempts == 0)
-            .count();
+            .count()
+            + unrecorded_ids(f).len();
         let (wn, wo) = f.window;
         let node_ratio = ratio(nodes + wn, known + wn);
         if nodes > 0 && node_ratio > f.max_ratio {

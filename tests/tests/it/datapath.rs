@@ -14,9 +14,11 @@ use node_agent::datapath::attach::Attachment;
 use node_agent::datapath::{Datapath, DatapathConfig, DatapathError, node_ids_pin, node_stats_pin};
 use node_agent::freed_ids::{self, FreedIds};
 use node_agent::node_map::{NodeEntry, NodeMap, NodeStatsMap};
+use node_agent::recent_removals::{self, RecentRemovalsRecord};
 use node_agent_common::{NodeStats, NodeValue};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::{VethPair, agent_bin, attached, ip, report, run, sandbox};
+use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::objects::NodeId;
 
@@ -246,6 +248,72 @@ fn a_freed_id_record_from_before_it_was_mappable_is_copied_into_a_mappable_one()
         let fresh = FreedIds::open_or_create(&pin).unwrap();
         assert!(freed_ids::is_mappable(&pin).unwrap());
         assert!(fresh.read().unwrap().is_empty());
+    });
+}
+
+/// The record of recent removals lives in the pinned map: a record this agent made says it
+/// knows nothing yet; one that was there reads back every entry, oldest first, from another
+/// opener; a full ring merges what it displaces inside the window; another layout is refused
+/// and left alone.
+#[test]
+fn the_record_of_recent_removals_outlives_its_opener_and_refuses_another_layout() {
+    require_sandbox!(
+        "the_record_of_recent_removals_outlives_its_opener_and_refuses_another_layout"
+    );
+    sandbox(|sb| {
+        let pin = recent_removals::pin(&sb.bpffs);
+        std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
+        let at = |secs: u64, nodes: u32, objects: u32| RecentRemovals {
+            at: Duration::new(1_800_000_000 + secs, 7),
+            nodes,
+            objects,
+        };
+        let mut record = RecentRemovalsRecord::open_or_create(&pin).unwrap();
+        assert_eq!(record.read(), None, "made now: it knows nothing of before");
+        let since = Duration::from_secs(1_800_000_000);
+        record.push(at(1, 0, 12), since).unwrap();
+        record.push(at(2, 3, 0), since).unwrap();
+        let again = RecentRemovalsRecord::open_or_create(&pin).unwrap();
+        assert_eq!(again.read(), Some(vec![at(1, 0, 12), at(2, 3, 0)]));
+
+        // Fill the ring: the next entry takes the oldest slot and, inside the window, its counts.
+        let mut record = again;
+        for i in 2..recent_removals::SLOTS {
+            record.push(at(u64::from(i) + 10, 1, 0), since).unwrap();
+        }
+        record.push(at(5_000, 1, 1), since).unwrap();
+        let read = RecentRemovalsRecord::open(&pin).unwrap().read().unwrap();
+        assert_eq!(read.len(), recent_removals::SLOTS as usize);
+        assert_eq!(read.first(), Some(&at(2, 3, 0)), "the oldest went");
+        assert_eq!(read.last(), Some(&at(5_000, 1, 13)), "into the newest");
+        let objects: u32 = read.iter().map(|r| r.objects).sum();
+        assert_eq!(objects, 13, "nothing lost");
+
+        // Another layout under the name: refused, and left as it was.
+        std::fs::remove_file(&pin).unwrap();
+        run(Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&pin)
+            .args([
+                "type", "array", "key", "4", "value", "8", "entries", "16", "name", "other",
+            ]));
+        let refused = RecentRemovalsRecord::open_or_create(&pin)
+            .err()
+            .expect("refused");
+        assert!(
+            refused
+                .to_string()
+                .contains("is not a record of recent removals"),
+            "{refused}"
+        );
+        assert_eq!(
+            node_agent::datapath::pins::MapLayout::of_pin(&pin)
+                .unwrap()
+                .unwrap()
+                .value_size,
+            8
+        );
+        report("the record of recent removals: read back, ring merged, foreign layout refused");
     });
 }
 
