@@ -362,6 +362,10 @@ pub fn run_history(
                 list: &list,
                 previous_clean: &previous_clean,
                 record_before: record_before.as_deref(),
+                record_lost: matches!(
+                    step.action,
+                    Action::LoseCheckpoint | Action::CorruptCheckpoint { .. }
+                ),
                 before: &before,
                 after: &after,
                 exit,

@@ -274,6 +274,8 @@ pub struct StepFacts<'a> {
     /// The list before this step, and its clean nodes.
     pub previous_clean: &'a [TestNode],
     pub record_before: Option<&'a [Recorded]>,
+    /// The step lost or corrupted the checkpoint before the agent ran: the agent saw no record.
+    pub record_lost: bool,
     pub before: &'a Snapshot,
     pub after: &'a Snapshot,
     /// The run's exit status; `None` for a daemon that was killed.
@@ -292,10 +294,11 @@ pub struct StepFacts<'a> {
 /// (objects gone whose address or CIDR nobody listed claims), as the brake counts them.
 pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
     let mut nodes = unrecorded_ids(f)
+        .1
         .iter()
         .filter(|id| !f.after.map.values().any(|v| v == *id))
         .count();
-    for r in f.record_before.unwrap_or_default() {
+    for r in f.agent_record().unwrap_or_default() {
         if r.attempts > 0 || f.list.iter().any(|n| same_node(r, n)) {
             continue;
         }
@@ -307,7 +310,7 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
         }
     }
     let mut objects = 0;
-    if f.record_before.is_none() {
+    if f.agent_record().is_none() {
         let claimed: BTreeSet<&str> = f
             .list
             .iter()
@@ -338,14 +341,20 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
     (nodes, objects)
 }
 
-/// The node IDs that map entries no listed node claims carry before the step, when no record
-/// carries them and no claimed entry does: nodes only the kernel still tells of (the checkpoint
-/// that knew them was lost). The brake counts each as a known node, and its going as a node
-/// removal. Without a record, every ID the map carries is such a node to the brake.
-fn unrecorded_ids(f: &StepFacts<'_>) -> BTreeSet<u16> {
-    let Some(record) = f.record_before else {
-        return f.before.map.values().copied().collect();
-    };
+impl StepFacts<'_> {
+    /// The record the agent started the step with.
+    fn agent_record(&self) -> Option<&[Recorded]> {
+        self.record_before.filter(|_| !self.record_lost)
+    }
+}
+
+/// The nodes the brake knows of only by the IDs the map carries before the step, as it counts
+/// them: known ones beyond the record's, and those of them whose going is a node removal. An ID
+/// on an entry that a listed node claims is that node's; an ID only on entries nobody listed
+/// claims is a node only the kernel still tells of, if no record carries it (the checkpoint
+/// that knew it was lost). Without a record, every ID the map carries is a known node.
+fn unrecorded_ids(f: &StepFacts<'_>) -> (usize, BTreeSet<u16>) {
+    let record = f.agent_record().unwrap_or_default();
     let claimed: BTreeSet<&str> = f
         .list
         .iter()
@@ -360,12 +369,18 @@ fn unrecorded_ids(f: &StepFacts<'_>) -> BTreeSet<u16> {
             .filter(|(ip, _)| claimed.contains(ip.as_str()))
             .map(|(_, id)| *id),
     );
-    f.before
+    let unaccounted: BTreeSet<u16> = f
+        .before
         .map
         .iter()
         .filter(|(ip, id)| !claimed.contains(ip.as_str()) && !accounted.contains(*id))
         .map(|(_, id)| *id)
-        .collect()
+        .collect();
+    let known = match record.is_empty() {
+        true => f.before.map.values().collect::<BTreeSet<_>>().len(),
+        false => unaccounted.len(),
+    };
+    (known, unaccounted)
 }
 
 fn ratio(part: usize, whole: usize) -> f64 {
@@ -498,12 +513,12 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
     if !f.forced {
         let (nodes, objects) = removals(f);
         let known = f
-            .record_before
+            .agent_record()
             .unwrap_or_default()
             .iter()
             .filter(|r| r.attempts == 0)
             .count()
-            + unrecorded_ids(f).len();
+            + unrecorded_ids(f).0;
         let (wn, wo) = f.window;
         let node_ratio = ratio(nodes + wn, known + wn);
         if nodes > 0 && node_ratio > f.max_ratio {
