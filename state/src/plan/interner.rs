@@ -8,8 +8,11 @@
 //! enough to stay in cache. The answers go back to where the caller asked for them.
 //!
 //! What comes out is what one table would give: each distinct resource has one index, below
-//! [`Interner::len`]; only which index a resource gets differs, and nothing reads meaning into
-//! that.
+//! [`Interner::len`]. The index is the place of the resource's first intern, so indices follow
+//! the order the caller interned in (node by node) rather than the hash's: the planner's walks
+//! over nodes then touch its per-resource vectors in order, not at random. Places taken by a
+//! repeated intern are holes no index names; [`Interner::len`] counts them too, as it bounds
+//! the indices.
 
 use std::hash::BuildHasher;
 
@@ -63,7 +66,8 @@ impl Batch {
         }
     }
 
-    /// Interns `r`; its index goes to `interned[at]`.
+    /// Interns `r`; its index goes to `interned[at]`. The `at`s of all interns are 0, 1, 2...
+    /// in the order of the calls.
     pub fn intern(&mut self, r: Resource, at: u32) {
         let p = part(&self.split, self.bits, &r);
         self.interns[p].push((r, at));
@@ -83,16 +87,17 @@ impl Batch {
             split: self.split,
             bits: self.bits,
             parts: Vec::with_capacity(self.interns.len()),
-            resources: Vec::with_capacity(total),
+            // Holes keep a placeholder that no index names.
+            resources: vec![HOLE; total],
         };
-        // Each part's lists are dropped once its table is built and probed.
+        // Each part's lists are dropped once its table is built and probed. A part's interns are
+        // in call order, so the first one of a resource gives its index.
         for (interns, lookups) in self.interns.into_iter().zip(self.lookups) {
             let mut table: HashMap<Resource, Res> = HashMap::with_capacity(interns.len());
             for (r, at) in interns {
-                let next = out.resources.len() as Res;
-                let res = *table.entry(r).or_insert(next);
-                if res == next {
-                    out.resources.push(r);
+                let res = *table.entry(r).or_insert(at);
+                if res == at {
+                    out.resources[at as usize] = r;
                 }
                 interned[at as usize] = res;
             }
@@ -104,6 +109,8 @@ impl Batch {
         out
     }
 }
+
+const HOLE: Resource = Resource::Address(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
 
 /// Which part `r` falls in: the top `bits` bits of a hash of its own (each part's table hashes
 /// with another seed, so its buckets still spread).
@@ -124,7 +131,7 @@ pub(super) struct Interner {
 }
 
 impl Interner {
-    /// How many distinct resources there are.
+    /// A bound on the indices: the length of a vector indexed by them.
     pub fn len(&self) -> usize {
         self.resources.len()
     }
@@ -166,11 +173,13 @@ mod tests {
             let mut interned = vec![0; 2 * n as usize];
             let mut found = vec![0; n as usize];
             let interner = batch.run(&mut interned, &mut found);
-            assert_eq!(interner.len(), n as usize);
+            assert_eq!(interner.len(), 2 * n as usize);
+            let distinct: std::collections::HashSet<Res> = interned.iter().copied().collect();
+            assert_eq!(distinct.len(), n as usize);
             let mut seen: StdMap<Res, Resource> = StdMap::new();
             for k in 0..2 * n {
                 let res = interned[k as usize];
-                assert!((res as usize) < interner.len());
+                assert_eq!(res, k % n, "the place of its first intern");
                 assert_eq!(interner.resource(res), address(k % n));
                 assert_eq!(*seen.entry(res).or_insert(address(k % n)), address(k % n));
                 assert_eq!(interner.get(&address(k % n)), Some(res));
