@@ -9,6 +9,7 @@
 //!
 //! [`Backends`] puts them behind the reconciler's one seam, [`crate::agent::kernel::Kernel`].
 
+pub mod batch;
 pub mod map;
 pub mod netlink;
 pub mod nexthops;

@@ -25,12 +25,8 @@ use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::IpAddr;
 
-use futures::StreamExt;
 use ipnet::IpNet;
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader,
-    NetlinkMessage, NetlinkPayload,
-};
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteFlags, RouteMessage, RouteType,
 };
@@ -41,18 +37,17 @@ use state::inventory::Inventory;
 use state::node::Family;
 use state::objects::{KernelObject, Nexthop, NexthopId, ObjectId, ObjectKind, Op};
 
-use self::message::{NexthopMessage, Verb};
-use super::netlink::outcome;
+use self::message::NexthopMessage;
+use super::batch::{BATCH, Batcher, Request, unanswered};
+use super::netlink::{KernelError, outcome};
 use super::request::{self, request};
 use super::{Backend, DumpError, OpError};
 
-/// Requests in flight on the netlink socket at once.
-const PIPELINE: usize = 128;
-
 pub struct NexthopBackend {
+    /// For the dumps and the probe.
     handle: ConnectionHandle<NexthopMessage>,
-    /// For the device lookups.
-    routes: rtnetlink::Handle,
+    /// For the writes, and the reads each write needs first.
+    batch: Batcher,
     protocol: u8,
 }
 
@@ -61,13 +56,7 @@ impl NexthopBackend {
     /// kernel whether it has nexthop objects: `Ok(None)` when it has not (before 5.3).
     pub async fn open(protocol: u8) -> io::Result<Option<Self>> {
         let handle = request::connect::<NexthopMessage>(NETLINK_ROUTE)?;
-        let (conn, routes, _) = rtnetlink::new_connection()?;
-        tokio::spawn(conn);
-        let probe = NexthopMessage {
-            verb: Verb::Get,
-            id: Some(u32::MAX),
-            ..NexthopMessage::default()
-        };
+        let probe = NexthopMessage::get(u32::MAX);
         match request(&handle, probe, 0).await {
             Ok(_) => {}
             Err(e) if e.errno() == Some(libc::ENOENT) => {}
@@ -76,7 +65,7 @@ impl NexthopBackend {
         }
         Ok(Some(Self {
             handle,
-            routes,
+            batch: Batcher::open()?,
             protocol,
         }))
     }
@@ -116,80 +105,114 @@ impl NexthopBackend {
         }
     }
 
-    /// The message for `op`: a delete by ID, or the nexthop on the device the kernel routes
-    /// its gateway through now.
-    async fn message(
-        routes: &rtnetlink::Handle,
-        protocol: u8,
-        op: &Op,
-    ) -> Result<NexthopMessage, OpError> {
-        let KernelObject::Nexthop(nh) = op.object() else {
-            unreachable!("Backends::apply routes only nexthops here");
+    /// One batch of ops: first what the writes need to know, in two batched reads (the device
+    /// of each gateway to write; whether each nexthop to delete or replace is still ours), then
+    /// the writes, in one batch.
+    async fn apply_batch(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
+        let nexthop = |op: &Op| match op.object() {
+            KernelObject::Nexthop(nh) => nh.clone(),
+            _ => unreachable!("Backends::apply routes only nexthops here"),
         };
-        match op {
-            Op::Delete(_) => Ok(NexthopMessage::del(nh.id().0)),
-            Op::Create(_) | Op::Replace(_) => match connected_device(routes, nh.gateway).await {
-                Ok(oif) => Ok(NexthopMessage::new(nh.id().0, nh.gateway, oif, protocol)),
-                Err(source) => Err(OpError::GatewayUnreachable {
-                    object: op.object().to_string(),
-                    gateway: nh.gateway,
-                    source,
-                }),
-            },
-        }
-    }
-
-    async fn apply_one(
-        handle: ConnectionHandle<NexthopMessage>,
-        protocol: u8,
-        op: Op,
-        msg: Result<NexthopMessage, OpError>,
-    ) -> Result<(), OpError> {
-        let msg = msg?;
-        if let (Op::Delete(_) | Op::Replace(_), Some(id)) = (&op, msg.id) {
-            // The kernel deletes and replaces by ID alone: look first, so that a nexthop
-            // someone else put at the ID since the dump is never deleted or overwritten.
-            let get = NexthopMessage {
-                verb: Verb::Get,
-                id: Some(id),
-                ..NexthopMessage::default()
-            };
-            let what = || format!("{} {}", op.verb(), op.object());
-            match request(&handle, get, 0).await {
-                Ok(found) if found.iter().all(|m| m.protocol == protocol && !m.other) => {}
-                Ok(found) => {
-                    let foreign = found
-                        .first()
-                        .map_or_else(String::new, |m| describe(m, NexthopId(id)));
-                    return Err(OpError::Kernel {
-                        what: format!(
-                            "{}: {foreign} is there now and is not ours; left alone",
-                            what()
-                        ),
-                        source: io::Error::from_raw_os_error(libc::EPERM),
-                    });
-                }
-                Err(e) if e.errno() == Some(libc::ENOENT) && matches!(op, Op::Delete(_)) => {
-                    return Ok(());
-                }
-                Err(e) if e.errno() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(e.into_op(what())),
+        let writes_gateway = |op: &Op| matches!(op, Op::Create(_) | Op::Replace(_));
+        let by_id = |op: &Op| matches!(op, Op::Delete(_) | Op::Replace(_));
+        let queries = ops
+            .iter()
+            .filter(|op| writes_gateway(op))
+            .map(|op| (fibmatch(nexthop(op).gateway), 0))
+            .collect();
+        let mut devices = self.batch.exchange(queries).await.into_iter();
+        let looks = ops
+            .iter()
+            .filter(|op| by_id(op))
+            .map(|op| (NexthopMessage::get(nexthop(op).id().0), 0))
+            .collect();
+        let mut found = self.batch.exchange(looks).await.into_iter();
+        // Per op: the write to make, none (done already), or why not.
+        let mut writes: Vec<Result<Option<NexthopMessage>, OpError>> = Vec::new();
+        for op in ops {
+            let nh = nexthop(op);
+            let mut msg = match op {
+                Op::Delete(_) => Ok(NexthopMessage::del(nh.id().0)),
+                _ => connected_device(nh.gateway, devices.next().unwrap_or_else(unanswered))
+                    .map(|oif| NexthopMessage::new(nh.id().0, nh.gateway, oif, self.protocol))
+                    .map_err(|source| OpError::GatewayUnreachable {
+                        object: op.object().to_string(),
+                        gateway: nh.gateway,
+                        source,
+                    }),
             }
+            .map(Some);
+            if by_id(op) {
+                let there = found.next().unwrap_or_else(unanswered);
+                msg = match (msg, still_ours(op, nh.id(), there, self.protocol)) {
+                    (Err(e), _) | (_, Err(e)) => Err(e),
+                    (Ok(_), Ok(false)) => Ok(None),
+                    (Ok(m), Ok(true)) => Ok(m),
+                };
+            }
+            writes.push(msg);
         }
-        let flags = match &op {
-            Op::Create(_) => NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
-            Op::Replace(_) => NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
-            Op::Delete(_) => NLM_F_ACK,
-        };
-        let answer = request(&handle, msg, flags).await.map(drop);
-        outcome(&op, answer, || op.object().to_string())
+        let sent: Vec<bool> = writes.iter().map(|w| matches!(w, Ok(Some(_)))).collect();
+        let requests: Vec<Request<NexthopMessage>> = writes
+            .iter_mut()
+            .zip(ops)
+            .filter_map(|(w, op)| Some((w.as_mut().ok()?.take()?, write_flags(op))))
+            .collect();
+        let mut answers = self.batch.exchange(requests).await.into_iter();
+        ops.iter()
+            .zip(writes)
+            .zip(sent)
+            .map(|((op, w), sent)| match w {
+                Err(e) => Err(e),
+                Ok(_) if sent => {
+                    let answer = answers.next().unwrap_or_else(unanswered).map(drop);
+                    outcome(op, answer, || op.object().to_string())
+                }
+                Ok(_) => Ok(()),
+            })
+            .collect()
     }
 }
 
-/// `ip route get fibmatch <gateway>`: the device of the connected route (no gateway of its own,
-/// unicast) that holds `gateway`. Asked for each gateway: a cache by prefix would miss a more
-/// specific route inside it, and the kernel would accept the wrong device.
-async fn connected_device(handle: &rtnetlink::Handle, gateway: IpAddr) -> Result<u32, io::Error> {
+/// Whether the nexthop `op` deletes or replaces at `id` is still ours, from what is there now
+/// (the kernel deletes and replaces by ID alone: a nexthop someone else put there since the
+/// dump is never deleted or overwritten). `Ok(true)` to go ahead, `Ok(false)` when a delete
+/// finds it gone already.
+fn still_ours(
+    op: &Op,
+    id: NexthopId,
+    there: Result<Vec<NexthopMessage>, KernelError>,
+    protocol: u8,
+) -> Result<bool, OpError> {
+    let what = || format!("{} {}", op.verb(), op.object());
+    match there {
+        Ok(found) if found.iter().all(|m| m.protocol == protocol && !m.other) => Ok(true),
+        Ok(found) => {
+            let foreign = found.first().map_or_else(String::new, |m| describe(m, id));
+            Err(OpError::Kernel {
+                what: format!(
+                    "{}: {foreign} is there now and is not ours; left alone",
+                    what()
+                ),
+                source: io::Error::from_raw_os_error(libc::EPERM),
+            })
+        }
+        Err(e) if e.errno() == Some(libc::ENOENT) => Ok(!matches!(op, Op::Delete(_))),
+        Err(e) => Err(e.into_op(what())),
+    }
+}
+
+/// Creates are exclusive, replaces in place.
+fn write_flags(op: &Op) -> u16 {
+    match op {
+        Op::Create(_) => NLM_F_CREATE | NLM_F_EXCL,
+        Op::Replace(_) => NLM_F_CREATE | NLM_F_REPLACE,
+        Op::Delete(_) => 0,
+    }
+}
+
+/// `ip route get fibmatch <gateway>`: the question for the route that holds `gateway`.
+fn fibmatch(gateway: IpAddr) -> RouteNetlinkMessage {
     let mut q = RouteMessage::default();
     let (family, len, addr) = match gateway {
         IpAddr::V4(a) => (AddressFamily::Inet, 32, RouteAddress::Inet(a)),
@@ -199,26 +222,25 @@ async fn connected_device(handle: &rtnetlink::Handle, gateway: IpAddr) -> Result
     q.header.destination_prefix_length = len;
     q.header.flags = RouteFlags::FibMatch;
     q.attributes.push(RouteAttribute::Destination(addr));
-    let mut req = NetlinkMessage::new(
-        NetlinkHeader::default(),
-        NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetRoute(q)),
-    );
-    req.header.flags = NLM_F_REQUEST;
-    let mut answers = handle
-        .clone()
-        .request(req)
-        .map_err(|e| io::Error::other(e.to_string()))?;
+    RouteNetlinkMessage::GetRoute(q)
+}
+
+/// The device of the connected route (no gateway of its own, unicast) that holds `gateway`, from
+/// the kernel's answer to [`fibmatch`]. Asked for each gateway: a cache by prefix would miss a
+/// more specific route inside it, and the kernel would accept the wrong device.
+fn connected_device(
+    gateway: IpAddr,
+    answer: Result<Vec<RouteNetlinkMessage>, KernelError>,
+) -> Result<u32, io::Error> {
     let not_connected = || {
         io::Error::new(
             io::ErrorKind::HostUnreachable,
             "no connected route holds it (only a route via another gateway, or none)",
         )
     };
-    while let Some(answer) = answers.next().await {
-        let r = match answer.payload {
-            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => r,
-            NetlinkPayload::Error(e) if e.code.is_some() => return Err(e.to_io()),
-            _ => continue,
+    for answer in answer.map_err(KernelError::into_io)? {
+        let RouteNetlinkMessage::NewRoute(r) = answer else {
+            continue;
         };
         let mut dst = None;
         let mut oif = None;
@@ -312,17 +334,10 @@ impl Backend for NexthopBackend {
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
-        let (handle, routes, protocol) = (self.handle.clone(), self.routes.clone(), self.protocol);
-        futures::stream::iter(ops.iter().cloned())
-            .map(|op| {
-                let (handle, routes) = (handle.clone(), routes.clone());
-                async move {
-                    let msg = Self::message(&routes, protocol, &op).await;
-                    Self::apply_one(handle, protocol, op, msg).await
-                }
-            })
-            .buffered(PIPELINE)
-            .collect()
-            .await
+        let mut results = Vec::with_capacity(ops.len());
+        for chunk in ops.chunks(BATCH) {
+            results.extend(self.apply_batch(chunk).await);
+        }
+        results
     }
 }

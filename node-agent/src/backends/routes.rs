@@ -13,22 +13,24 @@
 //! A new route is created exclusively (`NLM_F_CREATE | NLM_F_EXCL`): if anything appeared at its
 //! identity since the dump, the kernel refuses and nothing is replaced. A route of ours whose
 //! nexthop or gateway changed is replaced in place (`NLM_F_REPLACE`): one atomic change, never a
-//! delete-then-add gap. Deletes carry our protocol, so the kernel matches only ours. Requests are
-//! pipelined over one netlink socket.
+//! delete-then-add gap. Deletes carry our protocol, so the kernel matches only ours. Writes go in
+//! batches, many to a system call ([`super::batch`]).
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use ipnet::IpNet;
-use netlink_packet_route::AddressFamily;
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::{Handle, RouteMessageBuilder};
 use state::inventory::Inventory;
 use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op, Route, Via};
 
+use super::batch::{BATCH, Batcher, Request, unanswered};
 use super::netlink::{KernelError, outcome};
 use super::{Backend, DumpError, OpError};
 
@@ -36,11 +38,12 @@ use super::{Backend, DumpError, OpError};
 pub const DEFAULT_ROUTE_PROTOCOL: u8 = 201;
 /// The main routing table.
 pub const MAIN_TABLE: u32 = 254;
-/// Requests in flight on the netlink socket at once.
-const PIPELINE: usize = 128;
 
 pub struct RouteBackend {
+    /// For the dumps.
     handle: Handle,
+    /// For the writes.
+    batch: Batcher,
     protocol: u8,
     table: u32,
 }
@@ -52,6 +55,7 @@ impl RouteBackend {
         tokio::spawn(conn);
         Ok(Self {
             handle,
+            batch: Batcher::open()?,
             protocol,
             table,
         })
@@ -164,28 +168,12 @@ impl RouteBackend {
         }
     }
 
-    async fn apply_one(
-        handle: Handle,
-        op: &Op,
-        msg: Result<RouteMessage, OpError>,
-    ) -> Result<(), OpError> {
+    /// What the kernel's answer to `op` means: [`outcome`]'s reading, and an unreachable
+    /// gateway, which means something of its own here.
+    fn answer_to(op: &Op, answer: Result<(), KernelError>) -> Result<(), OpError> {
         let KernelObject::Route(route) = op.object() else {
             unreachable!("Backends::apply routes only routes here");
         };
-        let msg = msg?;
-        let result = match op {
-            Op::Create(_) => handle.route().add(msg).execute().await,
-            Op::Replace(_) => handle.route().add(msg).replace().execute().await,
-            Op::Delete(_) => handle.route().del(msg).execute().await,
-        };
-        let answer = result.map_err(|e| KernelError {
-            source: match &e {
-                rtnetlink::Error::NetlinkError(m) => m.to_io(),
-                other => std::io::Error::other(other.to_string()),
-            },
-            message: None,
-        });
-        // An unreachable gateway is the one answer that means something of its own here.
         if let Err(e) = &answer
             && let Via::Gateway(gateway) = route.via
             && !matches!(op, Op::Delete(_))
@@ -200,6 +188,21 @@ impl RouteBackend {
         outcome(op, answer, || {
             KernelObject::Route(route.clone()).to_string()
         })
+    }
+}
+
+/// The request that carries out `op`: creates are exclusive, replaces in place.
+fn request_for(op: &Op, msg: RouteMessage) -> Request<RouteNetlinkMessage> {
+    match op {
+        Op::Create(_) => (
+            RouteNetlinkMessage::NewRoute(msg),
+            NLM_F_CREATE | NLM_F_EXCL,
+        ),
+        Op::Replace(_) => (
+            RouteNetlinkMessage::NewRoute(msg),
+            NLM_F_CREATE | NLM_F_REPLACE,
+        ),
+        Op::Delete(_) => (RouteNetlinkMessage::DelRoute(msg), 0),
     }
 }
 
@@ -288,17 +291,29 @@ impl Backend for RouteBackend {
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
-        // Each message is built as the pipeline takes its op: never all of them at once.
-        let this = &*self;
-        futures::stream::iter(ops)
-            .map(|op| {
-                let KernelObject::Route(route) = op.object() else {
-                    unreachable!("Backends::apply routes only routes here");
-                };
-                Self::apply_one(this.handle.clone(), op, this.message(route))
-            })
-            .buffered(PIPELINE)
-            .collect()
-            .await
+        // A batch's messages are built as it goes: never all of them at once.
+        let mut results = Vec::with_capacity(ops.len());
+        for chunk in ops.chunks(BATCH) {
+            let messages: Vec<Result<RouteMessage, OpError>> = chunk
+                .iter()
+                .map(|op| match op.object() {
+                    KernelObject::Route(route) => self.message(route),
+                    _ => unreachable!("Backends::apply routes only routes here"),
+                })
+                .collect();
+            let mut built = Vec::with_capacity(chunk.len());
+            let mut requests = Vec::with_capacity(chunk.len());
+            for (op, msg) in chunk.iter().zip(messages) {
+                built.push(msg.map(|m| requests.push(request_for(op, m))));
+            }
+            let mut answers = self.batch.exchange(requests).await.into_iter();
+            for (op, msg) in chunk.iter().zip(built) {
+                results.push(msg.and_then(|()| {
+                    let answer = answers.next().unwrap_or_else(unanswered);
+                    Self::answer_to(op, answer.map(drop))
+                }));
+            }
+        }
+        results
     }
 }

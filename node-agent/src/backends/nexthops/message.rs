@@ -95,6 +95,15 @@ impl NexthopMessage {
         }
     }
 
+    /// Asks for the nexthop `id`.
+    pub fn get(id: u32) -> Self {
+        Self {
+            verb: Verb::Get,
+            id: Some(id),
+            ..Self::default()
+        }
+    }
+
     fn attributes(&self) -> Vec<(u16, Vec<u8>)> {
         let mut out = Vec::new();
         if let Some(id) = self.id {

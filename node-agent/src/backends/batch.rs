@@ -1,0 +1,186 @@
+//! Many rtnetlink requests in one system call, and back only what the kernel has to say.
+//!
+//! The kernel handles the requests of a `NETLINK_ROUTE` datagram inside the `sendmsg` that
+//! carries it: one after another, in order, each queueing its answer on the sender's socket
+//! before the next begins. So a batch of requests costs one `sendmsg`, and when it returns every
+//! answer is already waiting. A write asks for no acknowledgement: one the kernel accepts says
+//! nothing, one it refuses gets an error reply carrying its sequence number. A read gets its
+//! answer. One non-blocking drain of the socket then gives the outcome of the whole batch.
+//! Against a request and an acknowledgement each (what `ip -batch` and a pipelined connection
+//! do), that saves two system calls and an answer the kernel builds, per request: at 65,000
+//! dual-stack nodes, 390,000 requests on a cold start.
+//!
+//! If answers were lost (the receive buffer overflowed: `ENOBUFS`), silence no longer means
+//! success: every request of the batch without an answer is reported failed, and the next
+//! reconcile reads the kernel again.
+
+use std::fmt;
+use std::io;
+
+use netlink_packet_core::{
+    NLM_F_REQUEST, NetlinkBuffer, NetlinkDeserializable, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload, NetlinkSerializable,
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+use super::netlink::{KernelError, ext_ack_message};
+
+/// Requests in one `sendmsg`: the datagram (about 100 bytes a request) stays far below the
+/// socket's send limit, and the answers of a batch whose every request fails (or reads) within
+/// the receive buffer.
+pub const BATCH: usize = 256;
+/// The receive buffer asked for (the kernel may cap it at `net.core.rmem_max`; 256 answers
+/// fit in its default as well).
+const RECEIVE_BUFFER: usize = 1 << 20;
+
+/// One request: the message, and its flags beyond `NLM_F_REQUEST`.
+pub type Request<T> = (T, u16);
+
+/// What the kernel answered one request: a read's messages (none for an accepted write).
+pub type Answer<T> = Result<Vec<T>, KernelError>;
+
+/// Stands in for an answer missing from an exchange's: there is none, as
+/// [`Batcher::exchange`] gives one per request, but an iterator over them cannot know that.
+pub fn unanswered<T>() -> Answer<T> {
+    Err(KernelError::connection("no answer to the request"))
+}
+
+pub struct Batcher {
+    socket: Socket,
+    seq: u32,
+    out: Vec<u8>,
+    answers: Vec<u8>,
+}
+
+impl Batcher {
+    /// A route-netlink socket of the current network namespace, whose error replies do not
+    /// echo the request (`NETLINK_CAP_ACK`) and carry the kernel's words (`NETLINK_EXT_ACK`).
+    pub fn open() -> io::Result<Self> {
+        let mut socket = Socket::new(NETLINK_ROUTE)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        socket.set_cap_ack(true)?;
+        socket.set_ext_ack(true)?;
+        // Best effort: a smaller buffer still holds a batch's answers.
+        let _ = socket.set_rx_buf_sz(RECEIVE_BUFFER);
+        Ok(Self {
+            socket,
+            seq: 0,
+            out: Vec::new(),
+            answers: Vec::with_capacity(64 << 10),
+        })
+    }
+
+    /// Sends `requests`, [`BATCH`] to a system call, and gives each one's answer, in order.
+    /// Between batches the task yields, so that a long apply does not hold the runtime.
+    pub async fn exchange<T>(&mut self, requests: Vec<Request<T>>) -> Vec<Answer<T>>
+    where
+        T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable,
+    {
+        let mut out = Vec::with_capacity(requests.len());
+        let mut requests = requests.into_iter().peekable();
+        while requests.peek().is_some() {
+            let batch: Vec<Request<T>> = requests.by_ref().take(BATCH).collect();
+            out.extend(self.one_batch(batch));
+            if requests.peek().is_some() {
+                tokio::task::yield_now().await;
+            }
+        }
+        out
+    }
+
+    fn one_batch<T>(&mut self, batch: Vec<Request<T>>) -> Vec<Answer<T>>
+    where
+        T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable,
+    {
+        let n = batch.len();
+        let first = self.seq.wrapping_add(1);
+        self.out.clear();
+        for (i, (msg, flags)) in batch.into_iter().enumerate() {
+            let mut nl =
+                NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::InnerMessage(msg));
+            nl.header.flags = NLM_F_REQUEST | flags;
+            nl.header.sequence_number = first.wrapping_add(i as u32);
+            nl.finalize();
+            let at = self.out.len();
+            // Each message starts 4-aligned (its length is, but pad anyway).
+            self.out.resize(at + nl.buffer_len().next_multiple_of(4), 0);
+            nl.serialize(&mut self.out[at..]);
+        }
+        self.seq = first.wrapping_add(n as u32).wrapping_sub(1);
+        if let Err(e) = self.socket.send(&self.out, 0) {
+            return (0..n)
+                .map(|_| {
+                    Err(KernelError::connection(format!(
+                        "sending {n} requests: {e}"
+                    )))
+                })
+                .collect();
+        }
+        let mut answers: Vec<Answer<T>> = (0..n).map(|_| Ok(Vec::new())).collect();
+        let mut lost = None;
+        loop {
+            self.answers.clear();
+            match self.socket.recv(&mut self.answers, libc::MSG_DONTWAIT) {
+                Ok(_) => self.sort(first, &mut answers),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // Lost answers (ENOBUFS) or a broken socket: what is queued is still read.
+                Err(e) => {
+                    let again = lost.is_some();
+                    lost = Some(e);
+                    if again {
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(e) = lost {
+            for a in answers
+                .iter_mut()
+                .filter(|a| matches!(a, Ok(m) if m.is_empty()))
+            {
+                *a = Err(KernelError::connection(format!(
+                    "answers lost ({e}); the kernel is read again at the next reconcile"
+                )));
+            }
+        }
+        answers
+    }
+
+    /// Files each message of the datagram just received under the request it answers.
+    fn sort<T>(&self, first: u32, answers: &mut [Answer<T>])
+    where
+        T: fmt::Debug + NetlinkDeserializable,
+    {
+        let mut rest = &self.answers[..];
+        while let Ok(buf) = NetlinkBuffer::new_checked(rest) {
+            let len = (buf.length() as usize).min(rest.len());
+            let msg = NetlinkMessage::<T>::deserialize(&rest[..len]);
+            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+            let Ok(msg) = msg else {
+                // The error names what failed to parse, never the bytes.
+                tracing::error!("undecodable netlink answer; skipped");
+                continue;
+            };
+            let i = msg.header.sequence_number.wrapping_sub(first) as usize;
+            let Some(answer) = answers.get_mut(i) else {
+                continue;
+            };
+            match msg.payload {
+                NetlinkPayload::InnerMessage(m) => {
+                    if let Ok(found) = answer {
+                        found.push(m);
+                    }
+                }
+                NetlinkPayload::Error(e) if e.code.is_some() => {
+                    *answer = Err(KernelError {
+                        source: e.to_io(),
+                        message: ext_ack_message(msg.header.flags, &e.header),
+                    });
+                }
+                _ => {}
+            }
+        }
+    }
+}
