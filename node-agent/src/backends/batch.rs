@@ -56,13 +56,18 @@ impl Batcher {
     /// A route-netlink socket of the current network namespace, whose error replies do not
     /// echo the request (`NETLINK_CAP_ACK`) and carry the kernel's words (`NETLINK_EXT_ACK`).
     pub fn open() -> io::Result<Self> {
+        Self::with_receive_buffer(RECEIVE_BUFFER)
+    }
+
+    /// [`Self::open`], asking for a receive buffer of `bytes` (the kernel clamps it).
+    pub fn with_receive_buffer(bytes: usize) -> io::Result<Self> {
         let mut socket = Socket::new(NETLINK_ROUTE)?;
         socket.bind_auto()?;
         socket.connect(&SocketAddr::new(0, 0))?;
         socket.set_cap_ack(true)?;
         socket.set_ext_ack(true)?;
         // Best effort: a smaller buffer still holds a batch's answers.
-        let _ = socket.set_rx_buf_sz(RECEIVE_BUFFER);
+        let _ = socket.set_rx_buf_sz(bytes);
         Ok(Self {
             socket,
             seq: 0,

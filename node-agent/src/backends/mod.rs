@@ -409,7 +409,7 @@ impl Kernel for Backends {
 
     /// Applies `ops` in order, each by the backend of its kind; one result per op.
     ///
-    /// Consecutive ops of one kind go to their backend as a batch, so backends can pipeline,
+    /// Consecutive ops of one kind go to their backend together, so backends can batch them,
     /// while the order across kinds is kept (the plan orders deletes before the upserts that
     /// might reuse an identity).
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {

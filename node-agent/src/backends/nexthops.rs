@@ -9,7 +9,7 @@
 //!
 //! The kernel wants a device for a gateway nexthop. The device is the kernel's own answer for
 //! the gateway when it is written (`ip route get fibmatch GW`: the connected route that holds
-//! it), asked for each nexthop written, in the same pipeline; a gateway that is not on a
+//! it), asked for each nexthop written, in the same batch; a gateway that is not on a
 //! connected prefix is unreachable, as it is for a route that carries its gateway.
 //!
 //! Creates are exclusive and replaces in place, as for routes. A delete names the ID alone (the

@@ -7,7 +7,9 @@ use std::path::Path;
 use std::process::Command;
 
 use ipnet::IpNet;
+use node_agent::backends::batch::{BATCH, Batcher};
 use node_agent::backends::map::MapBackend;
+use node_agent::backends::nexthops::message::NexthopMessage;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
 use node_agent::backends::{Backend, OpError};
 use node_agent::datapath::{Datapath, DatapathConfig, node_ids_pin};
@@ -15,7 +17,7 @@ use node_agent::node_map::NodeMap;
 use node_agent_common::NodeValue;
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
-use node_agent_tests::{ip, run, sandbox};
+use node_agent_tests::{ip, report, run, sandbox};
 use state::objects::{KernelObject, MapEntry, NodeId, Op, Route, Via};
 
 fn route(dst: &str, gw: &str) -> KernelObject {
@@ -342,5 +344,63 @@ fn invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched() {
         );
         let kept = second.dump().unwrap();
         assert_eq!(kept.entries.len(), 1, "the second map was touched");
+    });
+}
+
+/// Writes go many to a system call: across more than two batches, each request gets its own
+/// answer (the refusals in the middle fail those requests alone, the rest go in). With a
+/// receive buffer too small for a batch's answers, the kernel drops some: then no request whose
+/// answer is missing passes for done.
+#[test]
+fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_success() {
+    require_sandbox!(
+        "batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_success"
+    );
+    sandbox(|_sb| {
+        runtime().block_on(async {
+            link_with_gateways();
+            let n = 2 * BATCH + 88;
+            let dst = |i: usize| format!("10.201.{}.{}/32", i / 250, i % 250);
+            let planted = [BATCH - 1, BATCH, n - 1];
+            for i in planted {
+                ip(&["route", "add", &dst(i), "via", "10.88.0.3", "proto", "static"]);
+            }
+            let creates: Vec<Op> = (0..n).map(|i| Op::Create(route(&dst(i), "10.88.0.2"))).collect();
+            let mut routes = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
+            let results = routes.apply(&creates).await;
+            assert_eq!(results.len(), n);
+            for (i, r) in results.iter().enumerate() {
+                match planted.contains(&i) {
+                    true => assert!(matches!(r, Err(OpError::Occupied { .. })), "{i}: {r:?}"),
+                    false => assert!(r.is_ok(), "{i}: {r:?}"),
+                }
+            }
+            assert_eq!(routes.dump().await.unwrap().len(), n - planted.len());
+
+            // Deleting nexthops that are not there: every request is refused, and with room
+            // for only a few answers, the kernel drops the rest.
+            let mut batcher = Batcher::with_receive_buffer(1).unwrap();
+            let deletes = (0..BATCH as u32)
+                .map(|i| (NexthopMessage::del(201_400_000 + i), 0))
+                .collect();
+            let answers = batcher.exchange(deletes).await;
+            assert_eq!(answers.len(), BATCH);
+            let lost = answers
+                .iter()
+                .filter(|a| matches!(a, Err(e) if e.to_string().contains("answers lost")))
+                .count();
+            assert!(answers.iter().all(Result::is_err), "silence passed for success");
+            assert!(lost > 0, "the buffer held every answer: the test proves nothing");
+            let refused = answers
+                .iter()
+                .filter(|a| matches!(a, Err(e) if e.errno() == Some(libc::ENOENT)))
+                .count();
+            assert_eq!(refused + lost, BATCH);
+            report(&format!(
+                "batched requests: {n} creates in {} sendmsgs, {} refusals where planted; {refused} of {BATCH} refusals read and {lost} lost with a tiny buffer",
+                n.div_ceil(BATCH),
+                planted.len()
+            ));
+        })
     });
 }
