@@ -20,42 +20,20 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::time::Duration;
 
-use aya::maps::{Array, IterableMap, Map, MapData, MapError, MapInfo, MapType};
+use aya::maps::{Array, IterableMap, MapData, MapError, MapInfo, MapType};
 use node_agent_common as abi;
 use state::ids::FreedId;
 use state::objects::NodeId;
 
-use crate::datapath::pins::MapLayout;
+use crate::datapath::pins::{MapLayout, RecordError, open_record, pin_record};
 
 /// One slot per possible node ID.
 const ENTRIES: u32 = 1 << 16;
 /// `BPF_F_MMAPABLE` in the kernel's map flags: the map's values can be mapped into memory.
 const BPF_F_MMAPABLE: u32 = 1 << 10;
 
-#[derive(Debug, thiserror::Error)]
-pub enum FreedIdsError {
-    #[error("the freed-ID record {pin}: {source}")]
-    Map { pin: PathBuf, source: MapError },
-    #[error("pinning the freed-ID record at {pin}: {source}")]
-    Pin {
-        pin: PathBuf,
-        source: aya::pin::PinError,
-    },
-    #[error("{what} the freed-ID record {pin}: {source}")]
-    Io {
-        what: &'static str,
-        pin: PathBuf,
-        source: io::Error,
-    },
-    #[error(
-        "the pinned map {pin} is not a freed-ID record ({found}; expected {expected}); nothing was changed"
-    )]
-    Layout {
-        pin: PathBuf,
-        found: MapLayout,
-        expected: MapLayout,
-    },
-}
+/// Names the record in errors.
+const RECORD: &str = "the freed-ID record";
 
 /// The layout of the record. Whether it is mappable is not part of it: both kinds hold the same
 /// slots, and the agent replaces a record that is not.
@@ -89,60 +67,38 @@ impl FreedIds {
     /// Opens the record, creating and pinning it if there is none (the pin directory must
     /// exist), and replacing one that cannot be mapped with one that can. A pin of another
     /// layout is refused, and left as it is.
-    pub fn open_or_create(pin: &Path) -> Result<Self, FreedIdsError> {
-        let err = |source| FreedIdsError::Map {
-            pin: pin.to_owned(),
-            source,
-        };
-        match MapLayout::of_pin(pin).map_err(err)? {
-            Some(found) if found != layout() => {
-                return Err(FreedIdsError::Layout {
-                    pin: pin.to_owned(),
-                    found,
-                    expected: layout(),
-                });
-            }
-            Some(_) => {
-                // A pin from before the record was made mappable is replaced by a copy that
-                // is; a fresh one is already as mappable as this kernel makes it.
-                let record = Self::open(pin)?;
-                return match record.slots {
-                    Some(_) => Ok(record),
-                    None => record.made_mappable(),
-                };
-            }
-            None => {
-                create()
-                    .map_err(err)?
-                    .pin(pin)
-                    .map_err(|source| FreedIdsError::Pin {
-                        pin: pin.to_owned(),
-                        source,
-                    })?;
-            }
+    pub fn open_or_create(pin: &Path) -> Result<Self, RecordError> {
+        if layout().pinned_at(pin, RECORD)? {
+            // A pin from before the record was made mappable is replaced by a copy that is; a
+            // fresh one is already as mappable as this kernel makes it.
+            let record = Self::open(pin)?;
+            return match record.slots {
+                Some(_) => Ok(record),
+                None => record.made_mappable(),
+            };
         }
+        pin_record(create(), pin, RECORD)?;
         Self::open(pin)
     }
 
     /// Opens an existing record, changing nothing.
-    pub fn open(pin: &Path) -> Result<Self, FreedIdsError> {
-        let err = |source| FreedIdsError::Map {
+    pub fn open(pin: &Path) -> Result<Self, RecordError> {
+        let map = open_record(pin, RECORD)?;
+        let slots = match is_mappable(pin).map_err(|source| RecordError::Map {
+            record: RECORD,
             pin: pin.to_owned(),
             source,
+        })? {
+            true => Some(
+                Slots::map(map.map().fd().as_fd()).map_err(|source| RecordError::Io {
+                    what: "mapping",
+                    record: RECORD,
+                    pin: pin.to_owned(),
+                    source,
+                })?,
+            ),
+            false => None,
         };
-        let data = MapData::from_pin(pin).map_err(err)?;
-        let map = Array::try_from(Map::Array(data)).map_err(err)?;
-        let slots =
-            match is_mappable(pin).map_err(err)? {
-                true => Some(Slots::map(map.map().fd().as_fd()).map_err(|source| {
-                    FreedIdsError::Io {
-                        what: "mapping",
-                        pin: pin.to_owned(),
-                        source,
-                    }
-                })?),
-                false => None,
-            };
         Ok(Self {
             pin: pin.to_owned(),
             map,
@@ -151,7 +107,7 @@ impl FreedIds {
     }
 
     /// Every ID freed so far, with when.
-    pub fn read(&self) -> Result<Vec<FreedId>, FreedIdsError> {
+    pub fn read(&self) -> Result<Vec<FreedId>, RecordError> {
         let slots = match &self.slots {
             Some(slots) => slots.read(),
             None => self.read_slot_by_slot()?,
@@ -169,8 +125,9 @@ impl FreedIds {
 
     /// Records that each of `freed` was freed when it says (rounded up to the second, so a
     /// cool-down never comes out shorter).
-    pub fn write(&mut self, freed: &[FreedId]) -> Result<(), FreedIdsError> {
-        set(&mut self.map, freed).map_err(|source| FreedIdsError::Map {
+    pub fn write(&mut self, freed: &[FreedId]) -> Result<(), RecordError> {
+        set(&mut self.map, freed).map_err(|source| RecordError::Map {
+            record: RECORD,
             pin: self.pin.clone(),
             source,
         })
@@ -179,8 +136,9 @@ impl FreedIds {
     /// A record that cannot be mapped, read through syscalls: in batches where the kernel can
     /// (Linux 5.6), else two syscalls a slot. Only the slots ever written (not 0), as
     /// [`Slots::read`].
-    fn read_slot_by_slot(&self) -> Result<Vec<(u32, u64)>, FreedIdsError> {
-        let err = |source| FreedIdsError::Map {
+    fn read_slot_by_slot(&self) -> Result<Vec<(u32, u64)>, RecordError> {
+        let err = |source| RecordError::Map {
+            record: RECORD,
             pin: self.pin.clone(),
             source,
         };
@@ -199,7 +157,7 @@ impl FreedIds {
     /// This record, replaced by a mappable copy: filled, pinned beside it and renamed over it,
     /// so its pin always names a whole record. Where the kernel cannot map one, or the copy
     /// fails, the record is kept as it is (it only reads slower).
-    fn made_mappable(self) -> Result<Self, FreedIdsError> {
+    fn made_mappable(self) -> Result<Self, RecordError> {
         let mut copy = match Array::<MapData, u64>::create(ENTRIES, BPF_F_MMAPABLE) {
             Ok(copy) => copy,
             Err(e) => {
@@ -214,20 +172,23 @@ impl FreedIds {
         let staged = staging(&self.pin);
         let copied = remove_stale(&staged)
             .and_then(|()| {
-                set(&mut copy, &self.read()?).map_err(|source| FreedIdsError::Map {
+                set(&mut copy, &self.read()?).map_err(|source| RecordError::Map {
+                    record: RECORD,
                     pin: staged.clone(),
                     source,
                 })
             })
             .and_then(|()| {
-                copy.pin(&staged).map_err(|source| FreedIdsError::Pin {
+                copy.pin(&staged).map_err(|source| RecordError::Pin {
+                    record: RECORD,
                     pin: staged.clone(),
                     source,
                 })
             })
             .and_then(|()| {
-                std::fs::rename(&staged, &self.pin).map_err(|source| FreedIdsError::Io {
+                std::fs::rename(&staged, &self.pin).map_err(|source| RecordError::Io {
                     what: "renaming a mappable copy over",
+                    record: RECORD,
                     pin: self.pin.clone(),
                     source,
                 })
@@ -270,10 +231,11 @@ fn staging(pin: &Path) -> PathBuf {
 }
 
 /// Removes a staging pin an interrupted replacement left behind.
-fn remove_stale(staged: &Path) -> Result<(), FreedIdsError> {
+fn remove_stale(staged: &Path) -> Result<(), RecordError> {
     match std::fs::remove_file(staged) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(FreedIdsError::Io {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(RecordError::Io {
             what: "removing a stale copy of",
+            record: RECORD,
             pin: staged.to_owned(),
             source: e,
         }),

@@ -17,35 +17,19 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use aya::maps::{Array, Map, MapData, MapError, MapType};
+use aya::maps::{Array, MapData, MapType};
 use node_agent_common as abi;
 use state::checkpoint::RecentRemovals;
 
-use crate::datapath::pins::MapLayout;
+use crate::datapath::pins::{MapLayout, RecordError, open_record, pin_record};
 
 /// Entries kept; more removals than this within one window are merged, as the module says.
 pub const SLOTS: u32 = 1024;
 
 type Slot = [u64; 2];
 
-#[derive(Debug, thiserror::Error)]
-pub enum RecentRemovalsError {
-    #[error("the record of recent removals {pin}: {source}")]
-    Map { pin: PathBuf, source: MapError },
-    #[error("pinning the record of recent removals at {pin}: {source}")]
-    Pin {
-        pin: PathBuf,
-        source: aya::pin::PinError,
-    },
-    #[error(
-        "the pinned map {pin} is not a record of recent removals ({found}; expected {expected}); nothing was changed"
-    )]
-    Layout {
-        pin: PathBuf,
-        found: MapLayout,
-        expected: MapLayout,
-    },
-}
+/// Names the record in errors.
+const RECORD: &str = "the record of recent removals";
 
 pub fn layout() -> MapLayout {
     MapLayout {
@@ -73,43 +57,28 @@ pub struct RecentRemovalsRecord {
 impl RecentRemovalsRecord {
     /// Opens the record, creating and pinning an empty one if there is none (the pin directory
     /// must exist). A pin of another layout is refused, and left as it is.
-    pub fn open_or_create(pin: &Path) -> Result<Self, RecentRemovalsError> {
-        let err = |source| RecentRemovalsError::Map {
-            pin: pin.to_owned(),
-            source,
-        };
-        match MapLayout::of_pin(pin).map_err(err)? {
-            Some(found) if found != layout() => Err(RecentRemovalsError::Layout {
-                pin: pin.to_owned(),
-                found,
-                expected: layout(),
-            }),
-            Some(_) => Self::open(pin),
-            None => {
-                Array::<MapData, Slot>::create(SLOTS, 0)
-                    .map_err(err)?
-                    .pin(pin)
-                    .map_err(|source| RecentRemovalsError::Pin {
-                        pin: pin.to_owned(),
-                        source,
-                    })?;
-                Ok(Self {
-                    existed: false,
-                    ..Self::open(pin)?
-                })
-            }
+    pub fn open_or_create(pin: &Path) -> Result<Self, RecordError> {
+        if layout().pinned_at(pin, RECORD)? {
+            return Self::open(pin);
         }
+        pin_record(Array::<MapData, Slot>::create(SLOTS, 0), pin, RECORD)?;
+        Ok(Self {
+            existed: false,
+            ..Self::open(pin)?
+        })
     }
 
     /// Opens an existing record, changing nothing.
-    pub fn open(pin: &Path) -> Result<Self, RecentRemovalsError> {
-        let err = |source| RecentRemovalsError::Map {
-            pin: pin.to_owned(),
-            source,
-        };
-        let data = MapData::from_pin(pin).map_err(err)?;
-        let map = Array::try_from(Map::Array(data)).map_err(err)?;
-        let slots = map.iter().collect::<Result<Vec<Slot>, _>>().map_err(err)?;
+    pub fn open(pin: &Path) -> Result<Self, RecordError> {
+        let map = open_record(pin, RECORD)?;
+        let slots = map
+            .iter()
+            .collect::<Result<Vec<Slot>, _>>()
+            .map_err(|source| RecordError::Map {
+                record: RECORD,
+                pin: pin.to_owned(),
+                source,
+            })?;
         Ok(Self {
             pin: pin.to_owned(),
             map,
@@ -135,11 +104,12 @@ impl RecentRemovalsRecord {
         &mut self,
         removal: RecentRemovals,
         keep_since: Duration,
-    ) -> Result<(), RecentRemovalsError> {
+    ) -> Result<(), RecordError> {
         let (slot, merged) = next_slot(&self.slots, removal, keep_since);
         self.map
             .set(slot as u32, encode(&merged), 0)
-            .map_err(|source| RecentRemovalsError::Map {
+            .map_err(|source| RecordError::Map {
+                record: RECORD,
                 pin: self.pin.clone(),
                 source,
             })?;

@@ -39,10 +39,11 @@ use std::sync::Arc;
 use self::xfrm::keys::{KeyBook, KeyError, KeyFile};
 use crate::agent::AgentConfig;
 use crate::agent::kernel::{Kernel, KeyRead};
+use crate::datapath::pins::RecordError;
 use crate::datapath::{Datapath, DatapathError, node_ids_pin, pod_cidrs_pin};
-use crate::freed_ids::{self, FreedIds, FreedIdsError};
+use crate::freed_ids::{self, FreedIds};
 use crate::node_map::NodeMapError;
-use crate::recent_removals::{self, RecentRemovalsError, RecentRemovalsRecord};
+use crate::recent_removals::{self, RecentRemovalsRecord};
 
 /// Why one operation failed. Per-operation, so one bad node never stops the others.
 #[derive(Debug, thiserror::Error)]
@@ -126,10 +127,9 @@ pub enum OpenError {
     Datapath(#[from] DatapathError),
     #[error(transparent)]
     NodeMap(Box<NodeMapError>),
+    /// The freed-ID record or the record of recent removals.
     #[error(transparent)]
-    FreedIds(#[from] FreedIdsError),
-    #[error(transparent)]
-    RecentRemovals(#[from] RecentRemovalsError),
+    Record(Box<RecordError>),
     #[error("opening the routing netlink socket: {0}")]
     Netlink(std::io::Error),
     #[error("opening the xfrm netlink socket: {0}")]
@@ -140,6 +140,12 @@ pub enum OpenError {
     /// running without the encryption the operator asked for is worse than not running.
     #[error(transparent)]
     Esp(#[from] xfrm::ProbeError),
+}
+
+impl From<RecordError> for OpenError {
+    fn from(e: RecordError) -> Self {
+        Self::Record(Box::new(e))
+    }
 }
 
 impl From<NodeMapError> for OpenError {
@@ -626,7 +632,7 @@ pub async fn users_of(
     read
 }
 
-fn freed_error(e: FreedIdsError) -> OpError {
+fn freed_error(e: RecordError) -> OpError {
     OpError::Kernel {
         what: "the kernel's record of freed node IDs".into(),
         source: std::io::Error::other(e.to_string()),

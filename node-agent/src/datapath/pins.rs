@@ -5,9 +5,11 @@
 //! mismatch, deleting nothing: the pin may hold the only copy of the node IDs the datapath uses.
 
 use std::fmt;
-use std::path::Path;
+use std::io;
+use std::path::{Path, PathBuf};
 
-use aya::maps::{MapInfo, MapType};
+use aya::Pod;
+use aya::maps::{Array, Map, MapData, MapError, MapInfo, MapType};
 
 /// The definition of a map, as far as compatibility is concerned.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -42,4 +44,93 @@ impl MapLayout {
             max_entries: info.max_entries(),
         }))
     }
+}
+
+impl MapLayout {
+    /// Whether a map of this layout is pinned at `pin` for `record` (`false`: nothing is). A
+    /// map of another layout is refused, and left as it is.
+    pub fn pinned_at(&self, pin: &Path, record: &'static str) -> Result<bool, RecordError> {
+        match Self::of_pin(pin).map_err(|source| RecordError::Map {
+            record,
+            pin: pin.to_owned(),
+            source,
+        })? {
+            Some(found) if found != *self => Err(RecordError::Layout {
+                record,
+                pin: pin.to_owned(),
+                found,
+                expected: *self,
+            }),
+            Some(_) => Ok(true),
+            None => Ok(false),
+        }
+    }
+}
+
+/// Pins `created`, an array just made for `record`, at `pin`.
+pub fn pin_record<V: Pod>(
+    created: Result<Array<MapData, V>, MapError>,
+    pin: &Path,
+    record: &'static str,
+) -> Result<(), RecordError> {
+    created
+        .map_err(|source| RecordError::Map {
+            record,
+            pin: pin.to_owned(),
+            source,
+        })?
+        .pin(pin)
+        .map_err(|source| RecordError::Pin {
+            record,
+            pin: pin.to_owned(),
+            source,
+        })
+}
+
+/// Opens the array pinned at `pin` for `record`.
+pub fn open_record<V: Pod>(
+    pin: &Path,
+    record: &'static str,
+) -> Result<Array<MapData, V>, RecordError> {
+    let err = |source| RecordError::Map {
+        record,
+        pin: pin.to_owned(),
+        source,
+    };
+    let data = MapData::from_pin(pin).map_err(err)?;
+    Array::try_from(Map::Array(data)).map_err(err)
+}
+
+/// Why one of the agent's own pinned records (maps only the agent reads, which keep what a
+/// lost checkpoint would forget) could not be used; `record` names it.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("{record} {pin}: {source}")]
+    Map {
+        record: &'static str,
+        pin: PathBuf,
+        source: MapError,
+    },
+    #[error("pinning {record} at {pin}: {source}")]
+    Pin {
+        record: &'static str,
+        pin: PathBuf,
+        source: aya::pin::PinError,
+    },
+    #[error("{what} {record} {pin}: {source}")]
+    Io {
+        what: &'static str,
+        record: &'static str,
+        pin: PathBuf,
+        source: io::Error,
+    },
+    #[error(
+        "the pinned map {pin} is not {record} ({found}; expected {expected}); nothing was changed"
+    )]
+    Layout {
+        record: &'static str,
+        pin: PathBuf,
+        found: MapLayout,
+        expected: MapLayout,
+    },
 }

@@ -303,7 +303,7 @@ fn the_record_of_recent_removals_outlives_its_opener_and_refuses_another_layout(
         assert!(
             refused
                 .to_string()
-                .contains("is not a record of recent removals"),
+                .contains("is not the record of recent removals"),
             "{refused}"
         );
         assert_eq!(
