@@ -25,13 +25,15 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 use super::netlink::{KernelError, ext_ack_message};
 
-/// Requests in one `sendmsg`: the datagram (about 100 bytes a request) stays far below the
-/// socket's send limit, and the answers of a batch whose every request fails (or reads) within
-/// the receive buffer.
+/// Requests in one `sendmsg`. The datagram (about 100 bytes a request) stays far below the
+/// socket's send limit. Each answer (a refusal, or a read's reply) takes about 830 bytes of
+/// receive buffer, so even if every request answers, a batch's answers fill half of the buffer
+/// a machine whose `net.core.rmem_max` is the kernel's default gives (twice 208 KiB, 512
+/// answers): the test on the real kernel measures both.
 pub const BATCH: usize = 256;
-/// The receive buffer asked for (the kernel may cap it at `net.core.rmem_max`; 256 answers
-/// fit in its default as well).
-const RECEIVE_BUFFER: usize = 1 << 20;
+/// The receive buffer asked for, past `net.core.rmem_max` where the agent may
+/// (`SO_RCVBUFFORCE`, with `CAP_NET_ADMIN`).
+const RECEIVE_BUFFER: usize = 4 << 20;
 
 /// One request: the message, and its flags beyond `NLM_F_REQUEST`.
 pub type Request<T> = (T, u16);
@@ -66,8 +68,10 @@ impl Batcher {
         socket.connect(&SocketAddr::new(0, 0))?;
         socket.set_cap_ack(true)?;
         socket.set_ext_ack(true)?;
-        // Best effort: a smaller buffer still holds a batch's answers.
-        let _ = socket.set_rx_buf_sz(bytes);
+        // Best effort: a smaller buffer still holds a batch's answers (see [`BATCH`]).
+        if force_receive_buffer(&socket, bytes).is_err() {
+            let _ = socket.set_rx_buf_sz(bytes);
+        }
         Ok(Self {
             socket,
             seq: 0,
@@ -187,5 +191,25 @@ impl Batcher {
                 _ => {}
             }
         }
+    }
+}
+
+/// `SO_RCVBUFFORCE`: the receive buffer past `net.core.rmem_max`, for a process with
+/// `CAP_NET_ADMIN`.
+fn force_receive_buffer(socket: &Socket, bytes: usize) -> io::Result<()> {
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: setsockopt(2) on a socket this process owns, with a pointer to a c_int and its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(socket),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            std::ptr::from_ref(&value).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    match rc {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
     }
 }

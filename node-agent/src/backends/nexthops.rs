@@ -212,7 +212,7 @@ fn write_flags(op: &Op) -> u16 {
 }
 
 /// `ip route get fibmatch <gateway>`: the question for the route that holds `gateway`.
-fn fibmatch(gateway: IpAddr) -> RouteNetlinkMessage {
+pub fn fibmatch(gateway: IpAddr) -> RouteNetlinkMessage {
     let mut q = RouteMessage::default();
     let (family, len, addr) = match gateway {
         IpAddr::V4(a) => (AddressFamily::Inet, 32, RouteAddress::Inet(a)),

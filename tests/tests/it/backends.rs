@@ -9,6 +9,7 @@ use std::process::Command;
 use ipnet::IpNet;
 use node_agent::backends::batch::{BATCH, Batcher};
 use node_agent::backends::map::MapBackend;
+use node_agent::backends::nexthops::fibmatch;
 use node_agent::backends::nexthops::message::NexthopMessage;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
 use node_agent::backends::{Backend, OpError};
@@ -347,10 +348,11 @@ fn invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched() {
     });
 }
 
-/// Writes go many to a system call: across more than two batches, each request gets its own
-/// answer (the refusals in the middle fail those requests alone, the rest go in). With a
-/// receive buffer too small for a batch's answers, the kernel drops some: then no request whose
-/// answer is missing passes for done.
+/// Requests go many to a system call: across more than two batches, each request gets its own
+/// answer (the refusals in the middle fail those requests alone, the rest go in). A batch's
+/// answers, all of them replies, fit the receive buffer a machine with the kernel's default
+/// `net.core.rmem_max` gives. With a receive buffer too small for a batch's answers, the kernel
+/// drops some: then no request whose answer is missing passes for done.
 #[test]
 fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_success() {
     require_sandbox!(
@@ -377,6 +379,17 @@ fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_succes
             }
             assert_eq!(routes.dump().await.unwrap().len(), n - planted.len());
 
+            // Route lookups, a reply each, with the receive buffer the kernel's default
+            // `rmem_max` allows (212,992 bytes, doubled by the kernel).
+            let gateway = |i: usize| IpAddr::from([10, 88, 1 + (i / 250) as u8, (i % 250) as u8 + 1]);
+            let lookups = (0..BATCH).map(|i| (fibmatch(gateway(i)), 0)).collect();
+            let mut small = Batcher::with_receive_buffer(212_992).unwrap();
+            let answers = small.exchange(lookups).await;
+            assert_eq!(answers.len(), BATCH);
+            for (i, a) in answers.iter().enumerate() {
+                assert!(matches!(a, Ok(m) if m.len() == 1), "lookup {i}: {a:?}");
+            }
+
             // Deleting nexthops that are not there: every request is refused, and with room
             // for only a few answers, the kernel drops the rest.
             let mut batcher = Batcher::with_receive_buffer(1).unwrap();
@@ -397,7 +410,7 @@ fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_succes
                 .count();
             assert_eq!(refused + lost, BATCH);
             report(&format!(
-                "batched requests: {n} creates in {} sendmsgs, {} refusals where planted; {refused} of {BATCH} refusals read and {lost} lost with a tiny buffer",
+                "batched requests: {n} creates in {} sendmsgs, {} refusals where planted; {BATCH} lookups in one call all answered in a default-sized buffer; {refused} of {BATCH} refusals read and {lost} lost with a tiny buffer",
                 n.div_ceil(BATCH),
                 planted.len()
             ));
