@@ -724,17 +724,18 @@ impl<K: Kernel> Reconciler<K> {
         }
     }
 
-    /// Writes the removals this plan let through (the window's new entry) into the kernel's
-    /// record of recent removals, which outlives a lost checkpoint.
+    /// Writes the removals this plan let through (the entry it added to the window: the one the
+    /// last window lacks, whatever the clock did) into the kernel's record of recent removals,
+    /// which outlives a lost checkpoint.
     fn remember_removal(&mut self, next: &BrakeMemory) {
-        let Some(&newest) = next.window.last() else {
+        let Some(&added) = next.window.last() else {
             return;
         };
-        if self.brake.window.last().is_some_and(|w| w.at >= newest.at) {
+        if self.brake.window.contains(&added) {
             return;
         }
-        let keep_since = newest.at.saturating_sub(self.plan_config.confirm_delay);
-        if let Err(e) = self.kernel.remember_removal(newest, keep_since) {
+        let keep_since = added.at.saturating_sub(self.plan_config.confirm_delay);
+        if let Err(e) = self.kernel.remember_removal(added, keep_since) {
             tracing::warn!(
                 "remembering the removals just made in the kernel (the checkpoint has them): {e}"
             );

@@ -35,6 +35,9 @@ pub const BATCH: usize = 256;
 /// (`SO_RCVBUFFORCE`, with `CAP_NET_ADMIN`).
 const RECEIVE_BUFFER: usize = 4 << 20;
 
+/// Errors other than "nothing more to read" a drain tolerates before it gives up on a batch.
+const MAX_FAILED_READS: usize = 8;
+
 /// One request: the message, and its flags beyond `NLM_F_REQUEST`.
 pub type Request<T> = (T, u16);
 
@@ -128,17 +131,21 @@ impl Batcher {
         }
         let mut answers: Vec<Answer<T>> = (0..n).map(|_| Ok(Vec::new())).collect();
         let mut lost = None;
+        let mut failures = 0;
         loop {
             self.answers.clear();
             match self.socket.recv(&mut self.answers, libc::MSG_DONTWAIT) {
                 Ok(_) => self.sort(first, &mut answers),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                // Lost answers (ENOBUFS) or a broken socket: what is queued is still read.
+                // Lost answers (ENOBUFS, reported once, ahead of what is still queued): read on
+                // until the queue is empty, which is also what lifts the socket's congestion
+                // (while congested, the kernel drops answers without saying so). An error that
+                // keeps coming is a broken socket: give up on this batch.
                 Err(e) => {
-                    let again = lost.is_some();
                     lost = Some(e);
-                    if again {
+                    failures += 1;
+                    if failures > MAX_FAILED_READS {
                         break;
                     }
                 }
@@ -165,15 +172,19 @@ impl Batcher {
         let mut rest = &self.answers[..];
         while let Ok(buf) = NetlinkBuffer::new_checked(rest) {
             let len = (buf.length() as usize).min(rest.len());
+            let i = buf.sequence_number().wrapping_sub(first) as usize;
             let msg = NetlinkMessage::<T>::deserialize(&rest[..len]);
             rest = &rest[len.next_multiple_of(4).min(rest.len())..];
-            let Ok(msg) = msg else {
-                // The error names what failed to parse, never the bytes.
-                tracing::error!("undecodable netlink answer; skipped");
+            let Some(answer) = answers.get_mut(i) else {
                 continue;
             };
-            let i = msg.header.sequence_number.wrapping_sub(first) as usize;
-            let Some(answer) = answers.get_mut(i) else {
+            let Ok(msg) = msg else {
+                // Whatever it said is unknown: never success. The error names what failed to
+                // parse, never the bytes.
+                tracing::error!("undecodable netlink answer");
+                *answer = Err(KernelError::connection(
+                    "the kernel's answer could not be decoded",
+                ));
                 continue;
             };
             match msg.payload {

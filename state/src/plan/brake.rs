@@ -448,7 +448,9 @@ impl Brake {
             our_objects: input.inventory.len() + elsewhere.map_or(0, |e| e.objects),
             orphan_nodes: 0,
         };
-        let counts = match orphaned_ids.is_empty() {
+        // Without a record, nodes are told apart by the IDs the map carries, orphans or not.
+        let unrecorded = records.is_empty() && elsewhere.is_none_or(|e| e.known_nodes == 0);
+        let counts = match orphaned_ids.is_empty() && !unrecorded {
             true => counts,
             false => with_orphan_nodes(counts, orphaned_ids, input, records, index, elsewhere),
         };
@@ -549,7 +551,6 @@ fn with_orphan_nodes(
         .filter(|id| !accounted.contains(*id) && !elsewhere.is_some_and(|e| e.ids.contains(**id)))
         .count();
     let known_nodes = match records.is_empty() && elsewhere.is_none_or(|e| e.known_nodes == 0) {
-        // Without a record, nodes are told apart by the IDs the map carries.
         true => accounted.union(&orphaned).count(),
         false => counts.known_nodes + unaccounted,
     };

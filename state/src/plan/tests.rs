@@ -573,6 +573,28 @@ fn orphans_are_swept_without_a_checkpoint() {
     assert_eq!(p.frees, [id(9)]);
 }
 
+/// Without a record, the nodes the map carries are the known ones even when no map entry is an
+/// orphan: a route nobody claims any more, swept just after a node's removal (in the window),
+/// is one removal of several known nodes, not of none.
+#[test]
+fn without_a_record_the_map_tells_the_known_nodes_when_only_a_route_is_an_orphan() {
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    r.reconcile(None, &[a(), b(), c(), d()], &mut k);
+    r.brake.window.push(crate::checkpoint::RecentRemovals {
+        at: NOW,
+        nodes: 1,
+        objects: 0,
+    });
+    k.put(route("10.1.77.0/24", "10.0.0.9"));
+    let p = r.plan(None, &[a(), b(), c(), d()], &k);
+    assert!(p.brake.is_none(), "{:?}", p.brake);
+    assert_eq!(
+        deleted(&p),
+        [(route("10.1.77.0/24", "10.0.0.9").id(), DeleteReason::Orphan)]
+    );
+}
+
 #[test]
 fn failed_stale_delete_stays_pending_with_attempts_and_keeps_its_id() {
     let r = Run::new();

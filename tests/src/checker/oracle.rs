@@ -310,7 +310,7 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
         }
     }
     let mut objects = 0;
-    if f.agent_record().is_none() {
+    if f.agent_record().is_none_or(<[_]>::is_empty) {
         let claimed: BTreeSet<&str> = f
             .list
             .iter()
