@@ -291,7 +291,7 @@ pub struct StepFacts<'a> {
 }
 
 /// What a step removed: nodes (known, no longer listed, whose entries went) and orphan objects
-/// (objects gone whose address or CIDR nobody listed claims), as the brake counts them.
+/// (objects gone whose address, CIDR or gateway nobody listed claims), as the brake counts them.
 pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
     let mut nodes = unrecorded_ids(f)
         .1
@@ -309,8 +309,11 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
             nodes += 1;
         }
     }
+    // Swept objects are judged only where no checkpoint was there at all: after one the step
+    // lost, the agent tells a listed node's leftovers from orphans by IDs and nexthops this
+    // count does not model, and the node count above covers what the loss could hide.
     let mut objects = 0;
-    if f.agent_record().is_none_or(<[_]>::is_empty) {
+    if f.record_before.is_none_or(<[_]>::is_empty) {
         let claimed: BTreeSet<&str> = f
             .list
             .iter()
@@ -324,11 +327,15 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
             .keys()
             .filter(|ip| !f.after.map.contains_key(*ip) && !claimed.contains(ip.as_str()))
             .count();
+        // A route through a listed node's address is that node's (one to a pod CIDR it no
+        // longer has is superseded, not swept), as a nexthop to it is.
         objects += f
             .before
             .our_routes()
-            .keys()
-            .filter(|d| !after_routes.contains_key(*d) && !claimed.contains(*d))
+            .iter()
+            .filter(|(d, gw)| {
+                !after_routes.contains_key(*d) && !claimed.contains(*d) && !claimed.contains(*gw)
+            })
             .count();
         let after_nexthops = f.after.our_nexthops();
         objects += f
