@@ -344,8 +344,9 @@ impl AgentEnv {
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
             panic!(
-                "{}\nagent log (last 40 lines):\n{}",
+                "{}\nagent processes:\n{}agent log (last 40 lines):\n{}",
                 e.downcast_ref::<String>().cloned().unwrap_or_default(),
+                agent_processes(),
                 tail.join("\n")
             );
         }
@@ -443,7 +444,6 @@ pub fn expected_ips(nodes: &[TestNode]) -> Vec<String> {
     ips
 }
 
-/// Polls `cond` every 20 ms until it holds, panicking with `what` after `timeout`.
 /// Every running agent process, one line each: its PID, scheduler state, CPU seconds so far,
 /// where in the kernel it waits, and its arguments. For a failure's message: an agent that made
 /// no progress either burned CPU or waited on something, and this says which.
@@ -484,6 +484,7 @@ pub fn agent_processes() -> String {
     out
 }
 
+/// Polls `cond` every 20 ms until it holds, panicking with `what` after `timeout`.
 pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {

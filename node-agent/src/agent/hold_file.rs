@@ -2,8 +2,8 @@
 //!
 //! A running daemon publishes what its brake holds in `<state-dir>/hold.json` (the same report
 //! `node-agent plan --output json` prints, with the hold's ID) and removes the file when nothing
-//! is held. `node-agent prune confirm <ID>` writes the ID to `<state-dir>/prune-confirm` and
-//! sends the daemon (the PID in the state directory's lock) `SIGUSR1`; the daemon takes the file
+//! is held. `node-agent prune confirm <ID>` writes the ID to `<state-dir>/prune-confirm` (aside,
+//! then renamed into place, as the daemon takes it by renaming it away) and sends the daemon (the PID in the state directory's lock) `SIGUSR1`; the daemon takes the file
 //! at once (or at its next heartbeat, should the signal be lost) and releases the hold only if
 //! it is still exactly the hold of that ID (invariant 16). Only someone who can write the state
 //! directory (root in the agent's pod) can confirm.
@@ -15,6 +15,8 @@ use super::report::BrakeReport;
 
 pub const HOLD_FILE: &str = "hold.json";
 pub const CONFIRM_FILE: &str = "prune-confirm";
+/// Where the daemon moves a confirmation it takes, before reading it.
+const TAKEN_FILE: &str = ".prune-confirm.taken";
 
 #[derive(Debug, thiserror::Error)]
 pub enum HoldFileError {
@@ -24,6 +26,8 @@ pub enum HoldFileError {
         path: PathBuf,
         source: io::Error,
     },
+    #[error("{} names no hold: ignored; confirm again with the ID `node-agent prune status` prints", path.display())]
+    NoHoldId { path: PathBuf },
     #[error("{} is not a hold report: {source}", path.display())]
     Parse {
         path: PathBuf,
@@ -66,21 +70,39 @@ pub fn read(dir: &Path) -> Result<Option<BrakeReport>, HoldFileError> {
 }
 
 /// Takes an operator's confirmation, if one is waiting: the hold ID it confirms.
+///
+/// The file is taken by renaming it aside first: a confirmation written while this runs is
+/// either taken whole or left for the next turn, never read half-written and never removed
+/// unread. A taken file that names no hold is an error, so that it is reported, not dropped.
 pub fn take_confirmation(dir: &Path) -> Result<Option<String>, HoldFileError> {
     let path = dir.join(CONFIRM_FILE);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
+    let taken = dir.join(TAKEN_FILE);
+    match std::fs::rename(&path, &taken) {
+        Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err("reading", &path)(e)),
-    };
-    std::fs::remove_file(&path).map_err(io_err("removing", &path))?;
-    Ok(Some(text.trim().to_owned()).filter(|id| !id.is_empty()))
+        Err(e) => return Err(io_err("taking", &path)(e)),
+    }
+    let text = std::fs::read_to_string(&taken).map_err(io_err("reading", &taken));
+    std::fs::remove_file(&taken).map_err(io_err("removing", &taken))?;
+    let text = text?;
+    let id = text.trim();
+    if id.is_empty() {
+        return Err(HoldFileError::NoHoldId { path });
+    }
+    Ok(Some(id.to_owned()))
 }
 
-/// Leaves a confirmation of hold `id` for the daemon.
+/// Leaves a confirmation of hold `id` for the daemon: written aside, then renamed into place,
+/// so the daemon never sees it half-written (it looks at every turn, signalled or not).
 pub fn write_confirmation(dir: &Path, id: &str) -> Result<(), HoldFileError> {
     let path = dir.join(CONFIRM_FILE);
-    std::fs::write(&path, format!("{id}\n")).map_err(io_err("writing", &path))
+    // One name per process: two operators confirming at once never write into one file.
+    let tmp = dir.join(format!(".{CONFIRM_FILE}.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, format!("{id}\n")).map_err(io_err("writing", &tmp))?;
+    std::fs::rename(&tmp, &path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io_err("renaming into place", &path)(e)
+    })
 }
 
 #[cfg(test)]
@@ -117,5 +139,53 @@ mod tests {
             Some("0123456789ab")
         );
         assert_eq!(take_confirmation(dir.path()).unwrap(), None);
+    }
+
+    /// The daemon looks for a confirmation at every turn, while the operator's CLI may be
+    /// writing one: every confirmation written is taken exactly once and whole, never read
+    /// empty and dropped (which lost an operator's confirmation once).
+    #[test]
+    fn a_confirmation_written_while_the_daemon_looks_is_never_lost() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let rounds = 2_000;
+        let done = Arc::new(AtomicBool::new(false));
+        let taker = {
+            let (dir, done) = (dir.path().to_owned(), done.clone());
+            std::thread::spawn(move || {
+                let mut taken = Vec::new();
+                loop {
+                    let finished = done.load(Ordering::Acquire);
+                    match take_confirmation(&dir) {
+                        Ok(Some(id)) => taken.push(id),
+                        Ok(None) if finished => return taken,
+                        Ok(None) => std::thread::yield_now(),
+                        Err(e) => panic!("after {} confirmations: {e}", taken.len()),
+                    }
+                }
+            })
+        };
+        for i in 0..rounds {
+            write_confirmation(dir.path(), &format!("{i:012x}")).unwrap();
+            // The next one only once this one is gone.
+            while dir.path().join(CONFIRM_FILE).exists() && !taker.is_finished() {
+                std::thread::yield_now();
+            }
+        }
+        done.store(true, Ordering::Release);
+        let taken = taker.join().unwrap();
+        let expected: Vec<String> = (0..rounds).map(|i| format!("{i:012x}")).collect();
+        assert_eq!(taken, expected);
+    }
+
+    #[test]
+    fn a_confirmation_that_names_no_hold_is_reported_and_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(CONFIRM_FILE), "\n").unwrap();
+        let err = take_confirmation(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("names no hold"), "{err}");
+        assert_eq!(take_confirmation(dir.path()).unwrap(), None);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }
