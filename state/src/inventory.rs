@@ -15,7 +15,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
 
-use crate::objects::{KernelObject, ObjectId, ObjectKind, Op};
+use crate::objects::{KernelObject, NodeId, ObjectId, ObjectKind, Op};
 
 /// Our objects in the kernel, and the foreign objects at identities we might write.
 #[derive(Clone, Debug, Default)]
@@ -34,6 +34,10 @@ pub struct Inventory {
     /// Our objects by kind, kept as they come and go: metrics and map room read them at every
     /// reconcile, and counting a large inventory each time is work that grows with the cluster.
     counts: [usize; ObjectKind::ALL.len()],
+    /// Per node ID (by its number), how many of our objects carry it, kept as they come and go:
+    /// a plan asks which IDs the kernel holds, and reading 65,536 counts is cheaper than
+    /// walking hundreds of thousands of objects. Empty until an object carries an ID.
+    by_id: Vec<u32>,
 }
 
 impl Inventory {
@@ -86,13 +90,40 @@ impl Inventory {
             |&s| hasher.hash_one(slots[s as usize].id()),
         );
         match entry {
-            Entry::Occupied(e) => self.slots[*e.get() as usize] = object,
+            Entry::Occupied(e) => {
+                let slot = *e.get() as usize;
+                let old = std::mem::replace(&mut self.slots[slot], object);
+                Self::count_id(&mut self.by_id, &old, false);
+                Self::count_id(&mut self.by_id, &self.slots[slot], true);
+            }
             Entry::Vacant(e) => {
                 e.insert(self.slots.len() as u32);
                 self.counts[object.kind() as usize] += 1;
+                Self::count_id(&mut self.by_id, &object, true);
                 self.slots.push(object);
             }
         }
+    }
+
+    /// Counts the node ID `o` carries, if any, as one more (`add`) or one fewer.
+    fn count_id(by_id: &mut Vec<u32>, o: &KernelObject, add: bool) {
+        let Some(id) = o.node_id() else {
+            return;
+        };
+        if by_id.is_empty() {
+            by_id.resize(usize::from(u16::MAX) + 1, 0);
+        }
+        let n = &mut by_id[usize::from(id.get())];
+        *n = if add { *n + 1 } else { n.saturating_sub(1) };
+    }
+
+    /// The node IDs our objects carry, in order.
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.by_id
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n > 0)
+            .filter_map(|(id, _)| NodeId::new(u16::try_from(id).ok()?))
     }
 
     /// Removes our object at `id`; the last slot's object moves into its slot.
@@ -107,6 +138,7 @@ impl Inventory {
         let slot = entry.remove().0 as usize;
         let gone = self.slots.swap_remove(slot);
         self.counts[gone.kind() as usize] -= 1;
+        Self::count_id(&mut self.by_id, &gone, false);
         if let Some(moved) = self.slots.get(slot) {
             let from = self.slots.len() as u32;
             let hash = self.hasher.hash_one(moved.id());
@@ -302,8 +334,8 @@ mod tests {
     proptest::proptest! {
         /// Any sequence of creates, replaces and deletes, of every kind and family the index
         /// holds, leaves the inventory holding what a map by identity holds, every object
-        /// findable at its slot, and the counts right (deletes move the last slot's object; the
-        /// table grows from empty as a dump's does).
+        /// findable at its slot, and the counts right, of kinds and of the node IDs objects carry
+        /// (deletes move the last slot's object; the table grows from empty as a dump's does).
         #[test]
         fn the_index_follows_any_sequence_of_operations(
             ops in proptest::collection::vec((0u8..3, 0u8..6, 1u8..40, 1u16..5), 1..300)
@@ -327,6 +359,9 @@ mod tests {
                 let want = model.values().filter(|o| o.kind() == kind).count();
                 proptest::prop_assert_eq!(inv.count(kind), want, "{:?}", kind);
             }
+            let ids: std::collections::BTreeSet<NodeId> =
+                model.values().filter_map(KernelObject::node_id).collect();
+            proptest::prop_assert_eq!(inv.node_ids().collect::<std::collections::BTreeSet<_>>(), ids);
             for (id, o) in &model {
                 let slot = inv.slot(id);
                 proptest::prop_assert!(slot.is_some(), "{id:?} not found");

@@ -3,7 +3,7 @@
 //! ID. A candidate that fails any of them is held as a whole and reported; one that passes all
 //! of them is programmed.
 
-use foldhash::{HashMap, HashMapExt, HashSet};
+use foldhash::HashSet;
 use smallvec::SmallVec;
 
 use super::brake::{Brake, is_local_entry};
@@ -101,8 +101,8 @@ fn staying_entries(
 struct Ids<'a> {
     alloc: IdAllocator,
     claimed: IdSet,
-    /// ID -> the record that carries it; `None` when records of several names carry it.
-    recorded: HashMap<NodeId, Option<usize>>,
+    /// IDs records carry.
+    recorded: IdSet,
     /// IDs records outside an event-sized plan's part carry.
     elsewhere: Option<&'a IdSet>,
     inventory: &'a Inventory,
@@ -133,7 +133,7 @@ impl Ids<'_> {
                 })
                 .find(|id| {
                     !self.claimed.contains(*id)
-                        && !self.recorded.contains_key(id)
+                        && !self.recorded.contains(*id)
                         && !self.elsewhere.is_some_and(|e| e.contains(*id))
                 });
             if let Some(id) = inherited {
@@ -186,22 +186,17 @@ pub(super) fn admit(
     let mut ids = Ids {
         alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator),
         claimed: IdSet::new(),
-        recorded: HashMap::with_capacity(records.len()),
+        recorded: IdSet::new(),
         elsewhere: elsewhere.map(|e| &e.ids),
         inventory: input.inventory,
     };
     let mut seen_ids = IdSet::new();
-    for id in input.inventory.objects().filter_map(KernelObject::node_id) {
+    for id in input.inventory.node_ids() {
         seen_ids.insert(id);
     }
-    for (r, rec) in records.iter().enumerate() {
-        if let Some(id) = rec.node.node_id {
-            seen_ids.insert(id);
-            ids.recorded
-                .entry(id)
-                .and_modify(|o| *o = None)
-                .or_insert(Some(r));
-        }
+    for id in records.iter().filter_map(|r| r.node.node_id) {
+        seen_ids.insert(id);
+        ids.recorded.insert(id);
     }
     for id in seen_ids.iter() {
         ids.alloc.reserve(id);

@@ -37,11 +37,12 @@ enum Owner {
     Released(usize),
 }
 
-/// The strongest owner of each resource (by [`Res`]) and node ID.
+/// The strongest owner of each resource (by [`Res`]) and node ID (by its number: a vector of
+/// 65,536 owners is cheaper than hashing tens of thousands of IDs).
 struct OwnerIndex<'i> {
     index: &'i ResourceIndex,
     resources: Vec<Option<Owner>>,
-    ids: HashMap<NodeId, Owner>,
+    ids: Vec<Option<Owner>>,
 }
 
 fn put(slot: &mut Option<Owner>, o: Owner) {
@@ -54,10 +55,7 @@ impl OwnerIndex<'_> {
             put(&mut self.resources[r as usize], o);
         }
         if let Some(id) = id {
-            self.ids
-                .entry(id)
-                .and_modify(|e| *e = (*e).min(o))
-                .or_insert(o);
+            put(&mut self.ids[usize::from(id.get())], o);
         }
     }
 
@@ -65,7 +63,7 @@ impl OwnerIndex<'_> {
     fn owner(&self, slot: usize, o: &KernelObject) -> Option<Owner> {
         let of = |r: Option<Res>| r.and_then(|r| self.resources[r as usize]);
         of(self.index.key(slot))
-            .or_else(|| o.node_id().and_then(|id| self.ids.get(&id).copied()))
+            .or_else(|| o.node_id().and_then(|id| self.ids[usize::from(id.get())]))
             .or_else(|| of(secondary_resource(o).and_then(|r| self.index.get(&r))))
     }
 }
@@ -106,6 +104,8 @@ pub(super) fn decide(
         .filter(|(s, _)| !desired.is_marked(*s))
         .collect();
     pool.sort_by_cached_key(|(_, o)| (o.kind().rank(), o.id()));
+    // Slots of the objects that go, for what kept objects use.
+    let mut going = Marks::for_inventory(input.inventory);
     let mut out = Deleted {
         deletes: Vec::new(),
         held: Vec::new(),
@@ -119,7 +119,7 @@ pub(super) fn decide(
     let mut index = OwnerIndex {
         index: resources,
         resources: vec![None; resources.len()],
-        ids: HashMap::with_capacity(live.len() + records.len()),
+        ids: vec![None; usize::from(u16::MAX) + 1],
     };
     for (i, l) in live.iter().enumerate() {
         let record = l.record.map(|r| records[r].node);
@@ -222,29 +222,35 @@ pub(super) fn decide(
             out.in_use.push((o.clone(), node, user.to_string()));
             continue;
         }
+        going.mark(slot);
         out.deletes.push(Delete {
             object: o.clone(),
             reason,
             node,
         });
     }
-    keep_what_kept_objects_use(input, desired, &mut out);
+    keep_what_kept_objects_use(input, desired, &going, &mut out);
     out
 }
 
 /// An object that stays keeps what it uses: a route kept (its CIDR's owner is held, say)
 /// keeps its nexthop even where the nexthop's own owner lets it go, since deleting the nexthop
 /// would delete the route with it.
-fn keep_what_kept_objects_use(input: &PlanInput<'_>, desired: &Marks, out: &mut Deleted) {
+/// `going` marks the slots of the objects `out` deletes.
+fn keep_what_kept_objects_use(
+    input: &PlanInput<'_>,
+    desired: &Marks,
+    going: &Marks,
+    out: &mut Deleted,
+) {
     // Only an object something uses can be needed: with no such delete there is nothing to do.
     if !out.deletes.iter().any(|d| d.object.kind().deleted_last()) {
         return;
     }
-    let deleted: HashSet<ObjectId> = out.deletes.iter().map(|d| d.object.id()).collect();
     let needed: HashSet<ObjectId> = input
         .inventory
         .slotted()
-        .filter(|(s, o)| !desired.is_marked(*s) && !deleted.contains(&o.id()))
+        .filter(|(s, _)| !desired.is_marked(*s) && !going.is_marked(*s))
         .filter_map(|(_, o)| o.uses())
         .collect();
     if needed.is_empty() {

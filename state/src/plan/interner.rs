@@ -10,8 +10,8 @@
 //! What comes out is what one table would give: each distinct resource has one index, below
 //! [`Interner::len`]. The index is the place of the resource's first intern, so indices follow
 //! the order the caller interned in (node by node) rather than the hash's: the planner's walks
-//! over nodes then touch its per-resource vectors in order, not at random. Places taken by a
-//! repeated intern are holes no index names; [`Interner::len`] counts them too, as it bounds
+//! over nodes then touch its per-resource vectors in order, not at random. A place taken by a
+//! repeated intern is a hole no index names; [`Interner::len`] counts holes too, as it bounds
 //! the indices.
 
 use std::hash::BuildHasher;
@@ -35,97 +35,182 @@ const PER_PART: usize = if cfg!(debug_assertions) { 4 } else { 4096 };
 
 /// At most 2^this many parts.
 const MAX_BITS: u32 = 8;
+// A part's number fits the byte [`Lookups`] keeps it in.
+const _: () = assert!(MAX_BITS <= 8);
 
-/// The work of one [`Batch::run`]: resources to intern and to look up, each with the place its
-/// answer goes, sorted into parts by hash.
-pub(super) struct Batch {
-    split: RandomState,
+/// How resources are split into parts: by the top bits of a hash of their own.
+#[derive(Clone)]
+pub(super) struct Split {
+    state: RandomState,
     bits: u32,
-    interns: Vec<Vec<(Resource, u32)>>,
-    lookups: Vec<Vec<(Resource, u32)>>,
 }
 
-impl Batch {
-    /// Room for about `interns` interns and `lookups` lookups.
-    pub fn new(interns: usize, lookups: usize) -> Self {
+impl Split {
+    /// Parts for about `interns` resources.
+    pub fn new(interns: usize) -> Self {
         let bits = (interns / PER_PART)
             .checked_next_power_of_two()
             .map_or(MAX_BITS, |p| p.trailing_zeros().min(MAX_BITS));
-        let parts = 1usize << bits;
-        // Hashes spread evenly: a part gets its share and a little over; more only grows its list.
-        let room = |n: usize| n / parts + n / parts / 8 + 16;
         Self {
-            split: RandomState::default(),
+            state: RandomState::default(),
             bits,
-            interns: (0..parts)
-                .map(|_| Vec::with_capacity(room(interns)))
-                .collect(),
-            lookups: (0..parts)
-                .map(|_| Vec::with_capacity(room(lookups)))
-                .collect(),
         }
     }
 
-    /// Interns `r`; its index goes to `interned[at]`. The `at`s of all interns are 0, 1, 2...
-    /// in the order of the calls.
-    pub fn intern(&mut self, r: Resource, at: u32) {
-        let p = part(&self.split, self.bits, &r);
-        self.interns[p].push((r, at));
+    /// How many parts: more than one is work worth a second core.
+    pub fn parts(&self) -> usize {
+        1 << self.bits
     }
 
-    /// Looks `r` up once everything is interned; its index, or [`MISSING`], goes to
-    /// `found[at]`.
-    pub fn look_up(&mut self, r: Resource, at: u32) {
-        let p = part(&self.split, self.bits, &r);
-        self.lookups[p].push((r, at));
-    }
-
-    /// Does the work, part by part, and keeps the tables for [`Interner::get`].
-    pub fn run(self, interned: &mut [Res], found: &mut [Res]) -> Interner {
-        let total: usize = self.interns.iter().map(Vec::len).sum();
-        let mut out = Interner {
-            split: self.split,
-            bits: self.bits,
-            parts: Vec::with_capacity(self.interns.len()),
-            // Holes keep a placeholder that no index names.
-            resources: vec![HOLE; total],
-        };
-        // Each part's lists are dropped once its table is built and probed. A part's interns are
-        // in call order, so the first one of a resource gives its index.
-        for (interns, lookups) in self.interns.into_iter().zip(self.lookups) {
-            let mut table: HashMap<Resource, Res> = HashMap::with_capacity(interns.len());
-            for (r, at) in interns {
-                let res = *table.entry(r).or_insert(at);
-                if res == at {
-                    out.resources[at as usize] = r;
-                }
-                interned[at as usize] = res;
-            }
-            for (r, at) in lookups {
-                found[at as usize] = table.get(&r).copied().unwrap_or(MISSING);
-            }
-            out.parts.push(table);
+    /// Which part `r` falls in (each part's table hashes with another seed, so its buckets
+    /// still spread).
+    fn part(&self, r: &Resource) -> usize {
+        if self.bits == 0 {
+            0
+        } else {
+            (self.state.hash_one(r) >> (64 - self.bits)) as usize
         }
-        out
+    }
+
+    /// Room for `n` items spread over the parts: each gets its share and a little over; more
+    /// only grows its list.
+    fn lists<T>(&self, n: usize) -> Vec<Vec<T>> {
+        let parts = self.parts();
+        let room = n / parts + n / parts / 8 + 16;
+        (0..parts).map(|_| Vec::with_capacity(room)).collect()
     }
 }
 
-const HOLE: Resource = Resource::Address(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+/// Resources to intern, sorted into parts, and in the order they came.
+pub(super) struct Interns {
+    split: Split,
+    /// Every interned resource, in call order: an intern's place is its position here.
+    resources: Vec<Resource>,
+    /// Per part: its interns, with their places, in call order.
+    parts: Vec<Vec<(Resource, u32)>>,
+}
 
-/// Which part `r` falls in: the top `bits` bits of a hash of its own (each part's table hashes
-/// with another seed, so its buckets still spread).
-fn part(split: &RandomState, bits: u32, r: &Resource) -> usize {
-    if bits == 0 {
-        0
-    } else {
-        (split.hash_one(r) >> (64 - bits)) as usize
+impl Interns {
+    /// Room for about `n` interns.
+    pub fn new(split: Split, n: usize) -> Self {
+        Self {
+            parts: split.lists(n),
+            split,
+            resources: Vec::with_capacity(n),
+        }
     }
+
+    /// Interns `r` at the next place: 0, 1, 2... in the order of the calls.
+    pub fn push(&mut self, r: Resource) {
+        let p = self.split.part(&r);
+        let at = self.resources.len() as u32;
+        self.resources.push(r);
+        self.parts[p].push((r, at));
+    }
+}
+
+/// Resources to look up once everything is interned, sorted into parts, and the order they
+/// came in.
+pub(super) struct Lookups {
+    split: Split,
+    /// Per part: its lookups, in call order.
+    parts: Vec<Vec<Resource>>,
+    /// Per lookup, in call order: its part, and where its answer goes.
+    asked: Vec<(u8, u32)>,
+}
+
+impl Lookups {
+    /// Room for about `n` lookups.
+    pub fn new(split: Split, n: usize) -> Self {
+        Self {
+            parts: split.lists(n),
+            split,
+            asked: Vec::with_capacity(n),
+        }
+    }
+
+    /// Looks `r` up; its index, or [`MISSING`], goes to `found[at]` of [`run`]. Lookups asked
+    /// in the order of their `at`s have their answers written in order.
+    pub fn push(&mut self, r: Resource, at: u32) {
+        let p = self.split.part(&r);
+        self.parts[p].push(r);
+        self.asked.push((p as u8, at));
+    }
+}
+
+/// What one part gave: its table, its lookups' answers in order, and its repeated interns.
+type PartDone = (
+    HashMap<Resource, Res>,
+    std::vec::IntoIter<Res>,
+    Vec<(u32, Res)>,
+);
+
+/// Does the work, part by part (half of the parts on a second core where there is one), and
+/// keeps the tables for [`Interner::get`]: each intern's index goes to `interned` (one entry
+/// per intern, by place), each lookup's answer to `found`. `interns` and `lookups` must share
+/// one [`Split`].
+///
+/// Answers are written in the order the caller asked, never part by part: a part's places are
+/// spread over the whole range, and writing them from there was a cache miss each. An intern's
+/// index is its own place unless the resource came before, so `interned` starts as the places
+/// and only repeats are written out of order.
+pub(super) fn run(
+    interns: Interns,
+    lookups: Lookups,
+    interned: &mut [Res],
+    found: &mut [Res],
+) -> Interner {
+    for (at, res) in interned.iter_mut().enumerate() {
+        *res = at as Res;
+    }
+    let mut work: Vec<_> = interns.parts.into_iter().zip(lookups.parts).collect();
+    let second = work.split_off(work.len() / 2);
+    let (mut done, rest) = super::parallel::both(
+        !second.is_empty(),
+        || second.into_iter().map(one_part).collect::<Vec<_>>(),
+        || work.into_iter().map(one_part).collect::<Vec<_>>(),
+    );
+    done.splice(0..0, rest);
+    let mut tables = Vec::with_capacity(done.len());
+    let mut answers = Vec::with_capacity(done.len());
+    for (table, found, repeats) in done {
+        for (at, res) in repeats {
+            interned[at as usize] = res;
+        }
+        tables.push(table);
+        answers.push(found);
+    }
+    for (p, at) in lookups.asked {
+        found[at as usize] = answers[p as usize].next().unwrap_or(MISSING);
+    }
+    Interner {
+        split: interns.split,
+        parts: tables,
+        resources: interns.resources,
+    }
+}
+
+/// One part: its table from its interns (in call order, so the first of a resource gives its
+/// index), then its lookups.
+fn one_part((interns, lookups): (Vec<(Resource, u32)>, Vec<Resource>)) -> PartDone {
+    let mut table: HashMap<Resource, Res> = HashMap::with_capacity(interns.len());
+    let mut repeats = Vec::new();
+    for (r, at) in interns {
+        let res = *table.entry(r).or_insert(at);
+        if res != at {
+            repeats.push((at, res));
+        }
+    }
+    let found: Vec<Res> = lookups
+        .iter()
+        .map(|r| table.get(r).copied().unwrap_or(MISSING))
+        .collect();
+    (table, found.into_iter(), repeats)
 }
 
 /// Every interned resource, by index, and the index of each.
 pub(super) struct Interner {
-    split: RandomState,
-    bits: u32,
+    split: Split,
     parts: Vec<HashMap<Resource, Res>>,
     resources: Vec<Resource>,
 }
@@ -138,7 +223,7 @@ impl Interner {
 
     /// The index of `r`, if it was interned.
     pub fn get(&self, r: &Resource) -> Option<Res> {
-        self.parts[part(&self.split, self.bits, r)].get(r).copied()
+        self.parts[self.split.part(r)].get(r).copied()
     }
 
     pub fn resource(&self, r: Res) -> Resource {
@@ -163,16 +248,18 @@ mod tests {
     fn gives_what_one_table_would() {
         for n in [0u32, 1, 100, 40_000] {
             // Every resource twice, and lookups of half of them plus as many never interned.
-            let mut batch = Batch::new(2 * n as usize, n as usize);
+            let split = Split::new(2 * n as usize);
+            let mut interns = Interns::new(split.clone(), 2 * n as usize);
+            let mut lookups = Lookups::new(split, n as usize);
             for k in 0..2 * n {
-                batch.intern(address(k % n.max(1)), k);
+                interns.push(address(k % n.max(1)));
             }
             for k in 0..n {
-                batch.look_up(address(2 * k), k);
+                lookups.push(address(2 * k), k);
             }
             let mut interned = vec![0; 2 * n as usize];
             let mut found = vec![0; n as usize];
-            let interner = batch.run(&mut interned, &mut found);
+            let interner = run(interns, lookups, &mut interned, &mut found);
             assert_eq!(interner.len(), 2 * n as usize);
             let distinct: std::collections::HashSet<Res> = interned.iter().copied().collect();
             assert_eq!(distinct.len(), n as usize);

@@ -23,6 +23,7 @@ mod claim_index;
 mod classify;
 mod deletes;
 mod interner;
+mod parallel;
 mod records;
 mod resource_index;
 mod scope;
@@ -600,62 +601,19 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     };
     let admitted = assign::admit(&known, &mut live, &mut errors);
 
-    // 5. Desired objects of programmed nodes, and the upserts they need.
-    // Desired objects already in the kernel, by slot: what the deletes leave alone.
-    let mut desired = Marks::for_inventory(input.inventory);
-    let nexthops = resource_index::IndexedNexthops {
-        index: &index,
-        inventory: input.inventory,
-    };
-    let mut upserts = Vec::new();
-    let mut objects = Vec::new();
-    let mut problems = Vec::new();
-    for (i, l) in live.iter().enumerate() {
-        let LiveClass::Programmed(id) = l.class else {
-            continue;
-        };
-        objects.clear();
-        desired_objects(l.node, id, cfg, &nexthops, &mut objects, &mut problems);
-        for p in problems.drain(..) {
-            err(&mut errors, &l.node.name, p);
-        }
-        let blocked = Blocked::find(&objects, input.inventory, &l.node.name, &mut errors);
-        for o in &objects {
-            let oid = o.id();
-            if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
-                continue;
-            }
-            let slot = index.slot(input.inventory, i, l.node, o);
-            let have = slot.map(|s| input.inventory.at(s));
-            if let Some(s) = slot {
-                desired.mark(s);
-            }
-            if have != Some(o) {
-                upserts.push(Upsert {
-                    update: have.is_some(),
-                    object: o.clone(),
-                    node: l.node.name.clone(),
-                });
-            }
-        }
-    }
-
-    for o in global_objects(cfg) {
-        let slot = input.inventory.slot(&o.id());
-        if slot.map(|s| input.inventory.at(s)) != Some(&o) {
-            upserts.push(Upsert {
-                update: slot.is_some(),
-                object: o,
-                node: AGENT_OWNED.to_string(),
-            });
-        }
-        if let Some(s) = slot {
-            desired.mark(s);
-        }
-    }
-
-    // 6. Deletes and their reasons.
-    let deleted = deletes::decide(input, &live, &records, &brake, &index, &desired, &local);
+    // The next record's nodes are copied on a second core (where there is one) meanwhile:
+    // they depend on nothing after admission.
+    let (mut cp_nodes, (upserts, deleted)) = parallel::both(
+        live.len() >= parallel::WORTH_A_THREAD,
+        || next_nodes(&live, &records),
+        || {
+            // 5. Desired objects of programmed nodes, and the upserts they need.
+            let (upserts, desired) = upserts(input, &live, &index, &mut errors);
+            // 6. Deletes and their reasons.
+            let deleted = deletes::decide(input, &live, &records, &brake, &index, &desired, &local);
+            (upserts, deleted)
+        },
+    );
     for (object, node, user) in &deleted.in_use {
         err(
             &mut errors,
@@ -670,22 +628,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     // 7. The next record.
     let mut kept_ids = deleted.kept_ids;
     let kept_unrecorded = deleted.kept_unrecorded;
-    let mut cp_nodes: Vec<Node> = Vec::with_capacity(live.len());
     let mut pending = Vec::new();
-    for l in &live {
-        match l.class {
-            LiveClass::Programmed(id) => {
-                let mut n = l.node.clone();
-                n.node_id = Some(id);
-                cp_nodes.push(n);
-            }
-            LiveClass::Held(_) | LiveClass::Candidate => {
-                if let Some(r) = l.record {
-                    cp_nodes.push(records[r].node.clone());
-                }
-            }
-        }
-    }
     let mut stale_attempted = BTreeMap::new();
     let mut released_nodes = Vec::new();
     for r in records.iter().filter(|r| r.live.is_none()) {
@@ -765,6 +708,91 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
         steady,
         scope: None,
     }
+}
+
+/// Step 5: the desired objects of the programmed nodes (and the agent's own), and the upserts
+/// they need; with the slots of the desired objects already in the kernel, which the deletes
+/// leave alone.
+fn upserts(
+    input: &PlanInput<'_>,
+    live: &[Live<'_>],
+    index: &resource_index::ResourceIndex,
+    errors: &mut Vec<InputError>,
+) -> (Vec<Upsert>, Marks) {
+    let cfg = input.config;
+    let mut desired = Marks::for_inventory(input.inventory);
+    let nexthops = resource_index::IndexedNexthops {
+        index,
+        inventory: input.inventory,
+    };
+    let mut upserts = Vec::new();
+    let mut objects = Vec::new();
+    let mut problems = Vec::new();
+    for (i, l) in live.iter().enumerate() {
+        let LiveClass::Programmed(id) = l.class else {
+            continue;
+        };
+        objects.clear();
+        desired_objects(l.node, id, cfg, &nexthops, &mut objects, &mut problems);
+        for p in problems.drain(..) {
+            err(errors, &l.node.name, p);
+        }
+        let blocked = Blocked::find(&objects, input.inventory, &l.node.name, errors);
+        for o in &objects {
+            let oid = o.id();
+            if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
+                continue;
+            }
+            let slot = index.slot(input.inventory, i, l.node, o);
+            let have = slot.map(|s| input.inventory.at(s));
+            if let Some(s) = slot {
+                desired.mark(s);
+            }
+            if have != Some(o) {
+                upserts.push(Upsert {
+                    update: have.is_some(),
+                    object: o.clone(),
+                    node: l.node.name.clone(),
+                });
+            }
+        }
+    }
+
+    for o in global_objects(cfg) {
+        let slot = input.inventory.slot(&o.id());
+        if slot.map(|s| input.inventory.at(s)) != Some(&o) {
+            upserts.push(Upsert {
+                update: slot.is_some(),
+                object: o,
+                node: AGENT_OWNED.to_string(),
+            });
+        }
+        if let Some(s) = slot {
+            desired.mark(s);
+        }
+    }
+    (upserts, desired)
+}
+
+/// The next record's live nodes: each programmed node as it is now, with its ID; each held one
+/// (or candidate left waiting) as recorded, if it was.
+fn next_nodes(live: &[Live<'_>], records: &[records::Record<'_>]) -> Vec<Node> {
+    let mut nodes = Vec::with_capacity(live.len());
+    for l in live {
+        match l.class {
+            LiveClass::Programmed(id) => {
+                let mut n = l.node.clone();
+                n.node_id = Some(id);
+                nodes.push(n);
+            }
+            LiveClass::Held(_) | LiveClass::Candidate => {
+                if let Some(r) = l.record {
+                    nodes.push(records[r].node.clone());
+                }
+            }
+        }
+    }
+    nodes
 }
 
 /// The live nodes a steady plan leaves unsettled: those held (registering, malformed, in

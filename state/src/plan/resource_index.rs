@@ -15,7 +15,8 @@ use super::PlanConfig;
 use super::claims::{Resource, key_resource, resources_of, secondary_resource};
 use super::classify::Live;
 pub(super) use super::interner::Res;
-use super::interner::{Batch, Interner, MISSING};
+use super::interner::{self, Interner, Interns, Lookups, MISSING, Split};
+use super::parallel;
 use super::records::Record;
 use crate::desired::{KernelNexthops, maps_address};
 use crate::ids::IdSet;
@@ -104,23 +105,33 @@ impl ResourceIndex {
         let total: usize = interned_nodes.clone().map(count).sum();
 
         // Every node's addresses then pod CIDRs, one after another in `flat`; every object's key
-        // resource at its inventory slot in `keys`.
-        let mut batch = Batch::new(total, inventory.len());
-        let mut at = 0u32;
-        for n in interned_nodes.clone() {
-            for r in resources_of(n) {
-                batch.intern(r, at);
-                at += 1;
-            }
-        }
+        // resource at its inventory slot in `keys`. The nodes and the inventory are walked at
+        // once, on two cores where there are two.
+        let split = Split::new(total);
+        let (lookups, interns) = parallel::both(
+            split.parts() > 1,
+            || {
+                let mut lookups = Lookups::new(split.clone(), inventory.len());
+                for (slot, o) in inventory.slotted() {
+                    if let Some(r) = key_resource(o) {
+                        lookups.push(r, slot as u32);
+                    }
+                }
+                lookups
+            },
+            || {
+                let mut interns = Interns::new(split.clone(), total);
+                for n in interned_nodes.clone() {
+                    for r in resources_of(n) {
+                        interns.push(r);
+                    }
+                }
+                interns
+            },
+        );
         let mut keys = vec![NO_KEY; inventory.len()];
-        for (slot, o) in inventory.slotted() {
-            if let Some(r) = key_resource(o) {
-                batch.look_up(r, slot as u32);
-            }
-        }
         let mut flat = vec![0; total];
-        let interner = batch.run(&mut flat, &mut keys);
+        let interner = interner::run(interns, lookups, &mut flat, &mut keys);
 
         let mut nodes = interned_nodes.scan(0usize, |start, n| {
             let out = claims_of(n, &flat[*start..*start + count(n)], cfg);
