@@ -83,6 +83,23 @@ impl IdSet {
         self.0[i / 64] &= !(1 << (i % 64));
     }
 
+    /// The first ID from `start` on (counting 0) that is not in the set, a word of 64 at a
+    /// time: at 65,000 nodes a fresh ID lies past 65,000 IDs in use.
+    pub(crate) fn first_absent_from(&self, start: u32) -> Option<u32> {
+        let mut w = usize::try_from(start / 64).ok()?;
+        // The bits below `start` in its word count as present.
+        let mut below = (1u64 << (start % 64)) - 1;
+        while w < WORDS {
+            let free = !(self.0[w] | below);
+            if free != 0 {
+                return Some(w as u32 * 64 + free.trailing_zeros());
+            }
+            below = 0;
+            w += 1;
+        }
+        None
+    }
+
     /// Adds every ID of `other`, a word at a time.
     pub(crate) fn union_with(&mut self, other: &IdSet) {
         for (a, b) in self.0.iter_mut().zip(other.0.iter()) {
@@ -101,6 +118,59 @@ impl IdSet {
                     .filter(move |b| bits & (1 << b) != 0)
                     .filter_map(move |b| NodeId::new((w * 64 + b) as u16))
             })
+    }
+}
+
+/// IDs to a page of an [`IdMap`].
+const PAGE: usize = 256;
+
+/// A value per node ID, in pages of 256 IDs allocated as IDs are written: a whole cluster's
+/// map reads its 65,536 values in order without hashing, and the small one of an event-sized
+/// plan allocates only the pages its few IDs fall in (a full table would be most of its work).
+#[derive(Clone, Debug)]
+pub(crate) struct IdMap<T>(Vec<Option<Box<[T; PAGE]>>>);
+
+impl<T> Default for IdMap<T> {
+    fn default() -> Self {
+        Self(Vec::new())
+    }
+}
+
+impl<T: Copy + Default> IdMap<T> {
+    /// The value of `id`; the default where none was written.
+    pub(crate) fn get(&self, id: NodeId) -> T {
+        let (page, at) = Self::place(id);
+        self.0
+            .get(page)
+            .and_then(Option::as_ref)
+            .map_or_else(T::default, |p| p[at])
+    }
+
+    /// The value of `id`, to write.
+    pub(crate) fn get_mut(&mut self, id: NodeId) -> &mut T {
+        let (page, at) = Self::place(id);
+        if self.0.len() <= page {
+            self.0.resize_with(page + 1, || None);
+        }
+        &mut self.0[page].get_or_insert_with(|| Box::new([T::default(); PAGE]))[at]
+    }
+
+    /// Every ID of the pages written, with its value (the default for those not written), in
+    /// ID order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (NodeId, T)> + '_ {
+        self.0.iter().enumerate().flat_map(|(page, values)| {
+            values.iter().flat_map(move |values| {
+                values
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(at, v)| Some((NodeId::new((page * PAGE + at) as u16)?, *v)))
+            })
+        })
+    }
+
+    fn place(id: NodeId) -> (usize, usize) {
+        let i = usize::from(id.get());
+        (i / PAGE, i % PAGE)
     }
 }
 
@@ -164,11 +234,15 @@ impl IdAllocator {
     /// Hands out an ID: a never-used one if any, else the one freed longest ago whose cool-down
     /// has passed at `now`.
     pub fn allocate(&mut self, now: Duration) -> Result<Allocated, IdError> {
-        while self.fresh_cursor <= u32::from(self.max_id) {
-            let c = self.fresh_cursor as u16;
-            self.fresh_cursor += 1;
-            let Some(id) = NodeId::new(c) else { continue };
-            if !self.is_in_use(id) && !self.freed.contains_key(&id) {
+        while let Some(c) = self.in_use.first_absent_from(self.fresh_cursor) {
+            if c > u32::from(self.max_id) {
+                break;
+            }
+            self.fresh_cursor = c + 1;
+            let Some(id) = NodeId::new(c as u16) else {
+                continue;
+            };
+            if !self.freed.contains_key(&id) {
                 self.in_use.insert(id);
                 return Ok(Allocated {
                     id,
@@ -176,6 +250,7 @@ impl IdAllocator {
                 });
             }
         }
+        self.fresh_cursor = u32::from(self.max_id) + 1;
         let best = self
             .freed
             .iter()
@@ -235,6 +310,48 @@ mod tests {
         NodeId::new(v).unwrap()
     }
     const MIN: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn the_first_absent_id_is_found_across_words() {
+        let mut set = IdSet::new();
+        assert_eq!(set.first_absent_from(0), Some(0));
+        for v in 1..=200u16 {
+            set.insert(id(v));
+        }
+        assert_eq!(set.first_absent_from(1), Some(201));
+        assert_eq!(set.first_absent_from(0), Some(0));
+        assert_eq!(set.first_absent_from(64), Some(201));
+        assert_eq!(set.first_absent_from(300), Some(300));
+        for v in 1..=u16::MAX {
+            set.insert(id(v));
+        }
+        assert_eq!(set.first_absent_from(1), None);
+        assert_eq!(set.first_absent_from(65_536), None);
+    }
+
+    #[test]
+    fn an_id_map_keeps_a_value_per_id_and_allocates_only_the_pages_written() {
+        let mut m: IdMap<u32> = IdMap::default();
+        assert_eq!(m.get(id(65_535)), 0);
+        assert_eq!(m.iter().count(), 0);
+        for v in [1u16, 255, 256, 65_535] {
+            *m.get_mut(id(v)) += u32::from(v);
+        }
+        *m.get_mut(id(256)) += 1;
+        assert_eq!(m.get(id(1)), 1);
+        assert_eq!(m.get(id(256)), 257);
+        assert_eq!(m.get(id(65_535)), 65_535);
+        assert_eq!(m.get(id(300)), 0, "on a written page, never written");
+        assert_eq!(m.get(id(40_000)), 0, "on a page never written");
+        let written: Vec<(u16, u32)> = m
+            .iter()
+            .filter(|(_, v)| *v > 0)
+            .map(|(i, v)| (i.get(), v))
+            .collect();
+        assert_eq!(written, [(1, 1), (255, 255), (256, 257), (65_535, 65_535)]);
+        // Pages 0, 1 and 255: ID 0 is no node ID, so 3 * 256 - 1 values.
+        assert_eq!(m.iter().count(), 3 * 256 - 1);
+    }
 
     #[test]
     fn zero_is_never_assigned_and_first_id_is_one() {

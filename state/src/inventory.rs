@@ -15,6 +15,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
 
+use crate::ids::IdMap;
 use crate::objects::{KernelObject, NodeId, ObjectId, ObjectKind, Op};
 
 /// Our objects in the kernel, and the foreign objects at identities we might write.
@@ -34,10 +35,10 @@ pub struct Inventory {
     /// Our objects by kind, kept as they come and go: metrics and map room read them at every
     /// reconcile, and counting a large inventory each time is work that grows with the cluster.
     counts: [usize; ObjectKind::ALL.len()],
-    /// Per node ID (by its number), how many of our objects carry it, kept as they come and go:
-    /// a plan asks which IDs the kernel holds, and reading 65,536 counts is cheaper than
-    /// walking hundreds of thousands of objects. Empty until an object carries an ID.
-    by_id: Vec<u32>,
+    /// How many of our objects carry each node ID, kept as they come and go: a plan asks which
+    /// IDs the kernel holds, and reading the counts is cheaper than walking hundreds of
+    /// thousands of objects.
+    by_id: IdMap<u32>,
 }
 
 impl Inventory {
@@ -93,37 +94,21 @@ impl Inventory {
             Entry::Occupied(e) => {
                 let slot = *e.get() as usize;
                 let old = std::mem::replace(&mut self.slots[slot], object);
-                Self::count_id(&mut self.by_id, &old, false);
-                Self::count_id(&mut self.by_id, &self.slots[slot], true);
+                count_id(&mut self.by_id, &old, false);
+                count_id(&mut self.by_id, &self.slots[slot], true);
             }
             Entry::Vacant(e) => {
                 e.insert(self.slots.len() as u32);
                 self.counts[object.kind() as usize] += 1;
-                Self::count_id(&mut self.by_id, &object, true);
+                count_id(&mut self.by_id, &object, true);
                 self.slots.push(object);
             }
         }
     }
 
-    /// Counts the node ID `o` carries, if any, as one more (`add`) or one fewer.
-    fn count_id(by_id: &mut Vec<u32>, o: &KernelObject, add: bool) {
-        let Some(id) = o.node_id() else {
-            return;
-        };
-        if by_id.is_empty() {
-            by_id.resize(usize::from(u16::MAX) + 1, 0);
-        }
-        let n = &mut by_id[usize::from(id.get())];
-        *n = if add { *n + 1 } else { n.saturating_sub(1) };
-    }
-
     /// The node IDs our objects carry, in order.
     pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.by_id
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| **n > 0)
-            .filter_map(|(id, _)| NodeId::new(u16::try_from(id).ok()?))
+        self.by_id.iter().filter(|(_, n)| *n > 0).map(|(id, _)| id)
     }
 
     /// Removes our object at `id`; the last slot's object moves into its slot.
@@ -138,7 +123,7 @@ impl Inventory {
         let slot = entry.remove().0 as usize;
         let gone = self.slots.swap_remove(slot);
         self.counts[gone.kind() as usize] -= 1;
-        Self::count_id(&mut self.by_id, &gone, false);
+        count_id(&mut self.by_id, &gone, false);
         if let Some(moved) = self.slots.get(slot) {
             let from = self.slots.len() as u32;
             let hash = self.hasher.hash_one(moved.id());
@@ -242,6 +227,14 @@ impl FromIterator<KernelObject> for Inventory {
     }
 }
 
+/// One more object carries the node ID `o` carries, if any (`add`), or one fewer.
+fn count_id(by_id: &mut IdMap<u32>, o: &KernelObject, add: bool) {
+    if let Some(id) = o.node_id() {
+        let n = by_id.get_mut(id);
+        *n = if add { *n + 1 } else { n.saturating_sub(1) };
+    }
+}
+
 /// One mark per slot of an [`Inventory`]: which of our objects a plan wants kept.
 #[derive(Clone, Debug)]
 pub struct Marks(Vec<bool>);
@@ -290,6 +283,22 @@ mod tests {
         }
         assert!(!inv.contains(&entry(1, 1).id()));
         assert_eq!(inv.count(ObjectKind::MapEntry), 4);
+    }
+
+    #[test]
+    fn node_ids_are_counted_across_the_whole_id_space() {
+        let ids = [1u16, 255, 256, 4097, 65_535];
+        let mut inv: Inventory = ids
+            .iter()
+            .enumerate()
+            .map(|(k, id)| entry(k as u8 + 1, *id))
+            .collect();
+        let all: Vec<u16> = inv.node_ids().map(NodeId::get).collect();
+        assert_eq!(all, ids);
+        inv.apply(&Op::Replace(entry(3, 255)));
+        inv.apply(&Op::Delete(entry(5, 65_535)));
+        let left: Vec<u16> = inv.node_ids().map(NodeId::get).collect();
+        assert_eq!(left, [1, 255, 4097]);
     }
 
     /// One of a few objects of each kind and family the agent owns in bulk, drawn by `kind`;

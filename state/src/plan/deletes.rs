@@ -17,7 +17,7 @@ use super::records::Record;
 use super::resource_index::{NodeResources, Res, ResourceIndex};
 use super::{Delete, DeleteReason, Local, PlanInput};
 use crate::desired::desired_objects;
-use crate::ids::IdSet;
+use crate::ids::{IdMap, IdSet};
 use crate::inventory::Marks;
 use crate::node::Node;
 use crate::objects::{KernelObject, NodeId, ObjectId, ObjectKind};
@@ -37,12 +37,11 @@ enum Owner {
     Released(usize),
 }
 
-/// The strongest owner of each resource (by [`Res`]) and node ID (by its number: a vector of
-/// 65,536 owners is cheaper than hashing tens of thousands of IDs).
+/// The strongest owner of each resource (by [`Res`]) and node ID.
 struct OwnerIndex<'i> {
     index: &'i ResourceIndex,
     resources: Vec<Option<Owner>>,
-    ids: Vec<Option<Owner>>,
+    ids: IdMap<Option<Owner>>,
 }
 
 fn put(slot: &mut Option<Owner>, o: Owner) {
@@ -55,7 +54,7 @@ impl OwnerIndex<'_> {
             put(&mut self.resources[r as usize], o);
         }
         if let Some(id) = id {
-            put(&mut self.ids[usize::from(id.get())], o);
+            put(self.ids.get_mut(id), o);
         }
     }
 
@@ -63,7 +62,7 @@ impl OwnerIndex<'_> {
     fn owner(&self, slot: usize, o: &KernelObject) -> Option<Owner> {
         let of = |r: Option<Res>| r.and_then(|r| self.resources[r as usize]);
         of(self.index.key(slot))
-            .or_else(|| o.node_id().and_then(|id| self.ids[usize::from(id.get())]))
+            .or_else(|| o.node_id().and_then(|id| self.ids.get(id)))
             .or_else(|| of(secondary_resource(o).and_then(|r| self.index.get(&r))))
     }
 }
@@ -119,7 +118,7 @@ pub(super) fn decide(
     let mut index = OwnerIndex {
         index: resources,
         resources: vec![None; resources.len()],
-        ids: vec![None; usize::from(u16::MAX) + 1],
+        ids: IdMap::default(),
     };
     for (i, l) in live.iter().enumerate() {
         let record = l.record.map(|r| records[r].node);

@@ -164,9 +164,10 @@ pub(super) fn run(
         *res = at as Res;
     }
     let mut work: Vec<_> = interns.parts.into_iter().zip(lookups.parts).collect();
+    let two = work.len() > 1;
     let second = work.split_off(work.len() / 2);
     let (mut done, rest) = super::parallel::both(
-        !second.is_empty(),
+        two,
         || second.into_iter().map(one_part).collect::<Vec<_>>(),
         || work.into_iter().map(one_part).collect::<Vec<_>>(),
     );
