@@ -52,14 +52,15 @@ fn same_node(record: &Node, live_uid: &str) -> bool {
     record.uid.is_empty() || live_uid.is_empty() || record.uid == live_uid
 }
 
-/// The live nodes in name order, the local node and repeated names excluded (each reported),
-/// paired with their records; `records[r].live` is set for every pair.
-pub(super) fn classify<'a>(
-    view: &'a LiveView,
-    records: &mut [Record<'a>],
-    local: &str,
-    errors: &mut Vec<InputError>,
-) -> Vec<Live<'a>> {
+/// The live view's remote nodes in name order, the valid ones and the malformed ones apart:
+/// sorted on their own, so that a plan can sort them while it collects its records.
+pub(super) struct Sorted<'a> {
+    valid: Vec<&'a Node>,
+    malformed: Vec<&'a MalformedNode>,
+}
+
+/// [`Sorted`] of `view`, the local node left out.
+pub(super) fn sort<'a>(view: &'a LiveView, local: &str) -> Sorted<'a> {
     let mut valid: Vec<&Node> = view
         .nodes
         .iter()
@@ -73,7 +74,17 @@ pub(super) fn classify<'a>(
     // Stable, as above: of a repeated name, the first entry stands.
     malformed.sort_by(|a, b| a.name.cmp(&b.name));
     malformed.dedup_by(|later, first| later.name == first.name);
+    Sorted { valid, malformed }
+}
 
+/// The live nodes in name order, the local node and repeated names excluded (each reported),
+/// paired with their records; `records[r].live` is set for every pair.
+pub(super) fn classify<'a>(
+    sorted: Sorted<'a>,
+    records: &mut [Record<'a>],
+    errors: &mut Vec<InputError>,
+) -> Vec<Live<'a>> {
+    let Sorted { valid, malformed } = sorted;
     let mut live: Vec<Live<'a>> = Vec::with_capacity(valid.len() + malformed.len());
     let (mut v, mut m, mut r) = (0, 0, 0);
     loop {

@@ -583,8 +583,12 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     let mut errors: Vec<InputError> = Vec::new();
 
     // 1-2. Records, live nodes, and who is what.
-    let mut records = records::collect(input.record, &cfg.local_node);
-    let mut live = classify::classify(input.live, &mut records, &cfg.local_node, &mut errors);
+    let (mut records, sorted) = parallel::both(
+        input.live.nodes.len() >= parallel::WORTH_A_THREAD,
+        || records::collect(input.record, &cfg.local_node),
+        || classify::sort(input.live, &cfg.local_node),
+    );
+    let mut live = classify::classify(sorted, &mut records, &mut errors);
 
     // 3. The brake: which removals may happen now.
     let index = resource_index::ResourceIndex::new(&live, &records, input.inventory, cfg);

@@ -133,66 +133,35 @@ impl ResourceIndex {
         let mut flat = vec![0; total];
         let interner = interner::run(interns, lookups, &mut flat, &mut keys);
 
-        let mut nodes = interned_nodes.scan(0usize, |start, n| {
-            let out = claims_of(n, &flat[*start..*start + count(n)], cfg);
-            *start += count(n);
-            Some(out)
-        });
-        let live_res: Vec<NodeResources> = nodes.by_ref().take(live.len()).collect();
-        let records_res = same
-            .iter()
-            .map(|s| match s {
-                Some(i) => live_res[*i].clone(),
-                None => nodes.next().unwrap_or_default(),
-            })
-            .collect();
-        let mut s = Self {
-            primary: vec![NO_SLOT; interner.len()],
+        // What each node claims, and how our objects tie to the resources: apart, at once.
+        let (tied, (live_res, records_res)) = parallel::both(
+            split.parts() > 1,
+            || Tied::new(&interner, &keys, inventory, records),
+            || {
+                let mut nodes = interned_nodes.scan(0usize, |start, n| {
+                    let out = claims_of(n, &flat[*start..*start + count(n)], cfg);
+                    *start += count(n);
+                    Some(out)
+                });
+                let live_res: Vec<NodeResources> = nodes.by_ref().take(live.len()).collect();
+                let records_res: Vec<NodeResources> = same
+                    .iter()
+                    .map(|s| match s {
+                        Some(i) => live_res[*i].clone(),
+                        None => nodes.next().unwrap_or_default(),
+                    })
+                    .collect();
+                (live_res, records_res)
+            },
+        );
+        Self {
             interner,
             live: live_res,
             records: records_res,
-            nexthops: NexthopSlots::new(inventory.count(ObjectKind::Nexthop)),
-            owned: Vec::with_capacity(inventory.len()),
+            primary: tied.primary,
+            nexthops: tied.nexthops,
+            owned: tied.owned,
             keys,
-        };
-        s.tie_inventory(inventory, records);
-        s
-    }
-
-    /// Walks the inventory once: our map entries and routes by resource, our nexthops by ID, and
-    /// which of our objects anyone claims.
-    fn tie_inventory(&mut self, inventory: &Inventory, records: &[Record<'_>]) {
-        let mut recorded_ids = IdSet::new();
-        for id in records.iter().filter_map(|r| r.node.node_id) {
-            recorded_ids.insert(id);
-        }
-        for (slot, o) in inventory.slotted() {
-            let key = match self.keys[slot] {
-                NO_KEY => None,
-                MISSING => Some(None),
-                r => Some(Some(r)),
-            };
-            match (o, key) {
-                (KernelObject::MapEntry(_), Some(Some(r))) => {
-                    self.primary[r as usize] = slot as u32;
-                }
-                (KernelObject::Route(_), Some(Some(r))) => {
-                    let p = &mut self.primary[r as usize];
-                    *p = if *p == NO_SLOT { slot as u32 } else { SEVERAL };
-                }
-                (KernelObject::Nexthop(n), _) => {
-                    self.nexthops.insert(n.id(), slot as u32);
-                }
-                _ => {}
-            }
-            let owned = match key {
-                None | Some(Some(_)) => true,
-                Some(None) => {
-                    o.node_id().is_some_and(|id| recorded_ids.contains(id))
-                        || secondary_resource(o).is_some_and(|r| self.get(&r).is_some())
-                }
-            };
-            self.owned.push(owned);
         }
     }
 
@@ -347,6 +316,63 @@ impl NexthopSlots {
             Some(i) => self.by_node[i],
             None => self.other.get(&id).copied().unwrap_or(NO_SLOT),
         }
+    }
+}
+
+/// How our objects in the kernel tie to the resources: found in one walk of the inventory.
+struct Tied {
+    primary: Vec<u32>,
+    nexthops: NexthopSlots,
+    owned: Vec<bool>,
+}
+
+impl Tied {
+    /// Our map entries and routes by resource, our nexthops by ID, and which of our objects
+    /// anyone claims; `keys` holds each object's key resource, by slot.
+    fn new(
+        interner: &Interner,
+        keys: &[Res],
+        inventory: &Inventory,
+        records: &[Record<'_>],
+    ) -> Self {
+        let mut recorded_ids = IdSet::new();
+        for id in records.iter().filter_map(|r| r.node.node_id) {
+            recorded_ids.insert(id);
+        }
+        let mut t = Self {
+            primary: vec![NO_SLOT; interner.len()],
+            nexthops: NexthopSlots::new(inventory.count(ObjectKind::Nexthop)),
+            owned: Vec::with_capacity(inventory.len()),
+        };
+        for (slot, o) in inventory.slotted() {
+            let key = match keys[slot] {
+                NO_KEY => None,
+                MISSING => Some(None),
+                r => Some(Some(r)),
+            };
+            match (o, key) {
+                (KernelObject::MapEntry(_), Some(Some(r))) => {
+                    t.primary[r as usize] = slot as u32;
+                }
+                (KernelObject::Route(_), Some(Some(r))) => {
+                    let p = &mut t.primary[r as usize];
+                    *p = if *p == NO_SLOT { slot as u32 } else { SEVERAL };
+                }
+                (KernelObject::Nexthop(n), _) => {
+                    t.nexthops.insert(n.id(), slot as u32);
+                }
+                _ => {}
+            }
+            let owned = match key {
+                None | Some(Some(_)) => true,
+                Some(None) => {
+                    o.node_id().is_some_and(|id| recorded_ids.contains(id))
+                        || secondary_resource(o).is_some_and(|r| interner.get(&r).is_some())
+                }
+            };
+            t.owned.push(owned);
+        }
+        t
     }
 }
 
