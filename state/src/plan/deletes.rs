@@ -13,6 +13,7 @@ use foldhash::{HashMap, HashMapExt, HashSet};
 use super::brake::{Brake, is_local_entry};
 use super::claims::secondary_resource;
 use super::classify::{Live, LiveClass};
+use super::parallel;
 use super::records::Record;
 use super::resource_index::{NodeResources, Res, ResourceIndex};
 use super::{Delete, DeleteReason, Local, PlanInput};
@@ -48,7 +49,51 @@ fn put(slot: &mut Option<Owner>, o: Owner) {
     *slot = Some(slot.map_or(o, |e| e.min(o)));
 }
 
-impl OwnerIndex<'_> {
+impl<'i> OwnerIndex<'i> {
+    /// The owners the live nodes (as they are now, and as recorded where that differs) and the
+    /// gone nodes' records give.
+    fn new(
+        resources: &'i ResourceIndex,
+        live: &[Live<'_>],
+        records: &[Record<'_>],
+        brake: &Brake,
+    ) -> Self {
+        let mut index = OwnerIndex {
+            index: resources,
+            resources: vec![None; resources.len()],
+            ids: IdMap::default(),
+        };
+        for (i, l) in live.iter().enumerate() {
+            let record = l.record.map(|r| records[r].node);
+            let now = &resources.live[i];
+            match l.class {
+                LiveClass::Programmed(id) => {
+                    index.add(now, Owner::Current(i), Some(id));
+                    if let (Some(r), Some(rec)) = (l.record, record)
+                        && !unchanged(rec, l.node, id)
+                    {
+                        index.add(&resources.records[r], Owner::Old(r), rec.node_id);
+                    }
+                }
+                LiveClass::Held(_) | LiveClass::Candidate => {
+                    index.add(now, Owner::Held(i), record.and_then(|r| r.node_id));
+                    if let (Some(r), Some(rec)) = (l.record, record) {
+                        index.add(&resources.records[r], Owner::Held(i), rec.node_id);
+                    }
+                }
+            }
+        }
+        for (r, rec) in records.iter().enumerate().filter(|(_, r)| r.live.is_none()) {
+            let owner = if brake.releases(rec) {
+                Owner::Released(r)
+            } else {
+                Owner::HeldRemoval(r)
+            };
+            index.add(&resources.records[r], owner, rec.node.node_id);
+        }
+        index
+    }
+
     fn add(&mut self, n: &NodeResources, o: Owner, id: Option<NodeId>) {
         for &r in n.addresses.iter().chain(n.cidrs()) {
             put(&mut self.resources[r as usize], o);
@@ -102,7 +147,6 @@ pub(super) fn decide(
         .slotted()
         .filter(|(s, _)| !desired.is_marked(*s))
         .collect();
-    pool.sort_by_cached_key(|(_, o)| (o.kind().rank(), o.id()));
     // Slots of the objects that go, for what kept objects use.
     let mut going = Marks::for_inventory(input.inventory);
     let mut out = Deleted {
@@ -115,39 +159,12 @@ pub(super) fn decide(
     if pool.is_empty() {
         return out;
     }
-    let mut index = OwnerIndex {
-        index: resources,
-        resources: vec![None; resources.len()],
-        ids: IdMap::default(),
-    };
-    for (i, l) in live.iter().enumerate() {
-        let record = l.record.map(|r| records[r].node);
-        let now = &resources.live[i];
-        match l.class {
-            LiveClass::Programmed(id) => {
-                index.add(now, Owner::Current(i), Some(id));
-                if let (Some(r), Some(rec)) = (l.record, record)
-                    && !unchanged(rec, l.node, id)
-                {
-                    index.add(&resources.records[r], Owner::Old(r), rec.node_id);
-                }
-            }
-            LiveClass::Held(_) | LiveClass::Candidate => {
-                index.add(now, Owner::Held(i), record.and_then(|r| r.node_id));
-                if let (Some(r), Some(rec)) = (l.record, record) {
-                    index.add(&resources.records[r], Owner::Held(i), rec.node_id);
-                }
-            }
-        }
-    }
-    for (r, rec) in records.iter().enumerate().filter(|(_, r)| r.live.is_none()) {
-        let owner = if brake.releases(rec) {
-            Owner::Released(r)
-        } else {
-            Owner::HeldRemoval(r)
-        };
-        index.add(&resources.records[r], owner, rec.node.node_id);
-    }
+    // The pool in order, and who owns what: apart, at once.
+    let ((), index) = parallel::both(
+        pool.len() >= parallel::WORTH_A_THREAD,
+        || pool.sort_by_cached_key(|(_, o)| (o.kind().rank(), o.id())),
+        || OwnerIndex::new(resources, live, records, brake),
+    );
     let synced = input.live.synced;
     // What each held node's record derives, found once for the nodes that keep something.
     let mut recorded: HashMap<usize, HashSet<ObjectId>> = HashMap::new();

@@ -605,19 +605,22 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     };
     let admitted = assign::admit(&known, &mut live, &mut errors);
 
-    // The next record's nodes are copied on a second core (where there is one) meanwhile:
-    // they depend on nothing after admission.
-    let (mut cp_nodes, (upserts, deleted)) = parallel::both(
+    // 5. Desired objects of programmed nodes, and the upserts they need: in two runs of nodes,
+    // on two cores where there are two, the first run beside a copy of the next record's nodes
+    // (which depend on nothing after admission).
+    let cut = live.len() * 3 / 8;
+    let ((mut cp_nodes, first), second) = parallel::both(
         live.len() >= parallel::WORTH_A_THREAD,
-        || next_nodes(&live, &records),
         || {
-            // 5. Desired objects of programmed nodes, and the upserts they need.
-            let (upserts, desired) = upserts(input, &live, &index, &mut errors);
-            // 6. Deletes and their reasons.
-            let deleted = deletes::decide(input, &live, &records, &brake, &index, &desired, &local);
-            (upserts, deleted)
+            let nodes = next_nodes(&live, &records);
+            (nodes, wanted(input, &live, &index, 0..cut))
         },
+        || wanted(input, &live, &index, cut..live.len()),
     );
+    let (upserts, desired) = upserts(input, [first, second], &mut errors);
+
+    // 6. Deletes and their reasons.
+    let deleted = deletes::decide(input, &live, &records, &brake, &index, &desired, &local);
     for (object, node, user) in &deleted.in_use {
         err(
             &mut errors,
@@ -714,34 +717,44 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     }
 }
 
-/// Step 5: the desired objects of the programmed nodes (and the agent's own), and the upserts
-/// they need; with the slots of the desired objects already in the kernel, which the deletes
-/// leave alone.
-fn upserts(
+/// What step 5 found for a run of live nodes.
+struct Wanted {
+    upserts: Vec<Upsert>,
+    slots: Vec<u32>,
+    errors: Vec<InputError>,
+}
+
+/// Step 5, for the live nodes in `range`: the upserts their desired objects need, the slots of
+/// those already in the kernel (which the deletes leave alone), and the nodes' input errors.
+/// Runs of nodes are independent, so two runs can be found on two cores.
+fn wanted(
     input: &PlanInput<'_>,
     live: &[Live<'_>],
     index: &resource_index::ResourceIndex,
-    errors: &mut Vec<InputError>,
-) -> (Vec<Upsert>, Marks) {
+    range: std::ops::Range<usize>,
+) -> Wanted {
     let cfg = input.config;
-    let mut desired = Marks::for_inventory(input.inventory);
     let nexthops = resource_index::IndexedNexthops {
         index,
         inventory: input.inventory,
     };
-    let mut upserts = Vec::new();
+    let mut out = Wanted {
+        upserts: Vec::new(),
+        slots: Vec::new(),
+        errors: Vec::new(),
+    };
     let mut objects = Vec::new();
     let mut problems = Vec::new();
-    for (i, l) in live.iter().enumerate() {
+    for (i, l) in live.iter().enumerate().take(range.end).skip(range.start) {
         let LiveClass::Programmed(id) = l.class else {
             continue;
         };
         objects.clear();
         desired_objects(l.node, id, cfg, &nexthops, &mut objects, &mut problems);
         for p in problems.drain(..) {
-            err(errors, &l.node.name, p);
+            err(&mut out.errors, &l.node.name, p);
         }
-        let blocked = Blocked::find(&objects, input.inventory, &l.node.name, errors);
+        let blocked = Blocked::find(&objects, input.inventory, &l.node.name, &mut out.errors);
         for o in &objects {
             let oid = o.id();
             if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
@@ -749,11 +762,9 @@ fn upserts(
             }
             let slot = index.slot(input.inventory, i, l.node, o);
             let have = slot.map(|s| input.inventory.at(s));
-            if let Some(s) = slot {
-                desired.mark(s);
-            }
+            out.slots.extend(slot.map(|s| s as u32));
             if have != Some(o) {
-                upserts.push(Upsert {
+                out.upserts.push(Upsert {
                     update: have.is_some(),
                     object: o.clone(),
                     node: l.node.name.clone(),
@@ -761,8 +772,26 @@ fn upserts(
             }
         }
     }
+    out
+}
 
-    for o in global_objects(cfg) {
+/// Step 5, put together: the runs' upserts and errors in node order, then the agent's own
+/// objects; and every desired object already in the kernel, marked by slot.
+fn upserts(
+    input: &PlanInput<'_>,
+    runs: [Wanted; 2],
+    errors: &mut Vec<InputError>,
+) -> (Vec<Upsert>, Marks) {
+    let mut desired = Marks::for_inventory(input.inventory);
+    let mut upserts = Vec::with_capacity(runs.iter().map(|r| r.upserts.len()).sum());
+    for run in runs {
+        upserts.extend(run.upserts);
+        errors.extend(run.errors);
+        for s in run.slots {
+            desired.mark(s as usize);
+        }
+    }
+    for o in global_objects(input.config) {
         let slot = input.inventory.slot(&o.id());
         if slot.map(|s| input.inventory.at(s)) != Some(&o) {
             upserts.push(Upsert {
