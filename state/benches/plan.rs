@@ -34,7 +34,8 @@ fn node(i: usize, slot: usize) -> Node {
                 kind: AddressKind::InternalIP,
                 ip: IpAddr::V6(v6),
             },
-        ],
+        ]
+        .into(),
         pod_cidrs: vec![
             // A /26 each in 10.0.0.0/9: room for 131,072 slots.
             ipnet::Ipv4Net::new(Ipv4Addr::from(0x0a00_0000 + ((slot as u32) << 6)), 26)
@@ -43,7 +44,8 @@ fn node(i: usize, slot: usize) -> Node {
             format!("fd01:{:x}:{:x}::/64", slot >> 16, slot & 0xffff)
                 .parse()
                 .unwrap(),
-        ],
+        ]
+        .into(),
         boot_id: format!("{:08x}-aaaa-bbbb-cccc-{:012x}", i * 31, i).into(),
         node_id: None,
     }

@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::objects::NodeId;
 use crate::text::ShortText;
@@ -85,6 +86,12 @@ pub struct RawNode {
     pub boot_id: String,
 }
 
+/// A node's addresses: up to two (a dual-stack node's) kept inline, so that the planner's walks
+/// over tens of thousands of nodes read them without following another pointer.
+pub type Addresses = SmallVec<[NodeAddress; 2]>;
+/// A node's pod CIDRs, at most one per family: inline, as [`Addresses`].
+pub type PodCidrs = SmallVec<[IpNet; 2]>;
+
 /// A validated node record.
 ///
 /// Fields are public for reading and for tests; a record built by hand can be re-checked with
@@ -93,9 +100,9 @@ pub struct RawNode {
 pub struct Node {
     pub name: String,
     pub uid: ShortText,
-    pub addresses: Vec<NodeAddress>,
+    pub addresses: Addresses,
     /// At most one per family, each a canonical network address.
-    pub pod_cidrs: Vec<IpNet>,
+    pub pod_cidrs: PodCidrs,
     pub boot_id: ShortText,
     /// Assigned by the planner; what a source delivers is ignored.
     pub node_id: Option<NodeId>,
@@ -138,7 +145,7 @@ pub enum NodeError {
 impl Node {
     /// Parses and validates what a node source delivered.
     pub fn from_raw(raw: RawNode) -> Result<Self, NodeError> {
-        let mut addresses: Vec<NodeAddress> = Vec::with_capacity(raw.addresses.len());
+        let mut addresses = Addresses::with_capacity(raw.addresses.len());
         for (kind, value) in &raw.addresses {
             let Some(kind) = AddressKind::parse(kind) else {
                 continue;
@@ -155,7 +162,7 @@ impl Node {
                 None => addresses.push(NodeAddress { kind, ip }),
             }
         }
-        let mut pod_cidrs = Vec::with_capacity(raw.pod_cidrs.len());
+        let mut pod_cidrs = PodCidrs::with_capacity(raw.pod_cidrs.len());
         for value in &raw.pod_cidrs {
             let net: IpNet = value.trim().parse().map_err(|_| NodeError::BadCidr {
                 node: raw.name.clone(),
@@ -327,7 +334,7 @@ mod tests {
         ] {
             let n = Node::from_raw(raw(&pairs, &[])).unwrap();
             assert_eq!(
-                n.addresses,
+                n.addresses[..],
                 [NodeAddress {
                     kind: AddressKind::InternalIP,
                     ip: "10.0.0.1".parse().unwrap()

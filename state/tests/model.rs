@@ -204,8 +204,8 @@ fn make(name: &str, ip: usize, dual: bool, cidr: usize) -> Node {
     Node {
         name: name.into(),
         uid: format!("uid-{name}").into(),
-        addresses,
-        pod_cidrs,
+        addresses: addresses.into(),
+        pod_cidrs: pod_cidrs.into(),
         boot_id: Default::default(),
         node_id: None,
     }

@@ -100,8 +100,8 @@ fn node(rng: &mut Rng, name: &str) -> Node {
     Node {
         name: name.into(),
         uid: format!("uid-{name}-{}", rng.below(2)).into(),
-        addresses,
-        pod_cidrs,
+        addresses: addresses.into(),
+        pod_cidrs: pod_cidrs.into(),
         boot_id: format!("boot-{}", rng.below(2)).into(),
         node_id: None,
     }
@@ -135,8 +135,9 @@ fn local_node() -> Node {
         addresses: vec![NodeAddress {
             kind: AddressKind::InternalIP,
             ip: "10.0.0.250".parse().unwrap(),
-        }],
-        pod_cidrs: vec!["10.250.0.0/24".parse().unwrap()],
+        }]
+        .into(),
+        pod_cidrs: vec!["10.250.0.0/24".parse().unwrap()].into(),
         boot_id: "boot-local".into(),
         node_id: None,
     }

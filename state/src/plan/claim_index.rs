@@ -225,8 +225,9 @@ mod tests {
             addresses: vec![NodeAddress {
                 kind: AddressKind::InternalIP,
                 ip: ip.parse().unwrap(),
-            }],
-            pod_cidrs: vec![cidr.parse().unwrap()],
+            }]
+            .into(),
+            pod_cidrs: vec![cidr.parse().unwrap()].into(),
             boot_id: Default::default(),
             node_id: NodeId::new(id),
         }

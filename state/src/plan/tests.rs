@@ -1278,7 +1278,7 @@ fn the_same_names_with_other_uids_are_removals_the_brake_counts() {
         .map(|(i, mut n)| {
             n.uid = format!("other-{i}").into();
             n.addresses[0].ip = ip(&format!("10.70.0.{i}"));
-            n.pod_cidrs = vec![net(&format!("10.71.{i}.0/24"))];
+            n.pod_cidrs = vec![net(&format!("10.71.{i}.0/24"))].into();
             n
         })
         .chain([d()])

@@ -870,20 +870,44 @@ fn owned(d: &mut Dec<'_>, s: &str) -> Result<String, PayloadError> {
 /// at `min_len` bytes each, so a corrupt length fails on the missing bytes instead of reserving
 /// memory first; and within the budget.
 #[inline]
-fn reserve<T>(d: &mut Dec<'_>, len: usize, min_len: usize) -> Result<Vec<T>, PayloadError> {
+fn reserve<T, C: Seq<T>>(d: &mut Dec<'_>, len: usize, min_len: usize) -> Result<C, PayloadError> {
     let n = len.min(d.borrow_reader().rest.len() / min_len);
     claim(d, n.saturating_mul(size_of::<T>()))?;
-    Ok(Vec::with_capacity(n))
+    Ok(C::with_capacity(n))
+}
+
+/// What a sequence decodes into: a vector, or a node's inline list.
+trait Seq<T> {
+    fn with_capacity(n: usize) -> Self;
+    fn push(&mut self, item: T);
+}
+
+impl<T> Seq<T> for Vec<T> {
+    fn with_capacity(n: usize) -> Self {
+        Vec::with_capacity(n)
+    }
+    fn push(&mut self, item: T) {
+        Vec::push(self, item);
+    }
+}
+
+impl<A: smallvec::Array> Seq<A::Item> for smallvec::SmallVec<A> {
+    fn with_capacity(n: usize) -> Self {
+        smallvec::SmallVec::with_capacity(n)
+    }
+    fn push(&mut self, item: A::Item) {
+        smallvec::SmallVec::push(self, item);
+    }
 }
 
 /// A sequence of wire values `W`, each checked and converted by `item` (given its index).
 #[inline]
-fn decode_seq<'a, W: BorrowDecode<'a, Budget> + MinLen, T, E: From<PayloadError>>(
+fn decode_seq<'a, W: BorrowDecode<'a, Budget> + MinLen, T, C: Seq<T>, E: From<PayloadError>>(
     d: &mut Dec<'a>,
     mut item: impl FnMut(usize, W) -> Result<T, E>,
-) -> Result<Vec<T>, E> {
+) -> Result<C, E> {
     let len = decode_len(d).map_err(PayloadError::Bincode)?;
-    let mut out = reserve(d, len, W::MIN_LEN)?;
+    let mut out: C = reserve::<T, C>(d, len, W::MIN_LEN)?;
     for i in 0..len {
         out.push(item(i, read(d)?)?);
     }
