@@ -14,6 +14,8 @@
 //! 5. desired objects ([`crate::desired`]) and the upserts they need;
 //! 6. [`deletes`]: every undesired object of ours, with the reason it goes or stays;
 //! 7. the next record ([`Plan::checkpoint`]) and brake memory.
+//!
+//! Steps of a large plan run some of their pieces on a second core ([`parallel`]).
 
 pub mod brake;
 pub mod claims;
