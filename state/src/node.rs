@@ -86,8 +86,9 @@ pub struct RawNode {
     pub boot_id: String,
 }
 
-/// A node's addresses: up to two (a dual-stack node's) kept inline, so that the planner's walks
-/// over tens of thousands of nodes read them without following another pointer.
+/// A node's addresses: two (a dual-stack node's InternalIPs) kept inline, so that the planner's
+/// walks over tens of thousands of nodes read them without following another pointer; a node
+/// with more (ExternalIPs too) keeps them on the heap, as a vector would.
 pub type Addresses = SmallVec<[NodeAddress; 2]>;
 /// A node's pod CIDRs, at most one per family: inline, as [`Addresses`].
 pub type PodCidrs = SmallVec<[IpNet; 2]>;
@@ -145,7 +146,9 @@ pub enum NodeError {
 impl Node {
     /// Parses and validates what a node source delivered.
     pub fn from_raw(raw: RawNode) -> Result<Self, NodeError> {
-        let mut addresses = Addresses::with_capacity(raw.addresses.len());
+        // Not sized by the raw list: it names hostnames and DNS names too, which are dropped,
+        // and a list sized for them would leave the inline room unused.
+        let mut addresses = Addresses::new();
         for (kind, value) in &raw.addresses {
             let Some(kind) = AddressKind::parse(kind) else {
                 continue;

@@ -2,8 +2,9 @@
 //!
 //! A running daemon publishes what its brake holds in `<state-dir>/hold.json` (the same report
 //! `node-agent plan --output json` prints, with the hold's ID) and removes the file when nothing
-//! is held. `node-agent prune confirm <ID>` writes the ID to `<state-dir>/prune-confirm` (aside,
-//! then renamed into place, as the daemon takes it by renaming it away) and sends the daemon (the PID in the state directory's lock) `SIGUSR1`; the daemon takes the file
+//! is held. `node-agent prune confirm <ID>` writes the ID to `<state-dir>/prune-confirm`
+//! (aside, then renamed into place, as the daemon takes it by renaming it away) and sends the
+//! daemon (the PID in the state directory's lock) `SIGUSR1`; the daemon takes the file
 //! at once (or at its next heartbeat, should the signal be lost) and releases the hold only if
 //! it is still exactly the hold of that ID (invariant 16). Only someone who can write the state
 //! directory (root in the agent's pod) can confirm.
@@ -73,18 +74,24 @@ pub fn read(dir: &Path) -> Result<Option<BrakeReport>, HoldFileError> {
 ///
 /// The file is taken by renaming it aside first: a confirmation written while this runs is
 /// either taken whole or left for the next turn, never read half-written and never removed
-/// unread. A taken file that names no hold is an error, so that it is reported, not dropped.
+/// unread. One taken by a daemon that died before reading it is read first: confirming the same
+/// ID twice is harmless, as only the hold of that ID is released. A taken file that names no
+/// hold is an error, so that it is reported, not dropped.
 pub fn take_confirmation(dir: &Path) -> Result<Option<String>, HoldFileError> {
     let path = dir.join(CONFIRM_FILE);
     let taken = dir.join(TAKEN_FILE);
-    match std::fs::rename(&path, &taken) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err("taking", &path)(e)),
+    if !taken.exists() {
+        match std::fs::rename(&path, &taken) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err("taking", &path)(e)),
+        }
     }
-    let text = std::fs::read_to_string(&taken).map_err(io_err("reading", &taken));
-    std::fs::remove_file(&taken).map_err(io_err("removing", &taken))?;
-    let text = text?;
+    let text = std::fs::read_to_string(&taken).map_err(io_err("reading", &taken))?;
+    if let Err(e) = std::fs::remove_file(&taken) {
+        // The ID was read: it counts. The file is read again next time, which is harmless.
+        tracing::warn!("{}", io_err("removing", &taken)(e));
+    }
     let id = text.trim();
     if id.is_empty() {
         return Err(HoldFileError::NoHoldId { path });
@@ -92,17 +99,37 @@ pub fn take_confirmation(dir: &Path) -> Result<Option<String>, HoldFileError> {
     Ok(Some(id.to_owned()))
 }
 
-/// Leaves a confirmation of hold `id` for the daemon: written aside, then renamed into place,
-/// so the daemon never sees it half-written (it looks at every turn, signalled or not).
+/// Leaves a confirmation of hold `id` for the daemon: written aside (a file of this process's
+/// own, readable by the owner only), then renamed into place, so the daemon never sees it
+/// half-written (it looks at every turn, signalled or not). Not synced: the state directory is
+/// the node's runtime directory, and a confirmation a crash empties is reported as naming no
+/// hold, to be given again.
 pub fn write_confirmation(dir: &Path, id: &str) -> Result<(), HoldFileError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let path = dir.join(CONFIRM_FILE);
-    // One name per process: two operators confirming at once never write into one file.
-    let tmp = dir.join(format!(".{CONFIRM_FILE}.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, format!("{id}\n")).map_err(io_err("writing", &tmp))?;
-    std::fs::rename(&tmp, &path).map_err(|e| {
+    // One name per writer: two operators confirming at once (even from two PID namespaces)
+    // never write into one file.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let tmp = dir.join(format!(
+        ".{CONFIRM_FILE}.{}.{nanos}.tmp",
+        std::process::id()
+    ));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(format!("{id}\n").as_bytes()));
+    let placed = written
+        .map_err(io_err("writing", &tmp))
+        .and_then(|()| std::fs::rename(&tmp, &path).map_err(io_err("renaming into place", &path)));
+    if placed.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        io_err("renaming into place", &path)(e)
-    })
+    }
+    placed
 }
 
 #[cfg(test)]
@@ -177,6 +204,20 @@ mod tests {
         let taken = taker.join().unwrap();
         let expected: Vec<String> = (0..rounds).map(|i| format!("{i:012x}")).collect();
         assert_eq!(taken, expected);
+    }
+
+    #[test]
+    fn a_confirmation_taken_by_a_daemon_that_died_before_reading_it_is_read_next_time() {
+        let dir = tempfile::tempdir().unwrap();
+        write_confirmation(dir.path(), "0123456789ab").unwrap();
+        // What a daemon killed between taking the file and reading it leaves.
+        std::fs::rename(dir.path().join(CONFIRM_FILE), dir.path().join(TAKEN_FILE)).unwrap();
+        assert_eq!(
+            take_confirmation(dir.path()).unwrap().as_deref(),
+            Some("0123456789ab")
+        );
+        assert_eq!(take_confirmation(dir.path()).unwrap(), None);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //!   removed on open.
 //! - `nodes.ckpt.corrupt-<secs>.<nanos>`: checkpoints that failed to decode, moved aside for a
 //!   human to inspect; the newest [`KEEP_CORRUPT`] are kept.
+//!
+//! The daemon and `node-agent prune` also keep files here (`node-agent/src/agent/hold_file.rs`):
+//! `hold.json` (what the brake holds), `prune-confirm` (an operator's confirmation, written as
+//! `.prune-confirm.<pid>.<nanos>.tmp` and renamed into place) and `.prune-confirm.taken` (a
+//! confirmation the daemon has taken and not yet read).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, Write};

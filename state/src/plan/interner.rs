@@ -184,6 +184,10 @@ pub(super) fn run(
     for (p, at) in lookups.asked {
         found[at as usize] = answers[p as usize].next().unwrap_or(MISSING);
     }
+    debug_assert!(
+        answers.iter_mut().all(|a| a.next().is_none()),
+        "every answer taken, in the order asked"
+    );
     Interner {
         split: interns.split,
         parts: tables,

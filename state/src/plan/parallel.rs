@@ -5,7 +5,7 @@
 //! plans, so a second core, where there is one, halves those walks. Where there is not (one CPU,
 //! or work too small to be worth a thread), both run here, one after the other.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 /// Nodes from which a piece of work over every node is worth a thread (starting one costs tens
 /// of microseconds; copying this many nodes costs more). Debug builds (every test) take the
@@ -13,7 +13,8 @@ use std::sync::OnceLock;
 pub(super) const WORTH_A_THREAD: usize = if cfg!(debug_assertions) { 2 } else { 2048 };
 
 /// Runs `a` and `b`, on two threads when `worth_it` and the machine has two cores or more.
-/// Both finish before it returns; a panic in either is a panic here.
+/// Both finish before it returns; a panic in either is a panic here. Where no thread can be
+/// started (a pod at its limit of processes), both run here: the plan is the same, only slower.
 pub(super) fn both<A, B, RA, RB>(worth_it: bool, a: A, b: B) -> (RA, RB)
 where
     A: FnOnce() -> RA + Send,
@@ -23,13 +24,18 @@ where
     if !worth_it || cores() < 2 {
         return (a(), b());
     }
+    // Where the other thread takes `a` from, or this one if the thread never starts.
+    let slot = Mutex::new(Some(a));
+    let take = || slot.lock().map_or(None, |mut a| a.take());
     std::thread::scope(|s| {
-        let a = s.spawn(a);
+        let other = std::thread::Builder::new().spawn_scoped(s, || take().map(|a| a()));
         let b = b();
-        match a.join() {
-            Ok(a) => (a, b),
-            Err(panic) => std::panic::resume_unwind(panic),
-        }
+        let a = match other.map(|h| h.join()) {
+            Ok(Ok(Some(a))) => a,
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            Ok(Ok(None)) | Err(_) => take().expect("`a` runs exactly once")(),
+        };
+        (a, b)
     })
 }
 
