@@ -1,8 +1,9 @@
 //! One QEMU boot: the kernel, the two initramfs halves, the payload over 9p, and the serial
 //! console streamed to stdout and parsed for the guest's verdict.
 //!
-//! TCG with `-cpu max,-cx16`: KVM here is an emulated nested one (no vmx/svm flag), and QEMU
-//! 7.2's `cmpxchg16b` emulation crashed a quarter of the 6.12 boots.
+//! TCG with `-cpu max,-cx16` on one host thread: KVM here is an emulated nested one (no vmx/svm
+//! flag), QEMU 7.2's `cmpxchg16b` emulation crashed a quarter of the 6.12 boots, and with one
+//! host thread per vCPU the kernel's live code patching races the other vCPU (see [`accel`]).
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -43,8 +44,9 @@ impl std::fmt::Display for TestsFailed {
 impl std::error::Error for TestsFailed {}
 
 /// The guest kernel died while booting, before the test payload started: nothing of ours ran,
-/// so the boot may be tried again. Under TCG, 6.12 has been seen to oops in its own code
-/// patching at boot (an `int3` left in `sched_clock_cpu` on the second vCPU).
+/// so the boot may be tried again. Under multi-threaded TCG, 6.12 was seen to oops in its own
+/// code patching at boot (an `int3` left in `sched_clock_cpu` on the second vCPU); [`accel`]
+/// now runs both vCPUs on one thread, so this is a last resort.
 #[derive(Debug)]
 pub struct BootCrashed(pub String);
 
@@ -59,6 +61,14 @@ impl std::error::Error for BootCrashed {}
 /// KVM only where it is real: `/dev/kvm` writable *and* a vmx/svm CPU flag. Here `/dev/kvm`
 /// exists but the machine is itself a guest with an emulated nested KVM, which aborts or runs
 /// slower than TCG.
+///
+/// TCG runs the vCPUs in turn on one host thread (`thread=single`). With a thread per vCPU
+/// (QEMU's default), the kernel's live code patching (static keys flipped by tc qdiscs coming
+/// and going, `text_poke_bp`'s `int3` protocol) races the other vCPU's translated code: a 6.12
+/// guest died with `Oops: int3` at the `ingress_needed_key` branch in
+/// `__netif_receive_skb_core`, three minutes into the tests, and once at boot in
+/// `sched_clock_cpu`. Nothing in the guest can avoid every static key, so the emulator must
+/// be coherent; two vCPUs are kept so libtest still overlaps tests that wait.
 fn accel() -> [&'static str; 4] {
     let writable = std::fs::OpenOptions::new()
         .read(true)
@@ -73,7 +83,7 @@ fn accel() -> [&'static str; 4] {
     if writable && virt {
         ["-accel", "kvm", "-cpu", "host"]
     } else {
-        ["-accel", "tcg", "-cpu", "max,-cx16"]
+        ["-accel", "tcg,thread=single", "-cpu", "max,-cx16"]
     }
 }
 
@@ -96,8 +106,8 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
         (Some(v), false) => v,
         _ => &k.bzimage,
     };
-    // Two vCPUs: libtest then runs two tests at once; the full datapath suite on 6.1 took
-    // 19 s against 23 s with one, on a 2-core host that was busy compiling.
+    // Two vCPUs: libtest then runs two tests at once, and one that waits (a timeout, a
+    // debounce) leaves the other the host thread.
     let accel = accel();
     let mut qemu = Command::new("qemu-system-x86_64");
     qemu.args([
@@ -107,7 +117,8 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
         "-display",
         "none",
     ])
-    .args(["-accel", "tcg", "-cpu", "max,-cx16", "-smp", "2"])
+    .args(accel)
+    .args(["-smp", "2"])
     .arg("-m")
     .arg(format!("{}M", b.memory_mib))
     .args(["-serial", "stdio"])
