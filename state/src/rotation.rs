@@ -74,12 +74,12 @@ pub fn rotation(
             None => now,
         })
         .collect();
-    let ready = |i: usize| now >= first_seen[i] + delays.propagation;
+    let ready = |i: usize| now >= first_seen[i].saturating_add(delays.propagation);
     let send = (0..file.len()).rev().find(|i| ready(*i));
     let abrupt = send.is_none();
     let send = send.unwrap_or(file.len() - 1);
-    let switched_at = first_seen[send] + delays.propagation;
-    let retire_at = switched_at + delays.retirement;
+    let switched_at = first_seen[send].saturating_add(delays.propagation);
+    let retire_at = switched_at.saturating_add(delays.retirement);
     let keys = file
         .iter()
         .enumerate()
@@ -89,7 +89,8 @@ pub fn rotation(
             tag: k.tag,
         })
         .collect();
-    let switch_next = (send + 1..file.len()).map(|i| first_seen[i] + delays.propagation);
+    let switch_next =
+        (send + 1..file.len()).map(|i| first_seen[i].saturating_add(delays.propagation));
     let retire_next = (send > 0 && now < retire_at).then_some(retire_at);
     Rotation {
         ipsec: IpsecConfig {
@@ -149,6 +150,31 @@ mod tests {
         );
         assert_eq!(r.next_change, None);
         assert!(!r.abrupt);
+    }
+
+    /// A checkpoint may say anything: a key first seen at the end of time is a key not yet
+    /// ready to send with, not an overflow.
+    #[test]
+    fn a_first_seen_time_at_the_end_of_time_is_no_overflow() {
+        let start = rotation(&[key(3)], &[], 1000 * S, DELAYS, Arc::new(GlobalTags));
+        let mut seen = start.ipsec.seen.clone();
+        for s in &mut seen {
+            s.first_seen = Duration::MAX;
+        }
+        let r = rotation(
+            &[key(3), key(4)],
+            &seen,
+            2000 * S,
+            DELAYS,
+            Arc::new(GlobalTags),
+        );
+        assert!(r.abrupt, "no key is ready: the newest is sent with at once");
+        assert_eq!(r.ipsec.send_spi, 4);
+        assert_eq!(
+            r.next_change,
+            Some(2390 * S),
+            "4 seen now, 3 retired after the delays"
+        );
     }
 
     #[test]

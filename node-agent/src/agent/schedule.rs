@@ -78,6 +78,11 @@ pub struct Schedule {
     reconcile_at: Option<Instant>,
     resync_at: Instant,
     reconcile_backoff: Backoff,
+    /// After a failed reconcile: nothing reconciles before this, whatever asks for it (an
+    /// event, the resync, a rotation step already due, an operator). Every trigger that could
+    /// come due at once would otherwise retry a failure that recurs (a kernel dump that fails)
+    /// back to back.
+    retry_at: Option<Instant>,
     /// The record changed since it was last written: since when.
     dirty_since: Option<Instant>,
     last_write: Option<Instant>,
@@ -103,6 +108,7 @@ impl Schedule {
             reconcile_at: Some(now),
             resync_at: now + resync,
             reconcile_backoff: RECONCILE_BACKOFF,
+            retry_at: None,
             dirty_since: None,
             last_write: None,
             checkpoint_retry_at: None,
@@ -175,12 +181,21 @@ impl Schedule {
         )
     }
 
+    /// When the next reconcile is due: the first of its triggers, but never before a failed
+    /// one's retry.
+    fn reconcile_due_at(&self) -> Instant {
+        let first = [self.reconcile_at, self.rotation_at]
+            .into_iter()
+            .flatten()
+            .fold(self.resync_at, Instant::min);
+        self.retry_at.map_or(first, |r| first.max(r))
+    }
+
     pub fn due(&self, now: Instant) -> Due {
+        let reconcile = self.reconcile_due_at() <= now;
         Due {
-            reconcile: self.reconcile_at.is_some_and(|t| t <= now)
-                || self.resync_at <= now
-                || self.rotation_at.is_some_and(|t| t <= now),
-            resync: self.resync_at <= now,
+            reconcile,
+            resync: reconcile && self.resync_at <= now,
             checkpoint: self.checkpoint_at().is_some_and(|t| t <= now),
             relist: self.relist_at.is_some_and(|t| t <= now),
             keys: self.keys_at.is_some_and(|(t, _)| t <= now),
@@ -191,12 +206,10 @@ impl Schedule {
     /// The next moment something is due, or the heartbeat, whichever comes first.
     pub fn next_wake(&self, now: Instant) -> Instant {
         [
-            self.reconcile_at,
-            Some(self.resync_at),
+            Some(self.reconcile_due_at()),
             self.checkpoint_at(),
             self.relist_at,
             self.keys_at.map(|(t, _)| t),
-            self.rotation_at,
             self.attach_at,
         ]
         .into_iter()
@@ -222,9 +235,13 @@ impl Schedule {
             self.resync_at = now + self.resync;
         }
         match outcome {
-            Reconciled::Done => self.reconcile_backoff.reset(),
+            Reconciled::Done => {
+                self.reconcile_backoff.reset();
+                self.retry_at = None;
+            }
             Reconciled::Failed => {
                 let at = now + self.reconcile_backoff.next_delay();
+                self.retry_at = Some(at);
                 self.reconcile_soon(at);
             }
         }
@@ -363,6 +380,42 @@ mod tests {
         s.reconciled(t + S, Reconciled::Failed, false, None);
         assert!(!s.due(t + S + S / 2).reconcile);
         assert!(s.due(t + 2 * S).reconcile);
+    }
+
+    /// Whatever asks for a reconcile while reconciles fail (events, a rotation step left due
+    /// because the failed reconcile never got to move the rotation on, the resync, an
+    /// operator), the retries keep the backoff's pace.
+    #[test]
+    fn no_trigger_hurries_the_retry_of_a_failed_reconcile() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        s.reconciled(t0, Reconciled::Done, false, None);
+        s.watch_keys(t0, 2 * S);
+        let mut t = t0 + 10 * S;
+        let mut attempts = Vec::new();
+        while t < t0 + 200 * S {
+            // Every turn: an event, an operator, a rotation step due since t0 + 10 s, the key
+            // file changed, and the resync at t0 + 300 s.
+            s.source_changed(t);
+            s.reconcile_now(t);
+            s.rotation_moves_at(Some(t0 + 10 * S));
+            if s.due(t).keys {
+                s.keys_checked(t, true);
+            }
+            if s.due(t).reconcile {
+                attempts.push((t - t0).as_secs());
+                s.reconciled(t, Reconciled::Failed, false, None);
+            }
+            let next = s.next_wake(t);
+            assert!(next > t, "the loop sleeps between turns");
+            t = next.min(t + S / 10);
+        }
+        assert_eq!(attempts, [10, 11, 13, 17, 25, 41, 73, 133, 193]);
+        // A success ends the backoff: the next trigger is served at once.
+        s.reconciled(t, Reconciled::Done, false, None);
+        s.rotation_moves_at(None);
+        s.reconcile_now(t);
+        assert!(s.due(t).reconcile);
     }
 
     #[test]

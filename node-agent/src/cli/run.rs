@@ -30,10 +30,10 @@ pub struct SourceArgs {
     #[arg(long, env = "NODE_AGENT_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// How often the nodes file is checked for changes.
-    #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = parse_duration)]
+    #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = parse_poll)]
     pub nodes_file_poll: Duration,
     /// How often the nodes file is re-read even when unchanged (a fresh full list).
-    #[arg(long, env = "NODE_AGENT_RELIST_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "NODE_AGENT_RELIST_INTERVAL", default_value = "30s", value_parser = parse_period)]
     pub relist_interval: Duration,
 }
 
@@ -96,10 +96,10 @@ pub struct AgentArgs {
     pub force_prune: bool,
     /// As a daemon, a held prune goes ahead once a fresh full list at least this much later
     /// still asks for it.
-    #[arg(long, env = "NODE_AGENT_PRUNE_CONFIRM_DELAY", default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = "NODE_AGENT_PRUNE_CONFIRM_DELAY", default_value = "60s", value_parser = parse_window)]
     pub prune_confirm_delay: Duration,
     /// Full kernel dump and repair interval.
-    #[arg(long, env = "NODE_AGENT_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, env = "NODE_AGENT_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_period)]
     pub resync_interval: Duration,
     /// Also map ExternalIPs to node IDs (InternalIPs always are).
     #[arg(long, env = "NODE_AGENT_INCLUDE_EXTERNAL_IPS")]
@@ -175,7 +175,11 @@ pub struct PlanArgs {
     pub output: Output,
 }
 
-/// Parses `100ms`, `30s`, `5m`, `1h` (a bare number is seconds).
+/// The longest duration any setting takes: deadlines are computed from these by addition, and
+/// a duration of centuries would overflow them (a panic) instead of being refused here.
+const LONGEST: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// Parses `100ms`, `30s`, `5m`, `1h` (a bare number is seconds), up to a year.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
@@ -192,7 +196,51 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     };
+    if !(secs <= LONGEST.as_secs_f64()) {
+        return Err(format!(
+            "{s:?} is longer than a year, the longest any setting takes"
+        ));
+    }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// A duration of at least `least`: `what` says why less is refused.
+fn at_least(s: &str, least: Duration, what: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < least {
+        return Err(format!("{s:?} is shorter than {least:?}: {what}"));
+    }
+    Ok(d)
+}
+
+/// A period of the daemon's own (the resync, a relist): shorter ones would keep it dumping the
+/// kernel or listing the nodes without pause.
+fn parse_period(s: &str) -> Result<Duration, String> {
+    at_least(
+        s,
+        Duration::from_millis(100),
+        "a shorter period keeps the agent busy doing it",
+    )
+}
+
+/// How often the nodes file is looked at: a `stat`, cheap, but not in a loop without a pause.
+fn parse_poll(s: &str) -> Result<Duration, String> {
+    at_least(
+        s,
+        Duration::from_millis(10),
+        "a shorter poll keeps the agent busy looking",
+    )
+}
+
+/// The brake's window and confirmation delay: zero would count no removal together with
+/// another, so a mass deletion could go through one node at a time.
+fn parse_window(s: &str) -> Result<Duration, String> {
+    at_least(
+        s,
+        Duration::from_secs(1),
+        "the brake counts removals together over this window, and a shorter one lets a mass \
+         deletion through in small steps",
+    )
 }
 
 fn parse_u32(s: &str) -> Result<u32, String> {
@@ -386,6 +434,55 @@ mod tests {
         assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
         assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
         assert!(parse_duration("5 parsecs").is_err());
+    }
+
+    /// Zero periods would spin, a zero window would switch the brake's counting off, and a
+    /// duration of centuries would overflow a deadline later (a panic): all are refused when
+    /// the flags are read, saying why.
+    #[test]
+    fn durations_that_would_spin_disable_the_brake_or_overflow_are_refused() {
+        assert_eq!(
+            parse_duration("8760h").unwrap(),
+            Duration::from_secs(8760 * 3600)
+        );
+        for huge in [
+            "9000h",
+            "99999999999999999999999999",
+            "9999999999999999999999m",
+        ] {
+            let e = parse_duration(huge).unwrap_err();
+            assert!(e.contains("a year"), "{e}");
+        }
+        assert!(parse_period("0").unwrap_err().contains("busy"));
+        assert!(parse_period("50ms").is_err());
+        assert_eq!(parse_period("300ms").unwrap(), Duration::from_millis(300));
+        assert!(parse_poll("0s").unwrap_err().contains("busy"));
+        assert_eq!(parse_poll("50ms").unwrap(), Duration::from_millis(50));
+        assert!(parse_window("0").unwrap_err().contains("mass deletion"));
+        assert_eq!(parse_window("1s").unwrap(), Duration::from_secs(1));
+        use clap::Parser;
+        let cli = |flag: &str, value: &str| {
+            super::super::Cli::try_parse_from([
+                "node-agent",
+                "run",
+                "--node-name",
+                "n",
+                flag,
+                value,
+            ])
+        };
+        for flag in [
+            "--resync-interval",
+            "--relist-interval",
+            "--nodes-file-poll",
+        ] {
+            let e = cli(flag, "0").unwrap_err().to_string();
+            assert!(e.contains("busy"), "{flag}: {e}");
+        }
+        let e = cli("--prune-confirm-delay", "0").unwrap_err().to_string();
+        assert!(e.contains("mass deletion"), "{e}");
+        let e = cli("--id-cooldown", "100000h").unwrap_err().to_string();
+        assert!(e.contains("a year"), "{e}");
     }
 
     #[test]
