@@ -761,8 +761,13 @@ mod tests {
         // check is not planned from), then goes ahead once the dump works.
         assert!(!d.schedule.due(Instant::now()).reconcile);
         d.schedule.reconcile_now(Instant::now());
+        assert!(
+            !d.schedule.due(Instant::now()).reconcile,
+            "not even an operator hurries the retry"
+        );
+        d.schedule.retry_now(Instant::now());
         d.turn(&tx).await;
-        d.schedule.reconcile_now(Instant::now());
+        d.schedule.retry_now(Instant::now());
         d.turn(&tx).await;
         assert_eq!(
             d.rec.kernel().ours.len(),

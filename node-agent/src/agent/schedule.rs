@@ -160,7 +160,16 @@ impl Schedule {
         self.resync_at = now;
     }
 
-    /// Reconcile at once (an operator's confirmation, a fresh list a hold waits for).
+    /// The wait after a failed reconcile is over, and the retry due now (tests stand in for
+    /// the time passing with it).
+    #[cfg(test)]
+    pub fn retry_now(&mut self, now: Instant) {
+        self.retry_at = Some(now);
+        self.reconcile_now(now);
+    }
+
+    /// Reconcile at once (an operator's confirmation, a fresh list a hold waits for), or as
+    /// soon as a failed reconcile's backoff allows.
     pub fn reconcile_now(&mut self, now: Instant) {
         self.reconcile_soon(now);
     }

@@ -196,7 +196,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     };
-    if !(secs <= LONGEST.as_secs_f64()) {
+    if secs.is_nan() || secs > LONGEST.as_secs_f64() {
         return Err(format!(
             "{s:?} is longer than a year, the longest any setting takes"
         ));

@@ -48,6 +48,10 @@ struct Recent {
 struct Pending<'a> {
     node: &'a Node,
     attempts: u32,
+    /// Held by the brake since then (Unix seconds), if it is: a restart keeps the hold.
+    held_since_unix: Option<u64>,
+    /// Held as part of a near-total wipe: only an operator releases it.
+    held_as_wipe: bool,
 }
 
 pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
@@ -74,6 +78,8 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
             .map(|p| Pending {
                 node: &p.node,
                 attempts: p.attempts,
+                held_since_unix: p.held.map(|h| h.at.as_secs()),
+                held_as_wipe: p.held.is_some_and(|h| h.wipe),
             })
             .collect(),
         recent_removals: cp
@@ -120,12 +126,15 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
                 writeln!(out, "{}", line(n))?;
             }
             for p in &shown.pending_deletes {
-                writeln!(
-                    out,
-                    "{}  (pending delete, {} failed attempts)",
-                    line(p.node),
-                    p.attempts
-                )?;
+                let why = match p.held_since_unix {
+                    Some(at) => format!(
+                        "held by the brake since {}{}",
+                        utc(at),
+                        if p.held_as_wipe { ", a wipe" } else { "" }
+                    ),
+                    None => format!("{} failed attempts", p.attempts),
+                };
+                writeln!(out, "{}  (pending delete, {why})", line(p.node))?;
             }
         }
     }

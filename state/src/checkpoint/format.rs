@@ -20,6 +20,7 @@
 //! | --- | --- | --- |
 //! | 1 | 0.1.0 | nodes, pending deletes, freed IDs |
 //! | 2 | 0.2.0 | the brake's window of recent removals; the IPsec keys seen and when |
+//! | 3 | the next release | the brake's holds: which pending deletes it held, since when, and whether as a wipe; the orphans' hold |
 //!
 //! Each version's payload has a layout of its own, the hand-written bincode encoding of its
 //! fields and wire types (`payload/v1.rs`, `payload/v2.rs`), rather than bincode of
@@ -48,7 +49,7 @@ use crate::checkpoint::{Checkpoint, payload};
 
 pub const MAGIC: [u8; 8] = *b"NAGCKPT\0";
 /// The version this code writes, and the newest it reads.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 pub const HEADER_LEN: usize = 20;
 
 #[derive(Debug, thiserror::Error)]
@@ -211,6 +212,7 @@ pub(crate) mod tests {
             pending_deletes: vec![PendingDelete {
                 node: node("gone", "10.0.0.3", "fd00::3", "10.1.3.0/24", 3),
                 attempts: 2,
+                held: None,
             }],
             ids: AllocatorState {
                 freed: vec![FreedId {
@@ -227,6 +229,7 @@ pub(crate) mod tests {
                 spi: 3,
                 first_seen: Duration::from_secs(1_699_000_000),
             }],
+            orphans_held: None,
         }
     }
 
@@ -266,10 +269,10 @@ pub(crate) mod tests {
             e,
             DecodeError::VersionTooNew {
                 found: 7,
-                supported: 2
+                supported: 3
             }
         ));
-        assert!(e.to_string().contains('7') && e.to_string().contains('2'));
+        assert!(e.to_string().contains('7') && e.to_string().contains('3'));
         let mut bad = good.clone();
         let last = bad.len() - 1;
         bad[last] ^= 0x40;

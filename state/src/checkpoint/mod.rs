@@ -28,6 +28,19 @@ pub struct PendingDelete {
     pub node: Node,
     /// Cleanups tried and failed so far; 0 for a node held by the brake and never tried.
     pub attempts: u32,
+    /// The brake held this removal when the record was written: a restarted agent keeps holding
+    /// it until a confirmation, as the agent before the restart would have. Since format
+    /// version 3.
+    pub held: Option<Held>,
+}
+
+/// A hold of the brake, as the record keeps it across restarts (invariant 16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Held {
+    /// Since the Unix epoch: when the hold began.
+    pub at: Duration,
+    /// Held as part of a near-total wipe: only an operator releases it.
+    pub wipe: bool,
 }
 
 /// The checkpoint content.
@@ -52,6 +65,11 @@ pub struct Checkpoint {
     /// The IPsec keys the agent has seen, by SPI, with when it first saw each, so a key rotation
     /// interrupted by a restart resumes on its original schedule. Since format version 2.
     pub ipsec_keys: Vec<KeySeen>,
+    /// Orphan objects the brake held when the record was written: when the first hold began,
+    /// and whether any was part of a near-total wipe. The orphans themselves are not listed; a
+    /// restarted agent holds every orphan it finds from that time, which only ever holds more.
+    /// Since format version 3.
+    pub orphans_held: Option<Held>,
 }
 
 impl Checkpoint {
@@ -68,6 +86,7 @@ impl Checkpoint {
             ids,
             removals,
             ipsec_keys,
+            orphans_held,
         } = self;
         *agent_version == other.agent_version
             && *local_node == other.local_node
@@ -76,11 +95,12 @@ impl Checkpoint {
             && *ids == other.ids
             && *removals == other.removals
             && *ipsec_keys == other.ipsec_keys
+            && *orphans_held == other.orphans_held
     }
 
     /// Puts the record of an event-sized plan into this one: the nodes and pending deletes
     /// named in `names` are replaced by `part`'s, everything that is not per node (IDs,
-    /// removals, keys, version, time) comes from `part`. Returns whether anything but the time
+    /// removals, keys, held orphans, version, time) comes from `part`. Returns whether anything but the time
     /// changed. A name with as many records before as after is replaced in place, so the cost
     /// of a readdress follows the names; the records of names added or removed are taken out
     /// and merged in, in place, each in one pass. Splicing them in one by one moved the rest of
@@ -96,12 +116,14 @@ impl Checkpoint {
             ids,
             removals,
             ipsec_keys,
+            orphans_held,
         } = part;
         nodes.sort_by(|a, b| a.name.cmp(&b.name));
         let mut changed = self.agent_version != agent_version
             || self.ids != ids
             || self.removals != removals
-            || self.ipsec_keys != ipsec_keys;
+            || self.ipsec_keys != ipsec_keys
+            || self.orphans_held != orphans_held;
         let spliced = spliced_names(names, &nodes);
         let mut incoming = nodes.into_iter().peekable();
         // Names whose count of records changes, and their new records, both in name order.
@@ -144,6 +166,7 @@ impl Checkpoint {
         self.ids = ids;
         self.removals = removals;
         self.ipsec_keys = ipsec_keys;
+        self.orphans_held = orphans_held;
         changed
     }
 }

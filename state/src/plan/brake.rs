@@ -22,7 +22,7 @@ use foldhash::{HashSet, HashSetExt};
 use super::records::Record;
 use super::resource_index::ResourceIndex;
 use super::{Delete, Elsewhere, Local, PlanConfig, PlanInput};
-use crate::checkpoint::{Checkpoint, RecentRemovals};
+use crate::checkpoint::{Checkpoint, Held, RecentRemovals};
 use crate::ids::AllocatorState;
 use crate::objects::{KernelObject, NodeId, ObjectId};
 
@@ -53,11 +53,38 @@ pub struct BrakeMemory {
     pub held: BTreeMap<Removal, HeldSince>,
     /// Removals carried out recently; the checkpoint keeps these across restarts.
     pub window: Vec<RecentRemovals>,
+    /// Restored from a checkpoint whose orphans were held (which orphans, the record does not
+    /// say): every orphan the first plan after the restart finds counts as held since then.
+    pub orphans_held: Option<HeldSince>,
 }
 
 impl BrakeMemory {
-    /// The memory a restarted agent begins with: the window from its checkpoint, no holds (a
-    /// hold starts over, which only ever delays a removal). Without a checkpoint the window went
+    /// What the record keeps of the holds: the held nodes (by name and UID) and the orphans'
+    /// hold (the first time one began, and whether any is a wipe's). The source's count of
+    /// lists is this process's own and is not kept: after a restart, any full list is newer.
+    pub fn held_for_record(&self) -> (BTreeMap<(&str, &str), Held>, Option<Held>) {
+        let mut nodes = BTreeMap::new();
+        let mut orphans: Option<Held> = self.orphans_held.map(HeldSince::kept);
+        for (item, since) in &self.held {
+            match item {
+                Removal::Node { name, uid } => {
+                    nodes.insert((name.as_str(), uid.as_str()), since.kept());
+                }
+                Removal::Orphan(_) => {
+                    let h = since.kept();
+                    orphans = Some(orphans.map_or(h, |o| Held {
+                        at: o.at.min(h.at),
+                        wipe: o.wipe || h.wipe,
+                    }));
+                }
+            }
+        }
+        (nodes, orphans)
+    }
+
+    /// The memory a restarted agent begins with: the window and the holds from its checkpoint
+    /// (a restart never releases a hold: what was held stays held until a confirmation, however
+    /// the ratio looks after it). Without a checkpoint the window went
     /// with it, and the kernel's own record of recent removals (`kept`) stands in for it. Where
     /// the kernel has none from before this start either (an agent that did not keep one), the
     /// IDs it remembers freeing (`freed`, merged into the allocator state) stand in, each one a
@@ -80,9 +107,35 @@ impl BrakeMemory {
                 })
                 .collect(),
         };
+        let restored = |h: Held| HeldSince {
+            at: h.at,
+            relists: 0,
+            wipe: h.wipe,
+        };
+        let held = cp
+            .into_iter()
+            .flat_map(|c| &c.pending_deletes)
+            .filter_map(|p| {
+                let item = Removal::Node {
+                    name: p.node.name.clone(),
+                    uid: p.node.uid.to_string(),
+                };
+                Some((item, restored(p.held?)))
+            })
+            .collect();
         Self {
-            held: BTreeMap::new(),
+            held,
             window,
+            orphans_held: cp.and_then(|c| c.orphans_held).map(restored),
+        }
+    }
+}
+
+impl HeldSince {
+    fn kept(self) -> Held {
+        Held {
+            at: self.at,
+            wipe: self.wipe,
         }
     }
 }
@@ -306,14 +359,23 @@ pub(super) fn decide(
     // ratio that has since dropped (newcomers in the record, or time, would dilute it).
     let held_before: BTreeSet<&Removal> = asked
         .iter()
-        .filter(|r| memory.held.contains_key(*r))
+        .filter(|r| {
+            memory.held.contains_key(*r)
+                || (memory.orphans_held.is_some() && matches!(r, Removal::Orphan(_)))
+        })
         .collect();
     let operator = !held_before.is_empty()
         && confirmed_hold.is_some_and(|id| id == hold_id(held_before.iter().copied()));
     let mut released = BTreeSet::new();
     let mut held = BTreeMap::new();
+    // After a restart, an orphan is held as the record says orphans were.
+    let held_before_as = |item: &Removal| match (memory.held.get(item), item) {
+        (Some(since), _) => Some(*since),
+        (None, Removal::Orphan(_)) => memory.orphans_held,
+        (None, Removal::Node { .. }) => None,
+    };
     for item in asked {
-        match memory.held.get(item) {
+        match held_before_as(item).as_ref() {
             Some(since) => {
                 let ripe = cfg.confirm_by_relist
                     && !since.wipe
@@ -374,7 +436,11 @@ pub(super) fn decide(
     });
     Decision {
         released,
-        memory: BrakeMemory { held, window },
+        memory: BrakeMemory {
+            held,
+            window,
+            orphans_held: None,
+        },
         hold,
     }
 }

@@ -485,6 +485,7 @@ impl Plan {
                 cp.pending_deletes.push(PendingDelete {
                     node: p.node.clone(),
                     attempts: p.attempts.saturating_add(1),
+                    held: None,
                 });
             }
         }
@@ -673,6 +674,12 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
         }
     }
     let (brake_hold, brake_memory) = brake.finish(deleted.held);
+    let (held_nodes, orphans_held) = brake_memory.held_for_record();
+    for p in &mut pending {
+        p.held = held_nodes
+            .get(&(p.node.name.as_str(), p.node.uid.as_str()))
+            .copied();
+    }
     let settled = synced
         && errors.is_empty()
         && brake_hold.is_none()
@@ -701,6 +708,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
             .as_ref()
             .map(|i| i.seen.clone())
             .unwrap_or_default(),
+        orphans_held,
     };
     Plan {
         deletes: deleted.deletes,

@@ -26,6 +26,7 @@ impl Record<'_> {
         PendingDelete {
             node: self.node.clone(),
             attempts: self.attempts,
+            held: None,
         }
     }
 

@@ -50,6 +50,7 @@ pub fn plan_scoped(
     let steady_input = input.live.synced
         && record.pending_deletes.is_empty()
         && input.brake.held.is_empty()
+        && input.brake.orphans_held.is_none()
         && input.confirmed_hold.is_none()
         && !touched.contains(&cfg.local_node)
         && index.counts(record)

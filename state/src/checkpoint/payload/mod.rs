@@ -4,7 +4,8 @@
 //! back into them, record by record, with full validation on the way in.
 //!
 //! Each format version has a top-level layout of its own, an `encode` and a `decode` function
-//! in its module ([`v1`] is read only, [`v2`] is read and written); the parts they share (node
+//! in its module ([`v1`] and [`v2`] are read only, [`v3`] is read and written, and begins with
+//! what [`v2`] writes); the parts they share (node
 //! lists, records, names, addresses...) live in this module and stay shared until a version
 //! changes one of them, at which point the older versions get a frozen copy of the part as it
 //! was. Only the newest version is written; every version is read.
@@ -50,6 +51,7 @@
 
 pub(super) mod v1;
 pub(super) mod v2;
+pub(super) mod v3;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
@@ -803,7 +805,11 @@ impl Entry for PendingDelete {
     }
 
     fn new(node: Node, attempts: u32) -> Self {
-        PendingDelete { node, attempts }
+        PendingDelete {
+            node,
+            attempts,
+            held: None,
+        }
     }
 }
 
@@ -1067,7 +1073,8 @@ pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeErro
     let mut d = DecoderImpl::new(Body { rest: body }, config(), budget);
     let decoded = match version {
         1 => v1::decode(&mut d),
-        _ => v2::decode(&mut d),
+        2 => v2::decode(&mut d),
+        _ => v3::decode(&mut d),
     };
     let cp = decoded.map_err(|e| match e {
         DecodeError::Payload { reason, .. } => DecodeError::Payload { version, reason },
@@ -1083,7 +1090,7 @@ pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeErro
 pub(super) fn encode(cp: &Checkpoint, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     // About 95 bytes per typical record; a guess that saves reallocations.
     out.reserve(128 + 112 * (cp.nodes.len() + cp.pending_deletes.len()));
-    v2::encode(cp, &mut EncoderImpl::new(Append(out), config())).map_err(EncodeError::Payload)
+    v3::encode(cp, &mut EncoderImpl::new(Append(out), config())).map_err(EncodeError::Payload)
 }
 
 impl From<PayloadError> for DecodeError {
@@ -1365,9 +1372,9 @@ mod tests {
 
     /// The field an invalid payload is refused for.
     fn bad_field(bytes: &[u8]) -> String {
-        match decode(bytes, 2) {
+        match decode(bytes, 3) {
             Err(DecodeError::Payload {
-                version: 2,
+                version: 3,
                 reason: PayloadError::Invalid { field, .. },
             }) => field,
             other => panic!("{other:?}"),
@@ -1375,9 +1382,9 @@ mod tests {
     }
 
     fn bincode_error(bytes: &[u8]) -> WireDecodeError {
-        match decode(bytes, 2) {
+        match decode(bytes, 3) {
             Err(DecodeError::Payload {
-                version: 2,
+                version: 3,
                 reason: PayloadError::Bincode(e),
             }) => e,
             other => panic!("{other:?}"),
@@ -1395,7 +1402,7 @@ mod tests {
     fn payload_round_trips_and_the_decoder_names_the_bad_field() {
         let cp = crate::checkpoint::format::tests::sample();
         let bytes = payload(&cp);
-        assert_eq!(decode(&bytes, 2).unwrap(), cp);
+        assert_eq!(decode(&bytes, 3).unwrap(), cp);
 
         // nodes[1]'s pod CIDR 10.1.2.0/24 as a /33.
         let bad = patched(bytes.clone(), &[24, 4, 10, 1, 2, 0], &[33, 4, 10, 1, 2, 0]);
@@ -1430,12 +1437,12 @@ mod tests {
         let mut odd = cp.clone();
         odd.nodes[0].addresses[1] = odd.nodes[0].addresses[0];
         assert!(matches!(
-            decode(&payload(&odd), 2),
+            decode(&payload(&odd), 3),
             Err(DecodeError::InvalidNode(_))
         ));
 
         // bincode's own complaints come through with its text.
-        let e = decode(&bytes[..bytes.len() - 1], 2).unwrap_err();
+        let e = decode(&bytes[..bytes.len() - 1], 3).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -1469,7 +1476,7 @@ mod tests {
         let mut trailing = bytes.clone();
         trailing.push(0);
         assert!(matches!(
-            decode(&trailing, 2),
+            decode(&trailing, 3),
             Err(DecodeError::PayloadTrailing { unread: 1 })
         ));
     }
@@ -1480,8 +1487,9 @@ mod tests {
         for r in records {
             out.extend_from_slice(r);
         }
-        // No pending deletes, freed IDs, removals or keys.
-        out.extend_from_slice(&[0; 4]);
+        // No pending deletes, freed IDs, removals or keys; no holds of pending deletes, no
+        // orphans' hold.
+        out.extend_from_slice(&[0; 6]);
         out
     }
 
@@ -1502,7 +1510,7 @@ mod tests {
         assert!(matches!(e, WireDecodeError::LimitExceeded), "{e:?}");
         // Fewer of them decode.
         records.truncate(10);
-        let cp = decode(&payload_of_records(&records), 2).unwrap();
+        let cp = decode(&payload_of_records(&records), 3).unwrap();
         assert!(cp.nodes.iter().all(|n| n.name == long));
     }
 

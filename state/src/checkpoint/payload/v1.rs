@@ -23,5 +23,6 @@ pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {
         ids: decode_freed(d)?,
         removals: Vec::new(),
         ipsec_keys: Vec::new(),
+        orphans_held: None,
     })
 }

@@ -1,5 +1,6 @@
-//! Format version 2, the one written now: version 1 plus the brake's window (removals carried
-//! out recently) and the IPsec keys seen, with when each was first seen.
+//! Format version 2: read, and written as the start of version 3 ([`super::v3`]), so frozen as
+//! it is. Version 1 plus the brake's window (removals carried out recently) and the IPsec keys
+//! seen, with when each was first seen.
 //!
 //! The payload, in order: agent version (string), written at ([`Time`]), local node (string),
 //! live records (local node excluded), pending deletes (local node excluded; names coded
@@ -138,5 +139,6 @@ pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {
         ids,
         removals,
         ipsec_keys,
+        orphans_held: None,
     })
 }
