@@ -419,6 +419,37 @@ fn a_held_removal_stays_held_after_the_checkpoint_is_lost() {
     });
 }
 
+/// A restart is no confirmation: every one-shot run is a restart, and the nodes that joined
+/// while a wipe was held (9 held of 20 known, 45%, would pass the ratio) dilute nothing. Only
+/// the operator releases it.
+#[test]
+fn a_hold_survives_restarts_while_newcomers_dilute_its_ratio() {
+    require_sandbox!("a_hold_survives_restarts_while_newcomers_dilute_its_ratio");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(10);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        env.write_nodes(&nodes[..1]);
+        let (code, report, _) = env.once(&[]);
+        assert_eq!(code, 3, "{report}");
+        assert_eq!(report["brake"]["kind"], "wipe", "{report}");
+        let newcomers: Vec<TestNode> = (100..110)
+            .map(|i| TestNode::dual(&format!("new-{i}"), i))
+            .collect();
+        let live = [nodes[..1].to_vec(), newcomers].concat();
+        env.write_nodes(&live);
+        for run in ["the run the newcomers join in", "the run after it"] {
+            let (code, report, _) = env.once(&[]);
+            assert_eq!(code, 3, "{run}: {report}");
+            assert_eq!(report["brake"]["kind"], "wipe", "{run}: {report}");
+            assert_exact(&env, &[nodes.clone(), live[1..].to_vec()].concat());
+        }
+        assert_eq!(env.once(&["--force-prune"]).0, 0);
+        assert_exact(&env, &live);
+    });
+}
+
 #[test]
 fn another_cluster_with_more_nodes_or_the_same_names_is_held() {
     require_sandbox!("another_cluster_with_more_nodes_or_the_same_names_is_held");
