@@ -110,14 +110,14 @@ impl RouteBackend {
     }
 
     /// Sorts one route into `inv`: of our table, ours by protocol, or foreign. Routes of ours
-    /// in a shape the agent never writes (no single gateway or nexthop, a TOS) are left alone,
-    /// and count as foreign, so ours is never written over them either. A route that is not
-    /// ours, in any table, through a nexthop of our range is a foreign user of that nexthop:
-    /// deleting the nexthop would delete it.
+    /// in a shape the agent never writes (no single gateway or nexthop, a TOS, a type other
+    /// than unicast) are left alone, and count as foreign, so ours is never written over them
+    /// either; so does every route of another type in our table (a blackhole, an unreachable
+    /// route: an IPv4 replace takes the first route at its destination and metric, which a
+    /// prepended blackhole is). A route in any table that is not one we write, through a
+    /// nexthop of our range, is a foreign user of that nexthop: deleting the nexthop would
+    /// delete it.
     fn parse_into(&self, msg: &RouteMessage, inv: &mut Inventory) {
-        if msg.header.kind != RouteType::Unicast {
-            return;
-        }
         let mut dst = None;
         let mut gateway = None;
         let mut nexthop = None;
@@ -142,7 +142,9 @@ impl RouteBackend {
             return;
         };
         let ours = msg.header.protocol == RouteProtocol::from(self.protocol);
-        let ours_here = ours && table_of(msg) == self.table;
+        // Our protocol, in the shape we write: anything else with our protocol is someone's.
+        let our_shape = ours && msg.header.tos == 0 && msg.header.kind == RouteType::Unicast;
+        let ours_here = our_shape && table_of(msg) == self.table;
         if let Some(id) = nexthop.filter(|id| id.decode().is_some() && !ours_here) {
             inv.use_by_foreign(ObjectId::Nexthop { id }, describe_foreign(msg, dst, metric));
         }
@@ -153,12 +155,10 @@ impl RouteBackend {
         // `nexthop_compat_mode` is off): the nexthop is what the route is.
         let via = nexthop.map(Via::Nexthop).or(gateway.map(Via::Gateway));
         match via {
-            Some(via) if ours && msg.header.tos == 0 => {
-                inv.insert(KernelObject::Route(Route { dst, via, metric }))
-            }
+            Some(via) if our_shape => inv.insert(KernelObject::Route(Route { dst, via, metric })),
             _ => {
                 if ours {
-                    tracing::warn!(%dst, protocol = self.protocol, "route with our protocol but not in a shape we write (no single gateway or nexthop, or a TOS); leaving it alone");
+                    tracing::warn!(%dst, protocol = self.protocol, "route with our protocol but not in a shape we write (no single gateway or nexthop, a TOS, a type other than unicast); leaving it alone");
                 }
                 inv.occupy(
                     ObjectId::Route { dst, metric },
@@ -215,9 +215,18 @@ fn describe_foreign(msg: &RouteMessage, dst: IpNet, metric: u32) -> String {
         RouteProtocol::Static => "static".to_string(),
         other => u8::from(other).to_string(),
     };
+    // As `ip route` names the types it prints before the destination.
+    let kind = match msg.header.kind {
+        RouteType::Unicast => String::new(),
+        RouteType::BlackHole => "blackhole ".into(),
+        RouteType::Unreachable => "unreachable ".into(),
+        RouteType::Prohibit => "prohibit ".into(),
+        RouteType::Throw => "throw ".into(),
+        other => format!("{} ", u8::from(other)),
+    };
     match table_of(msg) {
-        MAIN_TABLE => format!("route {dst} metric {metric} proto {proto}"),
-        table => format!("route {dst} metric {metric} table {table} proto {proto}"),
+        MAIN_TABLE => format!("route {kind}{dst} metric {metric} proto {proto}"),
+        table => format!("route {kind}{dst} metric {metric} table {table} proto {proto}"),
     }
 }
 

@@ -120,12 +120,15 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
                 n.apply(&[
                     Op::Create(nh(1, "10.88.0.2")),
                     Op::Create(nh(2, "10.88.0.4")),
+                    Op::Create(nh(4, "10.88.0.8")),
                 ])
                 .await,
             );
             // A group of someone else's holds our node 2's nexthop.
             ip_line("nexthop add id 900 group 201400002 proto static");
             ip_line("route add 192.168.7.0/24 nhid 201400001 table 100 proto static");
+            // Our protocol in our table, but with a TOS: not a route we write, so someone's.
+            ip_line("route add 192.168.8.0/24 tos 0x10 nhid 201400004 proto 201");
 
             let mut inv = Inventory::new();
             n.dump_into(&mut inv).await.unwrap();
@@ -142,8 +145,14 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
             );
             assert_eq!(
                 sorted(inv.objects().cloned().collect()),
-                vec![nh(1, "10.88.0.2"), nh(2, "10.88.0.4")]
+                vec![nh(1, "10.88.0.2"), nh(2, "10.88.0.4"), nh(4, "10.88.0.8")]
             );
+            let tos = inv
+                .foreign_user(&ObjectId::Nexthop {
+                    id: nh_id(4, Family::V4),
+                })
+                .expect("the route with a TOS through ours is a foreign user");
+            assert!(tos.contains("192.168.8.0/24"), "{tos}");
             let group = inv
                 .foreign_user(&ObjectId::Nexthop {
                     id: nh_id(2, Family::V4),

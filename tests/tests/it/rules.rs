@@ -110,6 +110,64 @@ fn a_foreign_route_at_a_remote_pod_cidr_is_reported_and_never_replaced() {
     });
 }
 
+/// The routes at exactly `dst`, as `ip route` prints them.
+fn routes_at(dst: &str) -> Vec<String> {
+    let out = ip(&["route", "show", "exact", dst]);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim().to_owned())
+        .collect()
+}
+
+/// Routes of other types in our table are someone else's too. A blackhole at a remote pod CIDR
+/// is reported by name and left alone, never replaced; one prepended before ours at the same
+/// destination and metric is never taken by a replace of ours (an IPv4 replace takes the first
+/// route it finds there): when that node moves, its route is reported and goes from under the
+/// blackhole, which stays.
+#[test]
+fn a_blackhole_in_our_table_is_someone_elses() {
+    require_sandbox!("a_blackhole_in_our_table_is_someone_elses");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let mut nodes = cluster(3);
+        ip(&["route", "add", "blackhole", "10.100.2.0/24"]);
+        env.write_nodes(&nodes);
+        // Routes with their gateway inline: a readdress replaces the route itself.
+        let inline = ["--route-nexthops", "false"];
+        let (code, report, err) = env.once(&inline);
+        assert_eq!(code, 0, "{err}");
+        let errors = errors_of(&report);
+        assert!(
+            errors
+                .iter()
+                .any(|(n, e)| n == "node-0002" && e.contains("blackhole 10.100.2.0/24")),
+            "{errors:?}"
+        );
+        assert_eq!(routes_at("10.100.2.0/24"), ["blackhole 10.100.2.0/24"]);
+        let ours = routes_at("10.100.3.0/24");
+        assert!(
+            matches!(&ours[..], [r] if r.contains("via 10.88.1.4") && r.contains("proto 201")),
+            "{ours:?}"
+        );
+
+        ip(&["route", "prepend", "blackhole", "10.100.3.0/24"]);
+        nodes[2].ips[0] = "10.88.1.40".into();
+        env.write_nodes(&nodes);
+        let (_, report, _) = env.once(&inline);
+        let errors = errors_of(&report);
+        assert!(
+            errors
+                .iter()
+                .any(|(n, e)| n == "node-0003" && e.contains("blackhole 10.100.3.0/24")),
+            "{errors:?}"
+        );
+        let at = routes_at("10.100.3.0/24");
+        assert!(at.contains(&"blackhole 10.100.3.0/24".to_owned()), "{at:?}");
+        assert!(!at.iter().any(|r| r.contains("10.88.1.40")), "{at:?}");
+        assert_eq!(routes_at("10.100.2.0/24"), ["blackhole 10.100.2.0/24"]);
+    });
+}
+
 #[test]
 fn a_malformed_node_keeps_its_objects_across_a_restart() {
     require_sandbox!("a_malformed_node_keeps_its_objects_across_a_restart");
