@@ -16,7 +16,7 @@ use state::inventory::Inventory;
 use state::objects::Op;
 use state::rotation::FileKey;
 
-use crate::backends::{DumpError, OpError};
+use crate::backends::{DumpError, OpError, RoutesSinceDump};
 
 /// What the reconciler needs from the kernel.
 pub trait Kernel {
@@ -63,11 +63,10 @@ pub trait Kernel {
     /// off.
     fn route_nexthops(&self) -> bool;
 
-    /// Whether no one else has changed a route in our table at any of `at` since the last
-    /// dump, as far as the kernel's announcements tell (`false` whenever that is not known):
-    /// then the routes the last reconcile left as ours there are still ours, and a plan may
-    /// replace them without a dump.
-    fn routes_untouched_since_dump(&mut self, at: &[IpNet]) -> bool;
+    /// Whether anyone else changed a route in our table at any of `at` since the last dump
+    /// began, as far as the kernel's announcements tell: while no one did, the routes the
+    /// last view holds as ours there are still ours, and a plan may replace them.
+    fn routes_since_dump(&mut self, at: &[IpNet]) -> RoutesSinceDump;
 
     /// Attaches the pod classifier to pod interfaces that appeared since the datapath loaded;
     /// returns those that still do not exist.
@@ -133,8 +132,11 @@ pub mod fake {
         /// The capacities [`Kernel::grow_maps`] was asked for.
         pub grown: Vec<u32>,
         /// Destinations where someone else changed a route since the last dump (what a test
-        /// planted there): [`Kernel::routes_untouched_since_dump`] says so until the next dump.
+        /// planted there): [`Kernel::routes_since_dump`] says so until the next dump.
         pub routes_touched: Vec<IpNet>,
+        /// Destinations someone else changes a route at while each of the next dumps runs (one
+        /// list per dump, taken in turn): after the dump, they are touched.
+        pub touched_during_dumps: Vec<Vec<IpNet>>,
     }
 
     fn busy(what: &str) -> OpError {
@@ -195,6 +197,9 @@ pub mod fake {
         async fn dump(&mut self) -> Result<Inventory, DumpError> {
             self.dumps += 1;
             self.routes_touched.clear();
+            if !self.touched_during_dumps.is_empty() {
+                self.routes_touched = self.touched_during_dumps.remove(0);
+            }
             if self.faults.dumps > 0 {
                 self.faults.dumps -= 1;
                 return Err(DumpError::Kernel {
@@ -259,8 +264,11 @@ pub mod fake {
             self.nexthops
         }
 
-        fn routes_untouched_since_dump(&mut self, at: &[IpNet]) -> bool {
-            !at.iter().any(|dst| self.routes_touched.contains(dst))
+        fn routes_since_dump(&mut self, at: &[IpNet]) -> RoutesSinceDump {
+            match at.iter().any(|dst| self.routes_touched.contains(dst)) {
+                true => RoutesSinceDump::Touched,
+                false => RoutesSinceDump::Untouched,
+            }
         }
 
         fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {

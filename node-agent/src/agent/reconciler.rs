@@ -29,10 +29,15 @@ use super::drift::{Drift, Found};
 use super::intake::Intake;
 use super::kernel::Kernel;
 use super::{AgentError, report};
+use crate::backends::RoutesSinceDump;
 use crate::source::SourceEvent;
 use crate::source::live::{Changes, LiveState};
 use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::{KindLabel, OpLabels, StateLabel};
+
+/// Dumps a reconcile takes again when someone else keeps changing routes at destinations its
+/// plan would replace, before it gives up (and retries with backoff) rather than replace one.
+const MAX_REDUMPS: usize = 2;
 
 /// What one reconcile did.
 #[derive(Debug)]
@@ -458,27 +463,39 @@ impl<K: Kernel> Reconciler<K> {
             Some(plan) => plan,
             None => self.make_plan(&inventory, now, &config),
         };
-        if !dumped && !self.view_stands_for(&plan) {
-            self.expected = Some(inventory);
-            drop(plan);
-            (inventory, drift) = self.dump().await?;
-            dumped = true;
-            plan = self.make_plan(&inventory, now, &config);
-        }
-        if self.grow_maps_for(&plan, &inventory) {
+        let mut grown = false;
+        loop {
+            // Every plan is checked against the routes changed since its view was read, the
+            // plan made again after the maps grew included.
+            let mut redumps = 0;
+            while let Some(touched) = self.view_fails(&plan, dumped) {
+                if redumps == MAX_REDUMPS {
+                    return Err(AgentError::RoutesChanging(touched));
+                }
+                self.expected = Some(inventory);
+                drop(plan);
+                (inventory, drift) = self.dump().await?;
+                (dumped, redumps) = (true, redumps + 1);
+                plan = self.make_plan(&inventory, now, &config);
+            }
+            if grown || !self.grow_maps_for(&plan, &inventory) {
+                break;
+            }
+            grown = true;
             config = self.plan_config();
             // Only nodes held for want of room see the new capacity: without any, the plan
             // stands as it is, and a second full plan (on every cold start of a cluster past
             // 49,000 dual-stack nodes, which grows the maps) would only make it again.
-            if plan
+            if !plan
                 .errors
                 .iter()
                 .any(|e| matches!(e.problem, InputProblem::MapFull { .. }))
             {
-                // One plan at a time: at scale, two would be the reconcile's peak memory.
-                drop(plan);
-                plan = self.make_plan(&inventory, now, &config);
+                break;
             }
+            // One plan at a time: at scale, two would be the reconcile's peak memory.
+            drop(plan);
+            plan = self.make_plan(&inventory, now, &config);
         }
         self.confirmed_hold = None;
         if dumped && self.live.synced() {
@@ -634,11 +651,18 @@ impl<K: Kernel> Reconciler<K> {
         }
     }
 
-    /// Whether the last reconcile's view can stand in for a dump for `plan`: it replaces no
-    /// route, or no one else changed a route at any destination it replaces since the last dump.
-    fn view_stands_for(&mut self, plan: &Plan) -> bool {
+    /// Where the view `plan` was made from no longer holds for it, if it does not: a route it
+    /// replaces that someone else changed since the last dump began (a replace takes whatever
+    /// route is at its destination). A view from the last reconcile (`dumped` false) also
+    /// fails where that is not known; a fresh dump's stands then, as nothing says otherwise.
+    fn view_fails(&mut self, plan: &Plan, dumped: bool) -> Option<IpNet> {
         let replaced = replaced_routes(plan);
-        replaced.is_empty() || self.kernel.routes_untouched_since_dump(&replaced)
+        let first = *replaced.first()?;
+        match self.kernel.routes_since_dump(&replaced) {
+            RoutesSinceDump::Untouched => None,
+            RoutesSinceDump::Unknown if dumped => None,
+            RoutesSinceDump::Touched | RoutesSinceDump::Unknown => Some(first),
+        }
     }
 
     /// Grows the maps when `plan` would leave them more than three quarters full or could not
@@ -1512,6 +1536,47 @@ mod tests {
             "and reported: {:?}",
             out.plan.errors
         );
+    }
+
+    /// A fresh dump is checked too: a route someone else changed at a destination the plan
+    /// replaces while the dump was read means a dump again; if it keeps changing, nothing is
+    /// replaced and the reconcile fails (to be retried with backoff).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_route_changed_while_the_kernel_was_dumped_is_never_replaced_from_that_dump() {
+        let kernel = FakeKernel {
+            nexthops: true,
+            ..FakeKernel::default()
+        };
+        let mut rec = reconciler_with(config(), kernel, &[("a", 1), ("b", 2)]);
+        rec.reconcile().await.unwrap();
+        let dst: ipnet::IpNet = "10.1.1.0/24".parse().unwrap();
+        rec.kernel().touched_during_dumps = vec![vec![dst]];
+        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.11", "10.1.1.0/24")));
+        let out = rec.reconcile().await.unwrap();
+        assert_eq!(
+            rec.kernel().dumps,
+            3,
+            "dumped again once the first was in doubt"
+        );
+        assert!(
+            out.plan
+                .ops()
+                .iter()
+                .any(|op| matches!(op, Op::Replace(KernelObject::Route(r)) if r.dst == dst)),
+            "{:?}",
+            out.plan.ops()
+        );
+
+        rec.kernel().touched_during_dumps = vec![vec![dst]; 3];
+        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.21", "10.1.1.0/24")));
+        let applied = rec.kernel().applied.len();
+        let e = rec.reconcile().await.unwrap_err();
+        assert!(
+            matches!(e, AgentError::RoutesChanging(at) if at == dst),
+            "{e}"
+        );
+        assert_eq!(rec.kernel().dumps, 6, "one dump and two more, then no more");
+        assert_eq!(rec.kernel().applied.len(), applied, "nothing written");
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
+pub use users_watch::RoutesSinceDump;
 use users_watch::UsersWatch;
 
 use state::checkpoint::RecentRemovals;
@@ -504,10 +505,10 @@ impl Kernel for Backends {
         self.route_nexthops
     }
 
-    fn routes_untouched_since_dump(&mut self, at: &[IpNet]) -> bool {
+    fn routes_since_dump(&mut self, at: &[IpNet]) -> RoutesSinceDump {
         self.watch
             .as_mut()
-            .is_some_and(|w| w.untouched_since_dump(at))
+            .map_or(RoutesSinceDump::Unknown, |w| w.since_dump(at))
     }
 
     fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {

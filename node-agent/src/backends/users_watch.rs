@@ -14,7 +14,7 @@
 //! makes the next check read them again.
 //!
 //! The same announcements say where in our table anyone else changed a route since the last
-//! full dump ([`UsersWatch::untouched_since_dump`]): while no one did at a destination, a route
+//! full dump ([`UsersWatch::since_dump`]): while no one did at a destination, a route
 //! the agent's view holds as its own there is still its own, and the view may be trusted to
 //! replace it (a replace matches the destination in the table, whoever's route is there).
 //! Routes others change elsewhere, in other tables or at other destinations (a busy node's main
@@ -30,11 +30,24 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::IpNet;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
+/// What the announcements say about routes at some destinations since the last full dump began.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoutesSinceDump {
+    /// No one else changed a route in our table at any of them.
+    Untouched,
+    /// Someone else changed a route in our table at one of them: what the dump found there may
+    /// no longer be ours.
+    Touched,
+    /// Not known: no dump completed since announcements were last lost, or no watch.
+    Unknown,
+}
+
 /// `RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE`: the legacy group bits of the route announcements.
 const ROUTE_GROUPS: u32 = 0x40 | 0x400;
 /// `RTNLGRP_NEXTHOP`: too high for the legacy bits, joined as a membership.
 const NEXTHOP_GROUP: u32 = 32;
 const RTM_NEWROUTE: u16 = 24;
+const RTN_UNICAST: u8 = 1;
 const RTM_DELROUTE: u16 = 25;
 const RTM_NEWNEXTHOP: u16 = 104;
 const RTA_DST: u16 = 1;
@@ -114,13 +127,15 @@ impl UsersWatch {
         self.unchanged
     }
 
-    /// Whether no one else changed a route in our table at any of `at` since the last full
-    /// dump.
-    pub fn untouched_since_dump(&mut self, at: &[IpNet]) -> bool {
+    /// Whether someone else changed a route in our table at any of `at` since the last full
+    /// dump began, as far as the announcements tell.
+    pub fn since_dump(&mut self, at: &[IpNet]) -> RoutesSinceDump {
         self.drain();
-        self.touched_since_dump
-            .as_ref()
-            .is_some_and(|t| !at.iter().any(|dst| t.contains(dst)))
+        match &self.touched_since_dump {
+            None => RoutesSinceDump::Unknown,
+            Some(t) if at.iter().any(|dst| t.contains(dst)) => RoutesSinceDump::Touched,
+            Some(_) => RoutesSinceDump::Untouched,
+        }
     }
 
     fn drain(&mut self) {
@@ -224,7 +239,8 @@ fn route(rtmsg: &[u8], protocol: u8, table: u32) -> Announced {
         return Announced::Route { in_our_table: None };
     }
     let single_hop = attr(RTA_GATEWAY).is_some() || attr(RTA_NH_ID).is_some();
-    if rtmsg[5] == protocol && rtmsg[3] == 0 && single_hop {
+    // Our protocol, no TOS, unicast, one hop: the shape of ours, as the dump takes them.
+    if rtmsg[5] == protocol && rtmsg[3] == 0 && rtmsg[7] == RTN_UNICAST && single_hop {
         return Announced::Nothing;
     }
     // No RTA_DST is the default route of the family.

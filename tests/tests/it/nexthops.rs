@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use ipnet::IpNet;
 use node_agent::backends::nexthops::NexthopBackend;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
-use node_agent::backends::users_watch::UsersWatch;
+use node_agent::backends::users_watch::{RoutesSinceDump, UsersWatch};
 use node_agent::backends::{Backend, OpError, apply_nexthops, users_of};
 use node_agent_tests::{ip, ip_batch, require_sandbox, runtime, sandbox};
 use state::inventory::Inventory;
@@ -285,7 +285,7 @@ fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dum
         let theirs: IpNet = "10.1.2.0/24".parse().unwrap();
         let theirs6: IpNet = "fd00:2::/64".parse().unwrap();
         assert!(
-            !w.untouched_since_dump(&[ours]),
+            w.since_dump(&[ours]) == RoutesSinceDump::Unknown,
             "nothing is known before a dump"
         );
         w.dumping();
@@ -305,23 +305,29 @@ fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dum
             "route add 10.1.2.0/24 via 10.88.0.3 proto static",
             "route add fd00:2::/64 via fd00:88::3 proto static",
             "route add 10.1.3.0/24 proto 201 nexthop via 10.88.0.2 nexthop via 10.88.0.3",
+            "route add blackhole 10.1.4.0/24 proto 201",
         ] {
             let out = ip_line(line);
             assert!(out.status.success(), "{line}: {out:?}");
         }
         assert!(
-            w.untouched_since_dump(&[ours, ours6]),
+            w.since_dump(&[ours, ours6]) == RoutesSinceDump::Untouched,
             "ours, and another table's"
         );
-        assert!(!w.untouched_since_dump(&[ours, theirs]));
-        assert!(!w.untouched_since_dump(&[theirs6]));
+        assert!(w.since_dump(&[ours, theirs]) == RoutesSinceDump::Touched);
+        assert!(w.since_dump(&[theirs6]) == RoutesSinceDump::Touched);
+        let blackhole: IpNet = "10.1.4.0/24".parse().unwrap();
         assert!(
-            !w.untouched_since_dump(&[multipath]),
+            w.since_dump(&[blackhole]) == RoutesSinceDump::Touched,
+            "our protocol, but a blackhole"
+        );
+        assert!(
+            w.since_dump(&[multipath]) == RoutesSinceDump::Touched,
             "our protocol, two hops"
         );
         w.dumping();
         assert!(
-            w.untouched_since_dump(&[ours, theirs, theirs6, multipath]),
+            w.since_dump(&[ours, theirs, theirs6, multipath]) == RoutesSinceDump::Untouched,
             "a dump reads them"
         );
         assert!(
@@ -329,7 +335,10 @@ fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dum
                 .status
                 .success()
         );
-        assert!(!w.untouched_since_dump(&[theirs]), "a delete touches too");
+        assert!(
+            w.since_dump(&[theirs]) == RoutesSinceDump::Touched,
+            "a delete touches too"
+        );
         // More announcements than the socket holds between two looks: nothing is trusted.
         w.dumping();
         let lines: String = (0..20_000u32)
@@ -342,9 +351,12 @@ fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dum
             })
             .collect();
         ip_batch(&[], &lines);
-        assert!(!w.untouched_since_dump(&[ours]), "announcements were lost");
+        assert!(
+            w.since_dump(&[ours]) == RoutesSinceDump::Unknown,
+            "announcements were lost"
+        );
         w.dumping();
-        assert!(w.untouched_since_dump(&[ours]));
+        assert!(w.since_dump(&[ours]) == RoutesSinceDump::Untouched);
     });
 }
 
