@@ -87,11 +87,16 @@ pub fn take_confirmation(dir: &Path) -> Result<Option<String>, HoldFileError> {
             Err(e) => return Err(io_err("taking", &path)(e)),
         }
     }
-    let text = std::fs::read_to_string(&taken).map_err(io_err("reading", &taken))?;
+    let read = std::fs::read(&taken);
+    // Removed whatever it held: one that cannot be read, or is no text, is reported once and
+    // dropped (to be given again), never left to block every confirmation after it.
     if let Err(e) = std::fs::remove_file(&taken) {
-        // The ID was read: it counts. The file is read again next time, which is harmless.
+        // An ID read counts all the same; the file is read again next time, which is harmless.
         tracing::warn!("{}", io_err("removing", &taken)(e));
     }
+    let bytes = read.map_err(io_err("reading", &taken))?;
+    let text =
+        String::from_utf8(bytes).map_err(|_| HoldFileError::NoHoldId { path: path.clone() })?;
     let id = text.trim();
     if id.is_empty() {
         return Err(HoldFileError::NoHoldId { path });
@@ -228,5 +233,20 @@ mod tests {
         assert!(err.to_string().contains("names no hold"), "{err}");
         assert_eq!(take_confirmation(dir.path()).unwrap(), None);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    /// Bytes that are no text are reported once and dropped: the confirmation after them is
+    /// taken (left in place, they blocked every later one and were reported at every turn).
+    #[test]
+    fn a_confirmation_that_is_no_text_is_reported_once_and_blocks_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(CONFIRM_FILE), [0xff, 0xfe, b'\n']).unwrap();
+        let err = take_confirmation(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("names no hold"), "{err}");
+        write_confirmation(dir.path(), "abc123").unwrap();
+        assert_eq!(
+            take_confirmation(dir.path()).unwrap().as_deref(),
+            Some("abc123")
+        );
     }
 }
