@@ -79,13 +79,16 @@ impl KernelNexthops for Inventory {
 /// Node `id`'s nexthop of `family` toward `gateway`, at the one of its two IDs that `kernel`
 /// calls for:
 /// 1. the ID of a nexthop of ours that already has this gateway (the first ID if both do);
-/// 2. where ours has another gateway (the node was readdressed), the other ID if nothing is
-///    there and nothing foreign uses ours: the new nexthop is made there, the routes move to it
-///    and then the old one is deleted, instead of replacing the old one under its routes, which
-///    makes the kernel walk every IPv4 route (see "Scale" in `docs/design.md`); else ours,
-///    replaced in place;
-/// 3. with nothing of ours at either, the first ID (a foreign nexthop there keeps the routes
-///    from being written, and is reported, as at any identity of ours).
+/// 2. with nothing of ours at either, the first ID (a foreign nexthop there keeps the routes
+///    from being written, and is reported, as at any identity of ours);
+/// 3. where ours has another gateway (the node was readdressed), an ID with nothing there: the
+///    new nexthop is made there, the routes move to it and then the old one is deleted, instead
+///    of replacing the old one under its routes, which makes the kernel walk every IPv4 route
+///    (see "Scale" in `docs/design.md`). An old one a foreign route or group uses stays as it
+///    is (it is kept, and reported): replaced, it would send their traffic to the new gateway;
+/// 4. with no ID free, one of ours that nothing foreign uses, replaced in place;
+/// 5. failing that (a foreign nexthop at one ID, a foreign user of ours at the other), ours,
+///    replaced in place: the node's routes must follow it, and nothing else is left to them.
 pub fn nexthop_toward(
     kernel: &impl KernelNexthops,
     id: NodeId,
@@ -97,30 +100,33 @@ pub fn nexthop_toward(
         gateway,
         second,
     };
-    let first = kernel.ours(NexthopId::of_pair(id, family, false));
-    if first.is_some_and(|n| n.gateway == gateway) {
-        return at(false);
+    let ours = [false, true].map(|second| kernel.ours(NexthopId::of_pair(id, family, second)));
+    if let Some(second) = [false, true]
+        .into_iter()
+        .find(|&s| ours[usize::from(s)].is_some_and(|n| n.gateway == gateway))
+    {
+        return at(second);
     }
-    let second = kernel.ours(NexthopId::of_pair(id, family, true));
-    if second.is_some_and(|n| n.gateway == gateway) {
-        return at(true);
-    }
-    let Some(old) = first.or(second) else {
+    let Some(old) = ours[0].or(ours[1]) else {
         return at(false);
     };
     let view = kernel.inventory();
-    let other = ObjectId::Nexthop {
-        id: NexthopId::of_pair(id, family, !old.second),
+    let identity = |second| ObjectId::Nexthop {
+        id: NexthopId::of_pair(id, family, second),
     };
-    let free = !view.contains(&other) && view.foreign(&other).is_none();
-    let shared = view
-        .foreign_user(&ObjectId::Nexthop { id: old.id() })
-        .is_some();
-    at(if free && !shared {
-        !old.second
-    } else {
-        old.second
-    })
+    let free = |second| {
+        let i = identity(second);
+        !view.contains(&i) && view.foreign(&i).is_none()
+    };
+    let unshared = |second: bool| {
+        ours[usize::from(second)].is_some() && view.foreign_user(&identity(second)).is_none()
+    };
+    let second = [false, true]
+        .into_iter()
+        .find(|&s| free(s))
+        .or_else(|| [false, true].into_iter().find(|&s| unshared(s)))
+        .unwrap_or(old.second);
+    at(second)
 }
 
 /// Appends `node`'s routes to `out`, one per pod CIDR via the node's InternalIP of the CIDR's

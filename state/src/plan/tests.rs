@@ -1893,41 +1893,67 @@ fn readdressing_a_node_moves_its_routes_to_a_new_nexthop_at_its_other_id() {
     );
 }
 
-/// Where the other ID is not free (a foreign nexthop holds it) or a foreign route uses the
-/// node's nexthop (it would lose it), the nexthop is replaced in place, as before nexthops had
-/// pairs: slower at scale, but nothing foreign is touched and no route is left behind.
+/// Where the other ID is not free (a foreign nexthop holds it), the nexthop is replaced in
+/// place, as before nexthops had pairs: slower at scale, but nothing foreign is touched and no
+/// route is left behind.
 #[test]
 fn a_readdressed_nodes_nexthop_is_replaced_in_place_when_its_other_id_is_not_free() {
-    for foreign_at_other in [true, false] {
-        let mut k = Kernel::default();
-        let (_, p, _) = readdress_a(&mut k, |k| {
-            if foreign_at_other {
-                k.foreign.insert(
-                    ObjectId::Nexthop {
-                        id: NexthopId::of_pair(id(1), Family::V4, true),
-                    },
-                    "nexthop 201500001 proto static".into(),
-                );
-            } else {
-                let ours = ObjectId::Nexthop {
-                    id: nh_id(1, Family::V4),
-                };
-                k.used_by
-                    .insert(ours, "route 192.168.7.0/24 table 100 proto static".into());
-            }
-        });
-        assert_eq!(
-            ops_of(&p),
-            [
-                "delete map 10.0.0.1 -> node 1",
-                "create map 10.0.0.9 -> node 1",
-                "replace nexthop 201400001 via 10.0.0.9 node 1",
-            ],
-            "foreign at the other ID: {foreign_at_other}"
+    let mut k = Kernel::default();
+    let (_, p, _) = readdress_a(&mut k, |k| {
+        k.foreign.insert(
+            ObjectId::Nexthop {
+                id: NexthopId::of_pair(id(1), Family::V4, true),
+            },
+            "nexthop 201500001 proto static".into(),
         );
-        assert!(p.errors.is_empty(), "{:?}", p.errors);
-        assert!(k.has(&nh_route("10.1.1.0/24", 1)));
-    }
+    });
+    assert_eq!(
+        ops_of(&p),
+        [
+            "delete map 10.0.0.1 -> node 1",
+            "create map 10.0.0.9 -> node 1",
+            "replace nexthop 201400001 via 10.0.0.9 node 1",
+        ]
+    );
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    assert!(k.has(&nh_route("10.1.1.0/24", 1)));
+}
+
+/// A nexthop a foreign route uses is never changed under it: a readdressed node's routes move
+/// to a new nexthop at the other ID, and the old one stays as it is, kept and reported (a
+/// replace in place would send their traffic to the node's new address). The next readdress
+/// replaces the node's own nexthop, the one nothing foreign uses.
+#[test]
+fn a_nexthop_a_foreign_route_uses_is_never_changed_under_it() {
+    let mut k = Kernel::default();
+    let theirs = "route 192.168.7.0/24 table 100 proto static";
+    let (r, p, cp) = readdress_a(&mut k, |k| {
+        let ours = ObjectId::Nexthop {
+            id: nh_id(1, Family::V4),
+        };
+        k.used_by.insert(ours, theirs.into());
+    });
+    assert_eq!(
+        ops_of(&p),
+        [
+            "delete map 10.0.0.1 -> node 1",
+            "create map 10.0.0.9 -> node 1",
+            "create nexthop 201500001 via 10.0.0.9 node 1",
+            "replace route 10.1.1.0/24 nhid 201500001 metric 0",
+        ]
+    );
+    assert!(
+        matches!(&problems(&p)[..], [("a", InputProblem::InUse { user, .. })] if user == theirs),
+        "{:?}",
+        p.errors
+    );
+    let moved = node("a", &["10.0.0.7"], &["10.1.1.0/24"]);
+    let (p, _) = r.reconcile(Some(&cp), &[moved, b()], &mut k);
+    assert_eq!(
+        ops_of(&p)[2..],
+        ["replace nexthop 201500001 via 10.0.0.7 node 1"],
+        "the shared one stays at 10.0.0.1"
+    );
 }
 
 /// A crash between making the new nexthop and deleting the old leaves both: the one with the
