@@ -129,7 +129,8 @@ impl NexthopBackend {
         let mut found = self.batch.exchange(looks).await.into_iter();
         // Per op: the write to make, none (done already), or why not.
         let mut writes: Vec<Result<Option<NexthopMessage>, OpError>> = Vec::new();
-        for op in ops {
+        let mut flags: Vec<u16> = ops.iter().map(write_flags).collect();
+        for (i, op) in ops.iter().enumerate() {
             let nh = nexthop(op);
             let mut msg = match op {
                 Op::Delete(_) => Ok(NexthopMessage::del(nh.id().0)),
@@ -146,8 +147,14 @@ impl NexthopBackend {
                 let there = found.next().unwrap_or_else(unanswered);
                 msg = match (msg, still_ours(op, nh.id(), there, self.protocol)) {
                     (Err(e), _) | (_, Err(e)) => Err(e),
-                    (Ok(_), Ok(false)) => Ok(None),
-                    (Ok(m), Ok(true)) => Ok(m),
+                    (Ok(_), Ok(There::Gone)) if matches!(op, Op::Delete(_)) => Ok(None),
+                    (Ok(m), Ok(There::Gone)) => {
+                        // Gone since the dump: made anew, and exclusively, so that a nexthop
+                        // someone puts there meanwhile is never overwritten.
+                        flags[i] = NLM_F_CREATE | NLM_F_EXCL;
+                        Ok(m)
+                    }
+                    (Ok(m), Ok(There::Ours)) => Ok(m),
                 };
             }
             writes.push(msg);
@@ -155,8 +162,8 @@ impl NexthopBackend {
         let sent: Vec<bool> = writes.iter().map(|w| matches!(w, Ok(Some(_)))).collect();
         let requests: Vec<Request<NexthopMessage>> = writes
             .iter_mut()
-            .zip(ops)
-            .filter_map(|(w, op)| Some((w.as_mut().ok()?.take()?, write_flags(op))))
+            .zip(flags)
+            .filter_map(|(w, flags)| Some((w.as_mut().ok()?.take()?, flags)))
             .collect();
         let mut answers = self.batch.exchange(requests).await.into_iter();
         ops.iter()
@@ -174,19 +181,26 @@ impl NexthopBackend {
     }
 }
 
+/// What the read-back before a delete or replace found at the nexthop's ID.
+enum There {
+    /// Ours, still.
+    Ours,
+    /// Nothing: a delete is done already, a replace is a create.
+    Gone,
+}
+
 /// Whether the nexthop `op` deletes or replaces at `id` is still ours, from what is there now
 /// (the kernel deletes and replaces by ID alone: a nexthop someone else put there since the
-/// dump is never deleted or overwritten). `Ok(true)` to go ahead, `Ok(false)` when a delete
-/// finds it gone already.
+/// dump is never deleted or overwritten).
 fn still_ours(
     op: &Op,
     id: NexthopId,
     there: Result<Vec<NexthopMessage>, KernelError>,
     protocol: u8,
-) -> Result<bool, OpError> {
+) -> Result<There, OpError> {
     let what = || format!("{} {}", op.verb(), op.object());
     match there {
-        Ok(found) if found.iter().all(|m| m.protocol == protocol && !m.other) => Ok(true),
+        Ok(found) if found.iter().all(|m| m.protocol == protocol && !m.other) => Ok(There::Ours),
         Ok(found) => {
             let foreign = found.first().map_or_else(String::new, |m| describe(m, id));
             Err(OpError::Kernel {
@@ -197,7 +211,7 @@ fn still_ours(
                 source: io::Error::from_raw_os_error(libc::EPERM),
             })
         }
-        Err(e) if e.errno() == Some(libc::ENOENT) => Ok(!matches!(op, Op::Delete(_))),
+        Err(e) if e.errno() == Some(libc::ENOENT) => Ok(There::Gone),
         Err(e) => Err(e.into_op(what())),
     }
 }
