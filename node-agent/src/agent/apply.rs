@@ -10,9 +10,9 @@
 //! delete (the nexthops, [`state::objects::ObjectKind::deleted_last`]); they wait for the next
 //! reconcile if any route operation failed, since a route may still go through them.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
-use state::objects::{ObjectId, ObjectKind, Op};
+use state::objects::{NexthopId, ObjectId, ObjectKind, Op};
 use state::plan::Plan;
 
 use super::kernel::Kernel;
@@ -92,6 +92,7 @@ pub async fn apply_plan<'p, K: Kernel>(
         .into_iter()
         .partition(|(op, _)| op.object().kind() == ObjectKind::Nexthop);
     let written = run(kernel, with_nodes(nexthops)).await;
+    let written_ok = written_ids(&written);
     let missing: HashSet<ObjectId> = written
         .iter()
         .filter(|(_, _, r)| r.is_err())
@@ -106,6 +107,9 @@ pub async fn apply_plan<'p, K: Kernel>(
             .into_iter()
             .map(|(op, n)| (op, n, OpError::NexthopMissing)),
     );
+    // Routes through a nexthop this plan did not write go through one the view showed as
+    // ours: read back now, as someone may have put theirs at its ID since.
+    let rest = routed_through_ours(kernel, rest, &written_ok, &mut skipped).await;
     let ran = run(kernel, with_nodes(rest)).await;
     route_failed |= failed_route(&ran);
     hand_over(ran);
@@ -132,6 +136,65 @@ pub async fn apply_plan<'p, K: Kernel>(
             .map(|(op, node, e)| (op, Some(node), Err(e)))
             .collect(),
     );
+}
+
+/// The nexthops `written` wrote.
+fn written_ids(written: &Ran<'_>) -> HashSet<ObjectId> {
+    written
+        .iter()
+        .filter(|(_, _, r)| r.is_ok())
+        .map(|(op, _, _)| op.object().id())
+        .collect()
+}
+
+/// `ops` without the routes through a nexthop that is not in `written` and is not ours now
+/// (read back in one batch): those go to `skipped`, with what is there instead.
+async fn routed_through_ours<'p, K: Kernel>(
+    kernel: &mut K,
+    ops: Vec<(Op, &'p str)>,
+    written: &HashSet<ObjectId>,
+    skipped: &mut Vec<(Op, &'p str, OpError)>,
+) -> Vec<(Op, &'p str)> {
+    let through = |op: &Op| match op {
+        Op::Delete(_) => None,
+        _ => op.object().uses().filter(|u| !written.contains(u)),
+    };
+    let mut ids: Vec<NexthopId> = ops
+        .iter()
+        .filter_map(|(op, _)| match through(op)? {
+            ObjectId::Nexthop { id } => Some(id),
+            _ => None,
+        })
+        .collect();
+    if ids.is_empty() {
+        return ops;
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    let answers = kernel.nexthops_ours(&ids).await;
+    let not_ours: HashMap<ObjectId, OpError> = ids
+        .into_iter()
+        .zip(answers)
+        .filter_map(|(id, r)| Some((ObjectId::Nexthop { id }, r.err()?)))
+        .collect();
+    let mut kept = Vec::with_capacity(ops.len());
+    for (op, node) in ops {
+        match through(&op).and_then(|u| not_ours.get(&u)) {
+            Some(why) => {
+                // One answer per nexthop, and an error per route through it.
+                let why = match why {
+                    OpError::NexthopMissing => OpError::NexthopMissing,
+                    other => OpError::Kernel {
+                        what: other.to_string(),
+                        source: std::io::Error::from_raw_os_error(libc::EPERM),
+                    },
+                };
+                skipped.push((op, node, why));
+            }
+            None => kept.push((op, node)),
+        }
+    }
+    kept
 }
 
 fn with_nodes(ops: Vec<(Op, &str)>) -> Vec<(Op, Option<&str>)> {

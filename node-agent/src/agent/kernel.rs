@@ -13,7 +13,7 @@ use ipnet::IpNet;
 use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::inventory::Inventory;
-use state::objects::Op;
+use state::objects::{NexthopId, Op};
 use state::rotation::FileKey;
 
 use crate::backends::{DumpError, OpError, RoutesSinceDump};
@@ -27,6 +27,12 @@ pub trait Kernel {
 
     /// Applies `ops` in order; one result per op.
     fn apply(&mut self, ops: &[Op]) -> impl Future<Output = Vec<Result<(), OpError>>>;
+
+    /// Whether each of `ids` holds a nexthop of ours now (read back, not from the last view).
+    fn nexthops_ours(
+        &mut self,
+        ids: &[NexthopId],
+    ) -> impl Future<Output = Vec<Result<(), OpError>>>;
 
     /// Removes what the last dump found that can be no object of ours (a map entry with an
     /// undecodable key or ID 0); returns how many.
@@ -219,6 +225,19 @@ pub mod fake {
 
         async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
             ops.iter().map(|op| self.apply_one(op)).collect()
+        }
+
+        async fn nexthops_ours(&mut self, ids: &[NexthopId]) -> Vec<Result<(), OpError>> {
+            ids.iter()
+                .map(|&id| {
+                    let at = ObjectId::Nexthop { id };
+                    match (self.ours.contains_key(&at), self.foreign.get(&at)) {
+                        (true, _) => Ok(()),
+                        (false, Some(theirs)) => Err(busy(theirs)),
+                        (false, None) => Err(OpError::NexthopMissing),
+                    }
+                })
+                .collect()
         }
 
         async fn purge_junk(&mut self) -> Result<usize, OpError> {

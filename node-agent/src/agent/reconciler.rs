@@ -1579,6 +1579,41 @@ mod tests {
         assert_eq!(rec.kernel().applied.len(), applied, "nothing written");
     }
 
+    /// A route through a nexthop the plan did not write goes only through one that is ours
+    /// now: someone may have put theirs at its ID since the view was read, and the kernel
+    /// routes by ID alone.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_route_never_goes_through_a_nexthop_someone_took_since_the_view() {
+        let kernel = FakeKernel {
+            nexthops: true,
+            ..FakeKernel::default()
+        };
+        let mut rec = reconciler_with(config(), kernel, &[("a", 1), ("b", 2)]);
+        rec.reconcile().await.unwrap();
+        let taken = ObjectId::Nexthop {
+            id: state::objects::NexthopId(201_400_001),
+        };
+        assert!(rec.kernel().ours.remove(&taken).is_some());
+        rec.kernel()
+            .foreign
+            .insert(taken.clone(), "nexthop 201400001 proto static".into());
+        // a's pod CIDR moves: a new route through its nexthop, which the view holds as ours.
+        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.1", "10.1.9.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert_eq!(rec.kernel().dumps, 1, "planned from the last view");
+        assert!(
+            matches!(&out.failed[..], [f] if f.op.object().to_string().contains("10.1.9.0/24")
+                && f.result.as_ref().is_err_and(|e| e.to_string().contains("proto static"))),
+            "{:?}",
+            out.failed
+        );
+        let routed =
+            rec.kernel().ours.keys().any(
+                |k| matches!(k, ObjectId::Route { dst, .. } if dst.to_string() == "10.1.9.0/24"),
+            );
+        assert!(!routed, "no route through their nexthop");
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn an_event_plan_never_deletes_a_nexthop_a_route_came_to_use_since_the_last_dump() {
         let kernel = FakeKernel {

@@ -32,7 +32,7 @@ use users_watch::UsersWatch;
 use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::inventory::Inventory;
-use state::objects::{KernelObject, ObjectId, ObjectKind, Op};
+use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op};
 use state::rotation::FileKey;
 
 use std::sync::Arc;
@@ -419,6 +419,20 @@ impl Kernel for Backends {
     /// Consecutive ops of one kind go to their backend together, so backends can batch them,
     /// while the order across kinds is kept (the plan orders deletes before the upserts that
     /// might reuse an identity).
+    async fn nexthops_ours(&mut self, ids: &[NexthopId]) -> Vec<Result<(), OpError>> {
+        match &mut self.nexthops {
+            Some(n) => n.still_ours(ids).await,
+            None => ids
+                .iter()
+                .map(|_| {
+                    Err(OpError::Disabled {
+                        kind: ObjectKind::Nexthop,
+                    })
+                })
+                .collect(),
+        }
+    }
+
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
         let mut results = Vec::with_capacity(ops.len());
         for chunk in ops.chunk_by(|a, b| a.object().kind() == b.object().kind()) {

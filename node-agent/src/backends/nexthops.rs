@@ -181,6 +181,44 @@ impl NexthopBackend {
     }
 }
 
+impl NexthopBackend {
+    /// Whether each of `ids` holds a nexthop of ours now, read back in one batch: before routes
+    /// go through a nexthop this reconcile did not write, since someone may have put theirs at
+    /// its ID after the view was read (the kernel routes by ID alone).
+    pub async fn still_ours(&mut self, ids: &[NexthopId]) -> Vec<Result<(), OpError>> {
+        let looks = ids
+            .iter()
+            .map(|id| (NexthopMessage::get(id.0), 0))
+            .collect();
+        let found = self.batch.exchange(looks).await;
+        ids.iter()
+            .zip(found)
+            .map(|(id, there)| {
+                let what = || format!("routes through nexthop {}", id.0);
+                match there {
+                    Ok(found)
+                        if found
+                            .iter()
+                            .all(|m| m.protocol == self.protocol && !m.other) =>
+                    {
+                        Ok(())
+                    }
+                    Ok(found) => Err(OpError::Kernel {
+                        what: format!(
+                            "{}: {} is there now and is not ours; left alone",
+                            what(),
+                            found.first().map_or_else(String::new, |m| describe(m, *id))
+                        ),
+                        source: io::Error::from_raw_os_error(libc::EPERM),
+                    }),
+                    Err(e) if e.errno() == Some(libc::ENOENT) => Err(OpError::NexthopMissing),
+                    Err(e) => Err(e.into_op(what())),
+                }
+            })
+            .collect()
+    }
+}
+
 /// What the read-back before a delete or replace found at the nexthop's ID.
 enum There {
     /// Ours, still.

@@ -169,6 +169,21 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
                 "{user}"
             );
 
+            // Read back before routes go through them: ours, someone else's, nothing.
+            let now = n
+                .still_ours(&[
+                    nh_id(1, Family::V4),
+                    nh_id(3, Family::V4),
+                    nh_id(9, Family::V4),
+                ])
+                .await;
+            assert!(now[0].is_ok(), "{now:?}");
+            assert!(
+                matches!(&now[1], Err(e) if e.to_string().contains("not ours")),
+                "{now:?}"
+            );
+            assert!(matches!(now[2], Err(OpError::NexthopMissing)), "{now:?}");
+
             // An exclusive create never takes the foreign nexthop's ID, and a delete of one
             // of ours that someone replaced since the dump leaves theirs alone.
             let results = n.apply(&[Op::Create(nh(3, "10.88.0.7"))]).await;
