@@ -17,7 +17,7 @@ use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
 use aya::sys::SyscallError;
 use aya::util::KernelVersion;
 
-use super::DatapathError;
+use super::{DatapathError, tc_filter};
 
 /// Priority of our netlink tc filter (pre-TCX kernels). Fixed, so a restarted agent finds and
 /// replaces its predecessor's filter instead of stacking a second one.
@@ -40,6 +40,24 @@ pub enum AttachError {
     Unpin { path: PathBuf, source: io::Error },
     #[error("no such interface")]
     Missing,
+    /// Someone else's filter sits where ours goes (a kernel without tcx links): left alone.
+    #[error(
+        "{what} is at the classifier's place (priority {NETLINK_PRIORITY:#x}, handle \
+         {NETLINK_HANDLE}) and is not ours; left alone"
+    )]
+    Occupied { what: String },
+    #[error("reading the filters at the classifier's place: {0}")]
+    Read(#[source] io::Error),
+}
+
+/// The index of interface `iface`.
+fn if_index(iface: &str) -> Result<u32, AttachError> {
+    let name = std::ffi::CString::new(iface).map_err(|_| AttachError::Missing)?;
+    // SAFETY: if_nametoindex(3) reads a NUL-terminated string that outlives the call.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(AttachError::Missing),
+        index => Ok(index),
+    }
 }
 
 /// How the program ended up attached.
@@ -145,11 +163,25 @@ fn attach_netlink(
         Err(e) => return Err(e.into()),
     }
     let handle = TcHandle::from(NETLINK_HANDLE);
+    // A replace at our place replaces whatever filter is there: only ours is taken over.
+    let index = if_index(iface)?;
+    let parent = tc_filter::clsact_parent(matches!(dir, TcAttachType::Ingress));
+    let there = tc_filter::at(index, parent, NETLINK_PRIORITY, NETLINK_HANDLE)
+        .map_err(AttachError::Read)?;
+    if let Some(theirs) = there.as_ref().filter(|f| !f.is_ours()) {
+        return Err(AttachError::Occupied {
+            what: theirs.to_string(),
+        });
+    }
     let existing = SchedClassifierLink::attached(iface, dir, NETLINK_PRIORITY, handle, None)
         .map_err(tc::TcError::IoError)?;
-    let (id, outcome) = match prog.attach_to_link(existing) {
-        Ok(id) => (id, Attachment::TakenOver),
-        Err(_) => {
+    let taken = there
+        .is_some()
+        .then(|| prog.attach_to_link(existing))
+        .and_then(Result::ok);
+    let (id, outcome) = match taken {
+        Some(id) => (id, Attachment::TakenOver),
+        None => {
             let options = TcAttachOptions::Netlink(NlOptions {
                 priority: NETLINK_PRIORITY,
                 handle,

@@ -10,6 +10,7 @@ pub mod grow;
 pub mod log_forward;
 pub mod object;
 pub mod pins;
+pub mod tc_filter;
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};

@@ -560,6 +560,70 @@ fn restart_keeps_the_programs_attached_and_the_next_agent_takes_them_over() {
     });
 }
 
+/// Whether this kernel has tcx links (6.6): without them the classifier is a cls_bpf filter at
+/// a fixed place.
+fn has_tcx() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut parts = release.trim().split(['.', '-']);
+    let mut next = || {
+        parts
+            .next()
+            .and_then(|p| p.parse::<u32>().ok())
+            .unwrap_or(0)
+    };
+    (next(), next()) >= (6, 6)
+}
+
+/// Someone else's filter where ours goes is never replaced: on a kernel without tcx links
+/// (where ours is a cls_bpf filter at a fixed priority and handle, taken over by a replace at
+/// that place) the agent says whose filter is there and attaches nothing; with tcx links ours
+/// goes in beside it. Either way theirs stays.
+#[test]
+fn a_foreign_filter_at_the_classifiers_place_is_never_replaced() {
+    require_sandbox!("a_foreign_filter_at_the_classifiers_place_is_never_replaced");
+    sandbox(|sb| {
+        VethPair::create();
+        let tc = |args: &[&str]| run(Command::new("tc").args(args));
+        tc(&["qdisc", "add", "dev", "va", "clsact"]);
+        // A classic BPF filter of someone else's at our priority (0x4e41) and handle.
+        tc(&[
+            "filter",
+            "add",
+            "dev",
+            "va",
+            "ingress",
+            "pref",
+            "20033",
+            "handle",
+            "1",
+            "bpf",
+            "bytecode",
+            "1,6 0 0 4294967295,",
+            "classid",
+            "1:1",
+        ]);
+        let theirs = || {
+            let out = tc(&["filter", "show", "dev", "va", "ingress"]);
+            String::from_utf8_lossy(&out.stdout).contains("bytecode '1,6 0 0 4294967295'")
+        };
+        let mut config = DatapathConfig::new(&sb.bpffs);
+        config.ifaces = vec!["va".into()];
+        let loaded = Datapath::load(&config);
+        if has_tcx() {
+            let d = loaded.unwrap_or_else(|e| panic!("beside theirs: {e}"));
+            assert!(
+                d.attachments()
+                    .iter()
+                    .all(|(_, _, a)| *a == Attachment::Created)
+            );
+        } else {
+            let e = loaded.err().expect("theirs is not taken over").to_string();
+            assert!(e.contains("not ours") && e.contains("bpf filter"), "{e}");
+        }
+        assert!(theirs(), "their filter stays");
+    });
+}
+
 #[test]
 fn independent_loader_accepts_the_object_and_its_maps_carry_btf() {
     require_sandbox!("independent_loader_accepts_the_object_and_its_maps_carry_btf");
