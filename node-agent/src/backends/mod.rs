@@ -211,6 +211,7 @@ impl Backends {
                 state.book = backend.book();
                 if !dry_run {
                     backend.probe_esp().await?;
+                    backend.probe_policy_marks().await?;
                 }
                 (Some(backend), Some(state))
             }

@@ -335,6 +335,16 @@ fn foreign_policies_are_never_listed_nor_touched() {
                 foreign,
                 "a foreign policy was touched"
             );
+            // This kernel matches marks exactly (the deletes above just showed it), and the
+            // start-up probe that asks says so and leaves nothing behind.
+            b.probe_policy_marks()
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                ip_text(&["xfrm", "policy"]),
+                foreign,
+                "the probe's policy stayed"
+            );
         })
     });
 }

@@ -151,7 +151,7 @@ pub fn del_policy_message(m: &policy::ModifyMessage) -> XfrmMessage {
     })
 }
 
-fn set_selector(info: &mut UserPolicyInfo, src: IpNet, dst: IpNet) {
+pub fn set_selector(info: &mut UserPolicyInfo, src: IpNet, dst: IpNet) {
     info.selector.saddr = Address::from_ip(&src.network());
     info.selector.prefixlen_s = src.prefix_len();
     info.selector.daddr = Address::from_ip(&dst.network());

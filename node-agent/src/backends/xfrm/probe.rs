@@ -1,20 +1,28 @@
-//! Whether this kernel can create the ESP states IPsec needs, found out by creating one.
+//! Whether this kernel can create the ESP states IPsec needs, found out by creating one, and
+//! whether it tells policies apart by their marks exactly, found out by trying to delete one.
 //!
 //! Kernels built without ESP (`CONFIG_INET_ESP`) accept policies but never a state, so IPsec
 //! could never encrypt anything there: [`XfrmBackend::probe_esp`] tells at start-up, and the
 //! agent refuses to start rather than run without the encryption the operator asked for.
+//!
+//! Kernels before Linux 5.10 (without that release's fix backported) match the mark of a
+//! policy delete or update loosely, `(mark & policy's mask) == policy's value`, so a delete of
+//! one of ours at a selector also matches someone else's unmarked policy there, and deletes it.
+//! [`XfrmBackend::probe_policy_marks`] tries exactly that on a throwaway policy of its own, and
+//! the agent refuses IPsec where it happens rather than risk anyone else's policies.
 
 use std::net::{IpAddr, Ipv4Addr};
 
 use netlink_packet_core::NLM_F_ACK;
 
 use netlink_packet_xfrm::{
-    Alg, IPPROTO_ESP, Mark, UserSaInfo, XFRM_MODE_TUNNEL, XfrmAttrs, XfrmMessage, state as sa,
+    Alg, IPPROTO_ESP, Mark, UserPolicyInfo, UserSaInfo, XFRM_MODE_TUNNEL, XFRM_POLICY_ALLOW,
+    XFRM_POLICY_OUT, XfrmAttrs, XfrmMessage, policy, state as sa,
 };
 
 use super::XfrmBackend;
 use super::keys::RFC4106_GCM_AES;
-use super::message::{REQID, aead, name, sa_id};
+use super::message::{REQID, aead, del_policy_message, name, sa_id, set_selector};
 use crate::backends::netlink::KernelError;
 use crate::backends::request::request;
 
@@ -43,6 +51,16 @@ pub enum ProbeError {
     },
     #[error("probing ESP support: {0}")]
     Kernel(KernelError),
+    /// A delete with our mark removed a policy without one: a cleanup of ours could remove
+    /// someone else's policies.
+    #[error(
+        "this kernel matches xfrm policy marks loosely (Linux before 5.10, without its fix): a \
+         delete of one of our policies would also delete someone else's unmarked policy at the \
+         same selector, so IPsec is refused"
+    )]
+    LooseMarks,
+    #[error("probing how xfrm policy marks are matched: {0}")]
+    Marks(KernelError),
 }
 
 impl XfrmBackend {
@@ -80,6 +98,46 @@ impl XfrmBackend {
         }
     }
 
+    /// Whether a policy delete carrying our mark leaves an unmarked policy at its selector
+    /// alone: adds an unmarked throwaway policy, deletes with a mark, then removes it.
+    pub async fn probe_policy_marks(&self) -> Result<(), ProbeError> {
+        let mut info = UserPolicyInfo::default();
+        set_selector(
+            &mut info,
+            IpAddr::V4(PROBE_SRC).into(),
+            IpAddr::V4(PROBE_DST).into(),
+        );
+        info.direction = XFRM_POLICY_OUT;
+        info.action = XFRM_POLICY_ALLOW;
+        let unmarked = policy::ModifyMessage {
+            user_policy_info: info,
+            nlas: Vec::new(),
+        };
+        let marked = policy::ModifyMessage {
+            user_policy_info: info,
+            nlas: vec![XfrmAttrs::Mark(PROBE_MARK)],
+        };
+        let add = XfrmMessage::AddPolicy(unmarked.clone());
+        let mut added = request(&self.handle, add.clone(), NLM_F_ACK).await;
+        if matches!(&added, Err(e) if e.errno() == Some(libc::EEXIST)) {
+            // Left over by a probe that died half-way: remove it and try again.
+            let _ = request(&self.handle, del_policy_message(&unmarked), NLM_F_ACK).await;
+            added = request(&self.handle, add, NLM_F_ACK).await;
+        }
+        added.map_err(ProbeError::Marks)?;
+        let verdict = marks_verdict(
+            request(&self.handle, del_policy_message(&marked), NLM_F_ACK)
+                .await
+                .map(drop),
+        );
+        if verdict.is_ok() {
+            request(&self.handle, del_policy_message(&unmarked), NLM_F_ACK)
+                .await
+                .map_err(ProbeError::Marks)?;
+        }
+        verdict
+    }
+
     async fn probe_with(&self, alg: XfrmAttrs) -> Result<(), KernelError> {
         let mut info = UserSaInfo::default();
         info.source(&IpAddr::V4(PROBE_SRC));
@@ -107,5 +165,32 @@ impl XfrmBackend {
         }
         result?;
         request(&self.handle, del(), NLM_F_ACK).await.map(drop)
+    }
+}
+
+/// What a delete carrying our mark did to the unmarked probe policy: not found is exact
+/// matching; deleted is loose.
+fn marks_verdict(deleted: Result<(), KernelError>) -> Result<(), ProbeError> {
+    match deleted {
+        Err(e) if e.errno() == Some(libc::ENOENT) => Ok(()),
+        Ok(()) => Err(ProbeError::LooseMarks),
+        Err(e) => Err(ProbeError::Marks(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_marked_delete_that_finds_no_unmarked_policy_is_exact_and_one_that_deletes_it_is_not() {
+        let enoent = KernelError {
+            source: std::io::Error::from_raw_os_error(libc::ENOENT),
+            message: None,
+        };
+        assert!(matches!(marks_verdict(Err(enoent)), Ok(())));
+        assert!(matches!(marks_verdict(Ok(())), Err(ProbeError::LooseMarks)));
+        let e = marks_verdict(Ok(())).unwrap_err().to_string();
+        assert!(e.contains("IPsec is refused"), "{e}");
     }
 }
