@@ -1245,60 +1245,50 @@ fn restarted(r: &mut Run, cp: &Checkpoint) -> Checkpoint {
     cp
 }
 
-/// A restart never releases a hold (invariant 16): the record keeps which removals were held,
-/// since when and whether as a wipe, so nodes that joined while the hold lasted dilute nothing
-/// after it. Without that, 9 held of 20 known (45%) went through at the first plan.
-#[test]
-fn a_restart_keeps_every_hold_however_the_ratio_looks_after_it() {
+/// Ten nodes converged, all but `kept` of them gone (held, as `kind`), ten newcomers joined
+/// while the same process held them, then a restart: the run, its kernel, the record as read
+/// back, and the live nodes.
+fn held_diluted_restarted(kept: usize, kind: HoldKind) -> (Run, Kernel, Checkpoint, Vec<Node>) {
     let mut r = Run::new();
     r.cfg.confirm_by_relist = true;
     let mut k = Kernel::default();
     let ten = numbered("n", 1, 10);
     let (_, cp) = r.reconcile(None, &ten, &mut k);
-    // Nine of ten go: a near-total wipe, held.
-    let (p, cp) = r.reconcile(Some(&cp), &ten[..1], &mut k);
-    assert_eq!(p.brake.as_ref().map(|h| h.kind), Some(HoldKind::Wipe));
-    // Ten newcomers join while the same process holds it.
+    let (p, cp) = r.reconcile(Some(&cp), &ten[..kept], &mut k);
+    assert_eq!(p.brake.as_ref().map(|h| h.kind), Some(kind));
     r.brake = p.brake_memory.clone();
-    let live: Vec<Node> = ten[..1]
+    let live: Vec<Node> = ten[..kept]
         .iter()
         .cloned()
         .chain(numbered("new", 2, 10))
         .collect();
     let (p, cp) = r.reconcile(Some(&cp), &live, &mut k);
-    assert_eq!(p.brake.as_ref().map(|h| h.nodes.len()), Some(9));
-    assert_eq!(
-        p.checkpoint
-            .pending_deletes
-            .iter()
-            .filter(|p| p.held.is_some())
-            .count(),
-        9
-    );
-    // A restart an hour later, and a fresh list: still a wipe, for an operator only.
+    let held = p
+        .checkpoint
+        .pending_deletes
+        .iter()
+        .filter(|p| p.held.is_some());
+    assert_eq!(held.count(), 10 - kept, "the record keeps the holds");
     let cp = restarted(&mut r, &cp);
+    (r, k, cp, live)
+}
+
+/// A restart never releases a hold (invariant 16): the record keeps which removals were held,
+/// since when and whether as a wipe, so nodes that joined while the hold lasted dilute nothing
+/// after it. Without that, 9 held of 20 known (45%) went through at the first plan.
+#[test]
+fn a_restart_keeps_every_hold_however_the_ratio_looks_after_it() {
+    // A wipe, an hour after the restart and with a fresh list: for an operator only.
+    let (mut r, k, cp, live) = held_diluted_restarted(1, HoldKind::Wipe);
     r.now += Duration::from_secs(3600);
     let p = r.plan(Some(&cp), &live, &k);
     let hold = p.brake.as_ref().expect("held after the restart");
     assert_eq!((hold.kind, hold.nodes.len()), (HoldKind::Wipe, 9));
     assert!(p.deletes.is_empty());
 
-    // A hold over the ratio only stays one across a restart: a fresh list after the confirm
-    // delay releases it, as it would have without the restart.
-    let mut r = Run::new();
-    r.cfg.confirm_by_relist = true;
-    let mut k = Kernel::default();
-    let (_, cp) = r.reconcile(None, &ten, &mut k);
-    let (p, cp) = r.reconcile(Some(&cp), &ten[..4], &mut k);
-    assert_eq!(p.brake.as_ref().map(|h| h.kind), Some(HoldKind::Ratio));
-    r.brake = p.brake_memory.clone();
-    let live: Vec<Node> = ten[..4]
-        .iter()
-        .cloned()
-        .chain(numbered("new", 2, 10))
-        .collect();
-    let (_, cp) = r.reconcile(Some(&cp), &live, &mut k);
-    let cp = restarted(&mut r, &cp);
+    // A hold over the ratio only stays one: a fresh list after the confirm delay releases it,
+    // as it would have without the restart.
+    let (mut r, k, cp, live) = held_diluted_restarted(4, HoldKind::Ratio);
     let p = r.plan(Some(&cp), &live, &k);
     assert_eq!(
         p.brake.as_ref().map(|h| h.nodes.len()),
