@@ -12,7 +12,8 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use state::objects::{NexthopId, ObjectId, ObjectKind, Op};
+use ipnet::IpNet;
+use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op};
 use state::plan::Plan;
 
 use super::kernel::Kernel;
@@ -53,9 +54,12 @@ fn failed_route(ran: &Ran<'_>) -> bool {
 /// Applies every operation of `plan`, handing each to `each` with its node and result as soon
 /// as its phase is over, phase by phase in the order they ran, then the operations that were
 /// not tried (with why). Nothing holds the whole plan's operations and results at once.
+/// Replaces of routes at `contested` destinations are not tried (someone else keeps changing a
+/// route there): they count as failed route operations.
 pub async fn apply_plan<'p, K: Kernel>(
     kernel: &mut K,
     plan: &'p Plan,
+    contested: &[IpNet],
     mut each: impl FnMut(Op, Option<&'p str>, Result<(), OpError>),
 ) {
     let mut hand_over = |ran: Ran<'p>| {
@@ -71,6 +75,17 @@ pub async fn apply_plan<'p, K: Kernel>(
         kind.is_datapath_entry() || kind == ObjectKind::XfrmGuard
     });
     let mut skipped = Vec::new();
+    let (taken, rest): (Vec<_>, Vec<_>) = rest.into_iter().partition(|(op, _)| match op {
+        Op::Replace(KernelObject::Route(r)) => contested.contains(&r.dst),
+        _ => false,
+    });
+    skipped.extend(taken.into_iter().map(|(op, n)| {
+        let dst = match op.object() {
+            KernelObject::Route(r) => r.dst,
+            _ => unreachable!("only route replaces are contested"),
+        };
+        (op, n, OpError::RouteContested(dst))
+    }));
     let entered = run(kernel, with_nodes(entries)).await;
     let unmapped: BTreeSet<&str> = entered
         .iter()
@@ -218,7 +233,7 @@ mod tests {
     /// Every result of `apply_plan`, in the order it handed them over.
     async fn applied(k: &mut FakeKernel, p: &Plan) -> Vec<OpResult> {
         let mut out = Vec::new();
-        apply_plan(k, p, |op, node, result| {
+        apply_plan(k, p, &[], |op, node, result| {
             out.push(OpResult {
                 op,
                 node: node.map(str::to_owned),

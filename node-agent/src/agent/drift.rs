@@ -48,6 +48,12 @@ impl Drift {
         self.found.is_empty()
     }
 
+    /// This drift and that of a later dump against this one's: what a dump taken again within
+    /// one reconcile found changed since, on top of what the first found.
+    pub fn merge(&mut self, later: Drift) {
+        self.found.extend(later.found);
+    }
+
     /// What was found at `id`, if it had drifted.
     pub fn at(&self, id: &ObjectId) -> Option<&Found> {
         self.found.get(id)

@@ -56,13 +56,6 @@ pub enum AgentError {
     SourceUnusable(String),
     #[error("installing the signal handlers: {0}")]
     Signal(#[source] std::io::Error),
-    /// A plan would replace a route where someone else keeps changing routes (in our table,
-    /// since each dump began): replacing would take theirs.
-    #[error(
-        "someone else changed the route at {0} in our table while each of the last dumps was read; \
-         nothing there is replaced until a dump sees it settled"
-    )]
-    RoutesChanging(ipnet::IpNet),
 }
 
 impl From<StoreError> for AgentError {

@@ -36,7 +36,8 @@ use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::{KindLabel, OpLabels, StateLabel};
 
 /// Dumps a reconcile takes again when someone else keeps changing routes at destinations its
-/// plan would replace, before it gives up (and retries with backoff) rather than replace one.
+/// plan would replace; then the rest of the plan goes ahead, and those replaces wait for the
+/// retry (with backoff).
 const MAX_REDUMPS: usize = 2;
 
 /// What one reconcile did.
@@ -464,17 +465,24 @@ impl<K: Kernel> Reconciler<K> {
             None => self.make_plan(&inventory, now, &config),
         };
         let mut grown = false;
+        let mut contested;
         loop {
             // Every plan is checked against the routes changed since its view was read, the
-            // plan made again after the maps grew included.
+            // plan made again after the maps grew included. Where someone keeps changing one,
+            // the rest of the plan goes ahead without replacing it.
             let mut redumps = 0;
-            while let Some(touched) = self.view_fails(&plan, dumped) {
-                if redumps == MAX_REDUMPS {
-                    return Err(AgentError::RoutesChanging(touched));
+            loop {
+                contested = self.contested(&plan, dumped);
+                if contested.is_empty() || redumps == MAX_REDUMPS {
+                    break;
                 }
+                // The next dump is compared with this view: with a dump's, what changed since
+                // is added to what that dump found.
                 self.expected = Some(inventory);
                 drop(plan);
-                (inventory, drift) = self.dump().await?;
+                let later;
+                (inventory, later) = self.dump().await?;
+                drift.merge(later);
                 (dumped, redumps) = (true, redumps + 1);
                 plan = self.make_plan(&inventory, now, &config);
             }
@@ -517,7 +525,7 @@ impl<K: Kernel> Reconciler<K> {
         let telemetry = &self.telemetry;
         let mut writes = 0;
         let mut failed = Vec::new();
-        apply_plan(&mut self.kernel, &plan, |op, node, result| {
+        apply_plan(&mut self.kernel, &plan, &contested, |op, node, result| {
             telemetry
                 .metrics
                 .operations
@@ -651,17 +659,27 @@ impl<K: Kernel> Reconciler<K> {
         }
     }
 
-    /// Where the view `plan` was made from no longer holds for it, if it does not: a route it
-    /// replaces that someone else changed since the last dump began (a replace takes whatever
-    /// route is at its destination). A view from the last reconcile (`dumped` false) also
-    /// fails where that is not known; a fresh dump's stands then, as nothing says otherwise.
-    fn view_fails(&mut self, plan: &Plan, dumped: bool) -> Option<IpNet> {
+    /// The destinations of the routes `plan` replaces where the view it was made from no
+    /// longer holds: someone else changed a route there since the last dump began (a replace
+    /// takes whatever route is at its destination). A view from the last reconcile (`dumped`
+    /// false) holds nowhere where that is not known; a fresh dump's holds then, as nothing
+    /// says otherwise.
+    fn contested(&mut self, plan: &Plan, dumped: bool) -> Vec<IpNet> {
         let replaced = replaced_routes(plan);
-        let first = *replaced.first()?;
+        if replaced.is_empty() {
+            return replaced;
+        }
         match self.kernel.routes_since_dump(&replaced) {
-            RoutesSinceDump::Untouched => None,
-            RoutesSinceDump::Unknown if dumped => None,
-            RoutesSinceDump::Touched | RoutesSinceDump::Unknown => Some(first),
+            RoutesSinceDump::Untouched => Vec::new(),
+            RoutesSinceDump::Unknown if dumped => Vec::new(),
+            RoutesSinceDump::Unknown => replaced,
+            RoutesSinceDump::Touched => replaced
+                .into_iter()
+                .filter(|d| {
+                    self.kernel.routes_since_dump(std::slice::from_ref(d))
+                        == RoutesSinceDump::Touched
+                })
+                .collect(),
         }
     }
 
@@ -1539,8 +1557,8 @@ mod tests {
     }
 
     /// A fresh dump is checked too: a route someone else changed at a destination the plan
-    /// replaces while the dump was read means a dump again; if it keeps changing, nothing is
-    /// replaced and the reconcile fails (to be retried with backoff).
+    /// replaces while the dump was read means a dump again; if it keeps changing, that route
+    /// is not replaced (a failed operation, retried with backoff), and the rest goes ahead.
     #[tokio::test(flavor = "current_thread")]
     async fn a_route_changed_while_the_kernel_was_dumped_is_never_replaced_from_that_dump() {
         let kernel = FakeKernel {
@@ -1569,14 +1587,28 @@ mod tests {
 
         rec.kernel().touched_during_dumps = vec![vec![dst]; 3];
         rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.21", "10.1.1.0/24")));
-        let applied = rec.kernel().applied.len();
-        let e = rec.reconcile().await.unwrap_err();
-        assert!(
-            matches!(e, AgentError::RoutesChanging(at) if at == dst),
-            "{e}"
-        );
+        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.3", "10.1.3.0/24")));
+        let before = rec.kernel().applied.len();
+        let out = rec.reconcile().await.unwrap();
         assert_eq!(rec.kernel().dumps, 6, "one dump and two more, then no more");
-        assert_eq!(rec.kernel().applied.len(), applied, "nothing written");
+        let contested = out
+            .failed
+            .iter()
+            .filter(|f| matches!(f.result, Err(crate::backends::OpError::RouteContested(at)) if at == dst))
+            .count();
+        assert_eq!(contested, 1, "{:?}", out.failed);
+        assert!(
+            !rec.kernel().applied[before..].iter().any(
+                |op| matches!(op, Op::Replace(KernelObject::Route(r)) if r.dst == dst)
+                    || matches!(op, Op::Delete(KernelObject::Nexthop(_)))
+            ),
+            "neither the route nor the nexthop it may still use is touched"
+        );
+        let routed =
+            rec.kernel().ours.keys().any(
+                |k| matches!(k, ObjectId::Route { dst, .. } if dst.to_string() == "10.1.3.0/24"),
+            );
+        assert!(routed, "the rest of the plan went ahead");
     }
 
     /// A route through a nexthop the plan did not write goes only through one that is ours

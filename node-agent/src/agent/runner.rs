@@ -418,14 +418,14 @@ impl<K: Kernel> Daemon<K> {
         let plan = result.as_ref().ok().map(|o| &o.plan);
         let hold = plan.and_then(|p| p.brake.as_ref());
         self.telemetry.set_brake(hold.map(ToString::to_string));
-        // When a fresh list may confirm the hold, on this process's clock.
-        let confirmable = hold
-            .and_then(|h| h.confirmable_at)
-            .map(|at| now + at.saturating_sub(wall_clock()));
+        // When a fresh list may confirm the hold, on this process's clock (a time no clock
+        // reaches, which only a checkpoint could carry, is never).
+        let on_this_clock = |at: Duration| now.checked_add(at.saturating_sub(wall_clock()));
+        let confirmable = hold.and_then(|h| h.confirmable_at).and_then(on_this_clock);
         self.schedule.reconciled(now, outcome, changed, confirmable);
         let rotation = self.rec.next_rotation_change();
         self.schedule
-            .rotation_moves_at(rotation.map(|at| now + at.saturating_sub(wall_clock())));
+            .rotation_moves_at(rotation.and_then(on_this_clock));
         if let Some(plan) = plan {
             self.publish_hold(plan);
         }

@@ -80,6 +80,13 @@ pub enum OpError {
     /// Not attempted: the node's map entry could not be written (invariant 17).
     #[error("not attempted: the node's map entry could not be written")]
     Skipped,
+    /// Not attempted: someone else kept changing routes at this route's destination while
+    /// the reconcile's dumps were read, and a replace would take theirs.
+    #[error(
+        "not attempted: someone else changed the route at {0} in our table while each of this \
+         reconcile's dumps was read; it is replaced once a dump sees it settled"
+    )]
+    RouteContested(ipnet::IpNet),
     /// Not attempted: the route's nexthop could not be written.
     #[error("not attempted: the node's nexthop could not be written")]
     NexthopMissing,

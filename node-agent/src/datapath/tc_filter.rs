@@ -68,6 +68,8 @@ pub fn at(index: u32, parent: TcHandle, priority: u16, handle: u32) -> io::Resul
     msg.header = TcHeader {
         index: i32::try_from(index).map_err(io::Error::other)?,
         parent,
+        // The priority in the upper half: the kernel lists only the filters at it.
+        info: u32::from(priority) << 16,
         ..TcHeader::default()
     };
     let mut req = NetlinkMessage::new(
@@ -88,9 +90,16 @@ pub fn at(index: u32, parent: TcHandle, priority: u16, handle: u32) -> io::Resul
         let mut rest = &rx[..n];
         while let Ok(frame) = NetlinkBuffer::new_checked(rest) {
             let len = (frame.length() as usize).min(rest.len());
-            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rest[..len])
-                .map_err(|e| io::Error::other(format!("a filter the kernel listed: {e}")))?;
+            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rest[..len]);
             rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+            let Ok(msg) = msg else {
+                // A filter of a kind this parser does not read: not ours, which this parser
+                // reads. If it sits at our place, the exclusive create finds it there.
+                tracing::warn!(
+                    "a tc filter at priority {priority:#x} could not be decoded; skipped"
+                );
+                continue;
+            };
             match msg.payload {
                 NetlinkPayload::Done(_) => return Ok(found),
                 NetlinkPayload::Error(e) if e.code.is_some() => return Err(e.to_io()),

@@ -23,10 +23,10 @@ use crate::agent::schedule::Backoff;
 
 /// Connections served at once. A scrape or a probe is one short request; more wait in the
 /// listen backlog, where they hold no file descriptor of the agent's.
-const MAX_CONNECTIONS: usize = 16;
+const MAX_CONNECTIONS: usize = 64;
 /// The longest a connection is served: a client that opens one and sends nothing (or sends
 /// slowly) holds nothing longer.
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
 /// Retries of a failed accept. Out of file descriptors, every accept fails at once until one
 /// is freed: retried without a pause, the loop would take a core.
 const ACCEPT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));

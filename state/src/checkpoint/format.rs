@@ -22,6 +22,10 @@
 //! | 2 | 0.2.0 | the brake's window of recent removals; the IPsec keys seen and when |
 //! | 3 | the next release | the brake's holds: which pending deletes it held, since when, and whether as a wipe; the orphans' hold |
 //!
+//! A pending delete of version 1 or 2 that was never attempted is one the brake held; it is
+//! read as held since the record was written, as a wipe's (the kind was not kept, and a
+//! restart must release nothing).
+//!
 //! Each version's payload has a layout of its own, the hand-written bincode encoding of its
 //! fields and wire types (`payload/v1.rs`, `payload/v2.rs`), rather than bincode of
 //! [`Checkpoint`], so the model can change without the format changing by accident. Only the

@@ -583,7 +583,7 @@ impl Brake {
                 max_ratio: self.max_ratio,
                 since,
                 confirmable_at: (kind == HoldKind::Ratio && self.confirm_by_relist)
-                    .then(|| since + self.confirm_delay),
+                    .then(|| since.saturating_add(self.confirm_delay)),
                 deletes: kept,
             }
         });

@@ -1299,6 +1299,18 @@ fn a_restart_keeps_every_hold_however_the_ratio_looks_after_it() {
     let p = r.plan(Some(&cp), &live, &k);
     assert!(p.brake.is_none(), "a list after the delay confirms it");
     assert_eq!(p.released_nodes.len(), 6);
+
+    // A record may say anything: a hold that began at the end of time is held, not a panic.
+    let (mut r, k, mut cp, live) = held_diluted_restarted(4, HoldKind::Ratio);
+    for p in &mut cp.pending_deletes {
+        p.held = p.held.map(|h| crate::checkpoint::Held {
+            at: Duration::new(u64::MAX, 0),
+            ..h
+        });
+    }
+    let cp = restarted(&mut r, &cp);
+    let p = r.plan(Some(&cp), &live, &k);
+    assert_eq!(p.brake.as_ref().map(|h| h.nodes.len()), Some(6));
 }
 
 /// Held orphans stay held across a restart too: the record says since when orphans were held,

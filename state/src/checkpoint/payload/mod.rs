@@ -1072,8 +1072,8 @@ pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeErro
     let budget = Budget { left: DECODE_LIMIT };
     let mut d = DecoderImpl::new(Body { rest: body }, config(), budget);
     let decoded = match version {
-        1 => v1::decode(&mut d),
-        2 => v2::decode(&mut d),
+        1 => v1::decode(&mut d).map(held_before_v3),
+        2 => v2::decode(&mut d).map(held_before_v3),
         _ => v3::decode(&mut d),
     };
     let cp = decoded.map_err(|e| match e {
@@ -1084,6 +1084,21 @@ pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeErro
         0 => Ok(cp),
         unread => Err(DecodeError::PayloadTrailing { unread }),
     }
+}
+
+/// The holds a record of version 1 or 2 implies: a pending delete never attempted is one the
+/// brake held. When its hold began and whether as a wipe's were not kept, so it is held since
+/// the record was written, as a wipe's: only an operator releases it (a restart must release
+/// nothing, and the strictest hold is the one that cannot be wrong about that).
+fn held_before_v3(mut cp: Checkpoint) -> Checkpoint {
+    let held = crate::checkpoint::Held {
+        at: cp.written_at,
+        wipe: true,
+    };
+    for p in cp.pending_deletes.iter_mut().filter(|p| p.attempts == 0) {
+        p.held = Some(held);
+    }
+    cp
 }
 
 /// Appends the payload of `cp` to `out` in the newest format, without the local node's record.
@@ -1396,6 +1411,31 @@ mod tests {
         let mut b = vec![252];
         b.extend_from_slice(&v.to_le_bytes());
         b
+    }
+
+    /// A version 2 record's pending delete that was never attempted was held by the brake:
+    /// read as held since the record was written, as a wipe's; one attempted was not held.
+    #[test]
+    fn a_version_2_removal_never_attempted_is_read_as_held_as_a_wipe() {
+        let mut cp = crate::checkpoint::format::tests::sample();
+        let mut held = cp.pending_deletes[0].clone();
+        held.node.name = "held".into();
+        held.attempts = 0;
+        cp.pending_deletes.push(held);
+        let mut bytes = Vec::new();
+        v2::encode(&cp, &mut EncoderImpl::new(Append(&mut bytes), config())).unwrap();
+        let read = decode(&bytes, 2).unwrap();
+        assert_eq!(
+            read.pending_deletes[0].held, None,
+            "attempted: released before"
+        );
+        assert_eq!(
+            read.pending_deletes[1].held,
+            Some(crate::checkpoint::Held {
+                at: cp.written_at,
+                wipe: true
+            })
+        );
     }
 
     #[test]
