@@ -224,8 +224,9 @@ impl ResourceIndex {
         }
     }
 
-    /// Whether anyone claims our object at inventory slot `slot`. The agent's own objects (no
-    /// key resource) are never anyone's orphans: the brake does not count them.
+    /// Whether anyone claims our object at inventory slot `slot`. The agent's own objects (the
+    /// guards: no key resource, no node) are never anyone's orphans: the brake does not count
+    /// them. A nexthop is claimed through its node ID or its gateway.
     pub fn owns_slot(&self, slot: usize) -> bool {
         self.owned[slot]
     }
@@ -363,12 +364,16 @@ impl Tied {
                 }
                 _ => {}
             }
-            let owned = match key {
-                None | Some(Some(_)) => true,
-                Some(None) => {
-                    o.node_id().is_some_and(|id| recorded_ids.contains(id))
-                        || secondary_resource(o).is_some_and(|r| interner.get(&r).is_some())
-                }
+            // A nexthop has no key resource but is a node's: someone's while its node ID is a
+            // record's or its gateway is claimed, an orphan otherwise, which the brake counts
+            // like any other (uncounted, the sweep of a lost checkpoint's nodes went past it).
+            let claimed = || {
+                o.node_id().is_some_and(|id| recorded_ids.contains(id))
+                    || secondary_resource(o).is_some_and(|r| interner.get(&r).is_some())
+            };
+            let owned = match (o, key) {
+                (KernelObject::Nexthop(_), _) | (_, Some(None)) => claimed(),
+                (_, None | Some(Some(_))) => true,
             };
             t.owned.push(owned);
         }
