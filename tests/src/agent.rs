@@ -2,6 +2,7 @@
 //! holds afterwards.
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -274,9 +275,22 @@ impl AgentEnv {
 
     /// `run --once --output json`: exit code and the report.
     pub fn once(&self, extra: &[&str]) -> (i32, serde_json::Value, String) {
+        self.once_with_env(&[], extra)
+    }
+
+    /// [`Self::once`] with `env` set for the agent (a preloaded library, say).
+    pub fn once_with_env(
+        &self,
+        env: &[(&str, &OsStr)],
+        extra: &[&str],
+    ) -> (i32, serde_json::Value, String) {
         let mut args = vec!["--once", "--output", "json", "--sync-timeout", "90s"];
         args.extend_from_slice(extra);
-        let out: Output = self.command(&args).output().unwrap();
+        let out: Output = self
+            .command(&args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         let report = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr:\n{stderr}"));
@@ -522,4 +536,25 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+/// libfaketime, which moves the wall clock of the process it is preloaded into (and of no
+/// other): for tests of a wall-clock step that must not touch the host's clock.
+pub fn faketime_lib() -> Result<PathBuf, String> {
+    ["/usr/lib/x86_64-linux-gnu/faketime", "/usr/lib/faketime"]
+        .iter()
+        .map(|dir| Path::new(dir).join("libfaketime.so.1"))
+        .find(|p| p.exists())
+        .ok_or_else(|| "libfaketime is not installed (`apt-get install faketime`)".into())
+}
+
+/// The environment that runs the agent with its wall clock `offset` away (libfaketime's
+/// syntax: `+2h`); the monotonic and boot clocks are left as they are, as a real step leaves
+/// them.
+pub fn wall_clock_moved<'a>(lib: &'a Path, offset: &'a str) -> [(&'static str, &'a OsStr); 3] {
+    [
+        ("LD_PRELOAD", lib.as_os_str()),
+        ("FAKETIME", OsStr::new(offset)),
+        ("DONT_FAKE_MONOTONIC", OsStr::new("1")),
+    ]
 }

@@ -8,6 +8,7 @@
 
 pub mod apply;
 pub mod checkpointer;
+pub mod clock;
 pub mod config;
 pub mod drift;
 pub mod hold_file;

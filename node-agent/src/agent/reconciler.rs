@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use state::checkpoint::Checkpoint;
@@ -24,6 +24,7 @@ use state::plan::{
 use state::rotation::rotation;
 
 use super::apply::{OpResult, apply_plan};
+use super::clock::AgentClock;
 use super::config::AgentConfig;
 use super::drift::{Drift, Found};
 use super::intake::Intake;
@@ -55,13 +56,6 @@ pub struct Outcome {
     pub record_changed: bool,
 }
 
-/// Since the Unix epoch, as the planner and the checkpoint count time.
-pub fn wall_clock() -> Duration {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-}
-
 pub struct Reconciler<K: Kernel> {
     config: AgentConfig,
     plan_config: PlanConfig,
@@ -75,6 +69,8 @@ pub struct Reconciler<K: Kernel> {
     brake: BrakeMemory,
     live: LiveState,
     kernel: K,
+    /// The time the plans and the record count in (the brake's window and holds, cool-downs).
+    clock: AgentClock,
     /// The hold an operator confirmed, until a plan has seen it.
     confirmed_hold: Option<String>,
     /// The last plan's hold.
@@ -157,6 +153,7 @@ impl<K: Kernel> Reconciler<K> {
             live: LiveState::new(config.node_name.clone()),
             restored_nodes: record.as_ref().map_or(0, |cp| cp.records().count()),
             brake: BrakeMemory::restored(record.as_ref(), kept, &ids),
+            clock: AgentClock::resume(record.as_ref()),
             config,
             plan_config,
             record,
@@ -198,10 +195,16 @@ impl<K: Kernel> Reconciler<K> {
 
     /// The record the last reconcile implied: what the checkpoint should say.
     /// The record, marked as written at `now` (since the Unix epoch): about to be written.
-    pub fn stamp_record(&mut self, now: Duration) -> Option<&Checkpoint> {
+    /// The record, stamped with the time now (the agent's, and the boot clock's) for writing.
+    pub fn stamp_record(&mut self) -> Option<&Checkpoint> {
         let record = self.record.as_mut()?;
-        record.written_at = now;
+        (record.written_at, record.boot) = self.clock.stamp();
         Some(record)
+    }
+
+    /// The time the plans and the record count in.
+    pub fn now(&self) -> Duration {
+        self.clock.now()
     }
 
     pub fn record(&self) -> Option<&Checkpoint> {
@@ -420,7 +423,7 @@ impl<K: Kernel> Reconciler<K> {
     pub async fn plan(&mut self) -> Result<Plan, AgentError> {
         let inventory = self.dump_kernel().await?;
         self.record_objects(&inventory);
-        let now = wall_clock();
+        let now = self.clock.now();
         self.refresh_ipsec(now, true);
         Ok(self.make_plan(&inventory, now, &self.plan_config()))
     }
@@ -453,7 +456,7 @@ impl<K: Kernel> Reconciler<K> {
             Some(inventory) => (inventory, Drift::default()),
             None => self.dump().await?,
         };
-        let now = wall_clock();
+        let now = self.clock.now();
         let names = match &changes {
             Changes::Names(names) if !dumped => Some(names),
             _ => None,
@@ -1251,7 +1254,7 @@ mod tests {
         assert_eq!(sent_with(&mut rec), [3]);
         assert_eq!(metric(&rec, "node_agent_ipsec_keys_in_use"), Some(2.0));
         let next = rec.next_rotation_change().unwrap();
-        let in_90s = wall_clock() + Duration::from_secs(90);
+        let in_90s = rec.now() + Duration::from_secs(90);
         assert!(
             next <= in_90s && next + Duration::from_secs(5) > in_90s,
             "{next:?}"

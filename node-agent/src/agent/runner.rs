@@ -18,7 +18,7 @@ use super::checkpointer::Checkpointer;
 use super::config::AgentConfig;
 use super::intake::Intake;
 use super::kernel::Kernel;
-use super::reconciler::{Outcome, Reconciler, wall_clock};
+use super::reconciler::{Outcome, Reconciler};
 use super::report::{self, RunReport};
 use super::schedule::{HEARTBEAT, Reconciled, Schedule};
 use super::{AgentError, hold_file};
@@ -195,7 +195,7 @@ pub async fn run_once(
             break;
         }
     }
-    if let Some(cp) = rec.stamp_record(wall_clock()) {
+    if let Some(cp) = rec.stamp_record() {
         checkpointer.write(cp)?;
     }
     let outcome = last.expect("at least one pass");
@@ -420,7 +420,8 @@ impl<K: Kernel> Daemon<K> {
         self.telemetry.set_brake(hold.map(ToString::to_string));
         // When a fresh list may confirm the hold, on this process's clock (a time no clock
         // reaches, which only a checkpoint could carry, is never).
-        let on_this_clock = |at: Duration| now.checked_add(at.saturating_sub(wall_clock()));
+        let agent_now = self.rec.now();
+        let on_this_clock = |at: Duration| now.checked_add(at.saturating_sub(agent_now));
         let confirmable = hold.and_then(|h| h.confirmable_at).and_then(on_this_clock);
         self.schedule.reconciled(now, outcome, changed, confirmable);
         let rotation = self.rec.next_rotation_change();
@@ -447,7 +448,7 @@ impl<K: Kernel> Daemon<K> {
 
     fn write_checkpoint(&mut self) {
         // Stamped in place: a copy of a large record would cost as much as writing it.
-        let Some(cp) = self.rec.stamp_record(wall_clock()) else {
+        let Some(cp) = self.rec.stamp_record() else {
             return;
         };
         let now = Instant::now();
@@ -489,7 +490,7 @@ impl<K: Kernel> Daemon<K> {
         if !self.schedule.dirty() {
             return Ok(());
         }
-        let Some(cp) = self.rec.stamp_record(wall_clock()) else {
+        let Some(cp) = self.rec.stamp_record() else {
             return Ok(());
         };
         self.checkpointer.write(cp).map_err(|e| {

@@ -59,7 +59,10 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let cp = checkpoint::decode(&bytes).with_context(|| format!("decoding {}", path.display()))?;
     let written = cp.written_at.as_secs();
-    let now = crate::agent::reconciler::wall_clock().as_secs();
+    // By the agent's clock, continued from the record as a restarted agent would.
+    let now = crate::agent::clock::AgentClock::resume(Some(&cp))
+        .now()
+        .as_secs();
     let shown = Shown {
         path: path.display().to_string(),
         format_version: bytes

@@ -162,8 +162,8 @@ struct Jittered {
 impl Jittered {
     fn new(base: Duration, cap: Duration) -> Self {
         // Seeded per process: enough to keep a cluster's agents apart.
-        let seed = u64::from(std::process::id())
-            ^ crate::agent::reconciler::wall_clock().as_nanos() as u64;
+        let seed =
+            u64::from(std::process::id()) ^ crate::agent::clock::wall_clock().as_nanos() as u64;
         Self {
             backoff: Backoff::new(base, cap),
             rng: seed | 1,

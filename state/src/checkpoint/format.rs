@@ -20,14 +20,15 @@
 //! | --- | --- | --- |
 //! | 1 | 0.1.0 | nodes, pending deletes, freed IDs |
 //! | 2 | 0.2.0 | the brake's window of recent removals; the IPsec keys seen and when |
-//! | 3 | the next release | the brake's holds: which pending deletes it held, since when, and whether as a wipe; the orphans' hold |
+//! | 3 | the agent up to commit 5f4e48b | the brake's holds: which pending deletes it held, since when, and whether as a wipe; the orphans' hold |
+//! | 4 | the next release | where `written_at` sat on the kernel's boot clock (boot ID, time since boot): an agent restarted on the same boot counts time by that clock, not the wall clock |
 //!
 //! A pending delete of version 1 or 2 that was never attempted is one the brake held; it is
 //! read as held since the record was written, as a wipe's (the kind was not kept, and a
 //! restart must release nothing).
 //!
 //! Each version's payload has a layout of its own, the hand-written bincode encoding of its
-//! fields and wire types (`payload/v1.rs`, `payload/v2.rs`), rather than bincode of
+//! fields and wire types (`payload/v1.rs` to `payload/v4.rs`), rather than bincode of
 //! [`Checkpoint`], so the model can change without the format changing by accident. Only the
 //! newest version is written; every older one is read, and what it lacks takes its neutral
 //! value.
@@ -53,7 +54,7 @@ use crate::checkpoint::{Checkpoint, payload};
 
 pub const MAGIC: [u8; 8] = *b"NAGCKPT\0";
 /// The version this code writes, and the newest it reads.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 pub const HEADER_LEN: usize = 20;
 
 #[derive(Debug, thiserror::Error)]
@@ -208,6 +209,10 @@ pub(crate) mod tests {
         Checkpoint {
             agent_version: "0.1.0".into(),
             written_at: Duration::new(1_700_000_000, 5),
+            boot: Some(crate::checkpoint::BootTime {
+                boot_id: [7; 16],
+                since_boot: Duration::new(3_600, 9),
+            }),
             local_node: "local".into(),
             nodes: vec![
                 node("a", "10.0.0.1", "fd00::1", "10.1.1.0/24", 1),
@@ -273,10 +278,10 @@ pub(crate) mod tests {
             e,
             DecodeError::VersionTooNew {
                 found: 7,
-                supported: 3
+                supported: 4
             }
         ));
-        assert!(e.to_string().contains('7') && e.to_string().contains('3'));
+        assert!(e.to_string().contains('7') && e.to_string().contains('4'));
         let mut bad = good.clone();
         let last = bad.len() - 1;
         bad[last] ^= 0x40;

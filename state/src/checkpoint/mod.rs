@@ -5,6 +5,7 @@
 //! [`format`] is the byte encoding (pure), framing the bincode payload of `payload.rs`;
 //! [`store`] is the file, its lock and its atomic replacement (the only I/O in this crate).
 
+pub mod clock;
 pub mod format;
 mod payload;
 pub mod store;
@@ -17,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::ids::AllocatorState;
 use crate::node::{Node, name_range};
 
+pub use clock::BootTime;
 pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, PayloadError, decode, encode};
 pub use store::{CheckpointStore, LoadOutcome, StoreError, lock_holder};
 
@@ -50,8 +52,12 @@ pub struct Held {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Checkpoint {
     pub agent_version: String,
-    /// Since the Unix epoch.
+    /// Agent time ([`clock`]): since the Unix epoch, as the wall clock said when the agent's
+    /// clock was last taken from it.
     pub written_at: Duration,
+    /// Where `written_at` sat on the kernel's boot clock, when it could be read: an agent
+    /// started on the same boot continues its clock from here. Since format version 4.
+    pub boot: Option<BootTime>,
     /// The node this agent runs on. Its record is never stored: ID 0 is implicit and its state
     /// is not ours to delete, so [`format::encode`] drops it and the planner ignores it.
     pub local_node: String,
@@ -74,12 +80,13 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Whether the two say the same about the nodes, IDs, removals and keys: everything but when
-    /// they were written. Compares in place, so the daemon can tell a changed record from an
+    /// they were written (by either clock). Compares in place, so the daemon can tell a changed record from an
     /// unchanged one without copying a large one.
     pub fn same_content(&self, other: &Self) -> bool {
         let Self {
             agent_version,
             written_at: _,
+            boot: _,
             local_node,
             nodes,
             pending_deletes,
@@ -110,6 +117,7 @@ impl Checkpoint {
         let Checkpoint {
             agent_version,
             written_at,
+            boot,
             local_node: _,
             mut nodes,
             pending_deletes,
@@ -163,6 +171,7 @@ impl Checkpoint {
         self.pending_deletes.extend(pending_deletes);
         self.agent_version = agent_version;
         self.written_at = written_at;
+        self.boot = boot;
         self.ids = ids;
         self.removals = removals;
         self.ipsec_keys = ipsec_keys;

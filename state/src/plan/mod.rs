@@ -698,6 +698,8 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     let checkpoint = Checkpoint {
         agent_version: cfg.agent_version.clone(),
         written_at: input.now,
+        // The agent reads the boot clock when it writes the record.
+        boot: None,
         local_node: cfg.local_node.clone(),
         nodes: cp_nodes,
         pending_deletes: pending,

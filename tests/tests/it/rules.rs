@@ -4,9 +4,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use node_agent_tests::agent::{AgentEnv, TestNode, assert_exact, cluster};
+use node_agent_tests::agent::{
+    AgentEnv, TestNode, assert_exact, cluster, faketime_lib, wall_clock_moved,
+};
 use node_agent_tests::require_sandbox;
-use node_agent_tests::{ip, sandbox};
+use node_agent_tests::{ip, sandbox, skip};
 
 /// Generous: the same tests run under QEMU's TCG emulation in the VM tier.
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -430,6 +432,35 @@ fn removals_split_over_runs_are_counted_together() {
         std::fs::remove_file(node_agent::freed_ids::pin(&sb.bpffs)).unwrap();
         let (code, report, _) = env.once(&[]);
         assert_eq!(code, 3, "still six of ten within the window: {report}");
+        assert_eq!(report["brake"]["removed_nodes"], 6, "{report}");
+        assert_exact(&env, &nodes[4..]);
+        assert_eq!(env.once(&["--force-prune"]).0, 0);
+        assert_exact(&env, &nodes[6..]);
+    });
+}
+
+/// A wall clock stepped forward past the window between two runs on one boot (an NTP step,
+/// `date -s`; here libfaketime in front of the agent, the host's clock untouched) empties no
+/// window: the agent's clock continues from the record by the boot clock, so the first run's
+/// four removals still count with the second run's two.
+#[test]
+fn a_wall_clock_step_forward_keeps_the_window() {
+    require_sandbox!("a_wall_clock_step_forward_keeps_the_window");
+    let lib = match faketime_lib() {
+        Ok(lib) => lib,
+        Err(why) => return skip("a_wall_clock_step_forward_keeps_the_window", &why),
+    };
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(10);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        env.write_nodes(&nodes[4..]);
+        assert_eq!(env.once(&[]).0, 0, "four of ten is fine");
+        env.write_nodes(&nodes[6..]);
+        let two_hours_on = wall_clock_moved(&lib, "+2h");
+        let (code, report, err) = env.once_with_env(&two_hours_on, &[]);
+        assert_eq!(code, 3, "six of ten within the window: {report}\n{err}");
         assert_eq!(report["brake"]["removed_nodes"], 6, "{report}");
         assert_exact(&env, &nodes[4..]);
         assert_eq!(env.once(&["--force-prune"]).0, 0);

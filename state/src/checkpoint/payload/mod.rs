@@ -4,8 +4,8 @@
 //! back into them, record by record, with full validation on the way in.
 //!
 //! Each format version has a top-level layout of its own, an `encode` and a `decode` function
-//! in its module ([`v1`] and [`v2`] are read only, [`v3`] is read and written, and begins with
-//! what [`v2`] writes); the parts they share (node
+//! in its module ([`v1`], [`v2`] and [`v3`] are read only, [`v4`] is read and written; each
+//! version from 3 on begins with what the one before writes); the parts they share (node
 //! lists, records, names, addresses...) live in this module and stay shared until a version
 //! changes one of them, at which point the older versions get a frozen copy of the part as it
 //! was. Only the newest version is written; every version is read.
@@ -52,6 +52,7 @@
 pub(super) mod v1;
 pub(super) mod v2;
 pub(super) mod v3;
+pub(super) mod v4;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
@@ -653,7 +654,7 @@ fn unhex8(x: u64) -> Option<[u8; 4]> {
 
 /// The 16 bytes of `s` if it is a UUID in exactly the form [`format_uuid`] writes back
 /// (lowercase), so that every UID stored as bytes decodes to the text it came from.
-fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+pub(in crate::checkpoint) fn parse_uuid(s: &str) -> Option<[u8; 16]> {
     let t: &[u8; 36] = s.as_bytes().try_into().ok()?;
     if [t[8], t[13], t[18], t[23]] != [b'-'; 4] {
         return None;
@@ -1074,7 +1075,8 @@ pub(super) fn decode(body: &[u8], version: u32) -> Result<Checkpoint, DecodeErro
     let decoded = match version {
         1 => v1::decode(&mut d).map(held_before_v3),
         2 => v2::decode(&mut d).map(held_before_v3),
-        _ => v3::decode(&mut d),
+        3 => v3::decode(&mut d),
+        _ => v4::decode(&mut d),
     };
     let cp = decoded.map_err(|e| match e {
         DecodeError::Payload { reason, .. } => DecodeError::Payload { version, reason },
@@ -1105,7 +1107,7 @@ fn held_before_v3(mut cp: Checkpoint) -> Checkpoint {
 pub(super) fn encode(cp: &Checkpoint, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     // About 95 bytes per typical record; a guess that saves reallocations.
     out.reserve(128 + 112 * (cp.nodes.len() + cp.pending_deletes.len()));
-    v3::encode(cp, &mut EncoderImpl::new(Append(out), config())).map_err(EncodeError::Payload)
+    v4::encode(cp, &mut EncoderImpl::new(Append(out), config())).map_err(EncodeError::Payload)
 }
 
 impl From<PayloadError> for DecodeError {
@@ -1118,6 +1120,7 @@ impl From<PayloadError> for DecodeError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::FORMAT_VERSION;
 
     /// A decoder over `body` with the whole budget.
     fn decoder(body: &[u8]) -> Dec<'_> {
@@ -1387,9 +1390,9 @@ mod tests {
 
     /// The field an invalid payload is refused for.
     fn bad_field(bytes: &[u8]) -> String {
-        match decode(bytes, 3) {
+        match decode(bytes, FORMAT_VERSION) {
             Err(DecodeError::Payload {
-                version: 3,
+                version: FORMAT_VERSION,
                 reason: PayloadError::Invalid { field, .. },
             }) => field,
             other => panic!("{other:?}"),
@@ -1397,9 +1400,9 @@ mod tests {
     }
 
     fn bincode_error(bytes: &[u8]) -> WireDecodeError {
-        match decode(bytes, 3) {
+        match decode(bytes, FORMAT_VERSION) {
             Err(DecodeError::Payload {
-                version: 3,
+                version: FORMAT_VERSION,
                 reason: PayloadError::Bincode(e),
             }) => e,
             other => panic!("{other:?}"),
@@ -1442,7 +1445,7 @@ mod tests {
     fn payload_round_trips_and_the_decoder_names_the_bad_field() {
         let cp = crate::checkpoint::format::tests::sample();
         let bytes = payload(&cp);
-        assert_eq!(decode(&bytes, 3).unwrap(), cp);
+        assert_eq!(decode(&bytes, FORMAT_VERSION).unwrap(), cp);
 
         // nodes[1]'s pod CIDR 10.1.2.0/24 as a /33.
         let bad = patched(bytes.clone(), &[24, 4, 10, 1, 2, 0], &[33, 4, 10, 1, 2, 0]);
@@ -1463,6 +1466,14 @@ mod tests {
             &[secs, u32_varint(1_000_000_000)].concat(),
         );
         assert_eq!(bad_field(&bad), "written_at");
+        // The boot time, last: boot ID [7; 16], 3,600 s and 9 ns; with a second of nanoseconds.
+        let boot = [&[1, 16][..], &[7; 16], &[251, 0x10, 0x0e]].concat();
+        let bad = patched(
+            bytes.clone(),
+            &[&boot[..], &[9]].concat(),
+            &[boot, u32_varint(1_000_000_000)].concat(),
+        );
+        assert_eq!(bad_field(&bad), "boot.since_boot");
         // pending_deletes[0], "gone", the first of its list: claims to share a byte with the
         // name before it.
         let bad = patched(bytes.clone(), b"\x00\x00\x04gone", b"\x01\x00\x04gone");
@@ -1477,12 +1488,12 @@ mod tests {
         let mut odd = cp.clone();
         odd.nodes[0].addresses[1] = odd.nodes[0].addresses[0];
         assert!(matches!(
-            decode(&payload(&odd), 3),
+            decode(&payload(&odd), FORMAT_VERSION),
             Err(DecodeError::InvalidNode(_))
         ));
 
         // bincode's own complaints come through with its text.
-        let e = decode(&bytes[..bytes.len() - 1], 3).unwrap_err();
+        let e = decode(&bytes[..bytes.len() - 1], FORMAT_VERSION).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -1516,7 +1527,7 @@ mod tests {
         let mut trailing = bytes.clone();
         trailing.push(0);
         assert!(matches!(
-            decode(&trailing, 3),
+            decode(&trailing, FORMAT_VERSION),
             Err(DecodeError::PayloadTrailing { unread: 1 })
         ));
     }

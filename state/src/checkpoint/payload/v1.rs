@@ -17,6 +17,7 @@ pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {
     Ok(Checkpoint {
         agent_version: owned(d, agent_version)?,
         written_at,
+        boot: None,
         local_node: owned(d, local_node)?,
         nodes: decode_list("nodes", local_node, d)?,
         pending_deletes: decode_list("pending_deletes", local_node, d)?,

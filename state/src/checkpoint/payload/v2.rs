@@ -133,6 +133,7 @@ pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {
     Ok(Checkpoint {
         agent_version: owned(d, agent_version)?,
         written_at,
+        boot: None,
         local_node: owned(d, local_node)?,
         nodes,
         pending_deletes,

@@ -1,4 +1,4 @@
-//! Format version 3, the one written now: version 2 and then the brake's holds, so that a
+//! Format version 3: version 2 and then the brake's holds, so that a
 //! restart never releases what the brake held (a ratio diluted by nodes that joined since the
 //! hold began would have let a mass deletion through at the first plan after it).
 //!
