@@ -84,8 +84,9 @@ impl BrakeMemory {
 
     /// The memory a restarted agent begins with: the window and the holds from its checkpoint
     /// (a restart never releases a hold: what was held stays held until a confirmation, however
-    /// the ratio looks after it). Without a checkpoint the window went
-    /// with it, and the kernel's own record of recent removals (`kept`) stands in for it. Where
+    /// the ratio looks after it). The window is the checkpoint's together with the kernel's own
+    /// record of recent removals (`kept`), which also has what a stale checkpoint (one that
+    /// could not be written lately) lacks; without a checkpoint, `kept` alone. Where
     /// the kernel has none from before this start either (an agent that did not keep one), the
     /// IDs it remembers freeing (`freed`, merged into the allocator state) stand in, each one a
     /// node removed at that time. Entries older than the window fall away at the first plan.
@@ -95,7 +96,8 @@ impl BrakeMemory {
         freed: &AllocatorState,
     ) -> Self {
         let window = match (cp, kept) {
-            (Some(c), _) => c.removals.clone(),
+            (Some(c), Some(kept)) => merged_window(&c.removals, kept),
+            (Some(c), None) => c.removals.clone(),
             (None, Some(kept)) => kept,
             (None, None) => freed
                 .freed
@@ -129,6 +131,25 @@ impl BrakeMemory {
             orphans_held: cp.and_then(|c| c.orphans_held).map(restored),
         }
     }
+}
+
+/// The checkpoint's window and the kernel's, each entry once: a checkpoint that could not be
+/// written for a while (a full disk) lacks the removals made since, which the kernel's record
+/// has; one entry in both (the same time) counts once, with the larger counts. An entry the
+/// kernel's full ring merged into a newer one then counts twice, which only holds more.
+fn merged_window(record: &[RecentRemovals], kept: Vec<RecentRemovals>) -> Vec<RecentRemovals> {
+    let mut by_time: BTreeMap<Duration, RecentRemovals> =
+        record.iter().map(|r| (r.at, *r)).collect();
+    for k in kept {
+        by_time
+            .entry(k.at)
+            .and_modify(|r| {
+                r.nodes = r.nodes.max(k.nodes);
+                r.objects = r.objects.max(k.objects);
+            })
+            .or_insert(k);
+    }
+    by_time.into_values().collect()
 }
 
 impl HeldSince {
@@ -368,17 +389,25 @@ pub(super) fn decide(
         && confirmed_hold.is_some_and(|id| id == hold_id(held_before.iter().copied()));
     let mut released = BTreeSet::new();
     let mut held = BTreeMap::new();
-    // After a restart, an orphan is held as the record says orphans were.
+    // After a restart, an orphan is held as the record says orphans were, its delay counted
+    // from the restart: the record does not say which orphans were held, and one found only
+    // now must wait a whole delay like any new hold.
     let held_before_as = |item: &Removal| match (memory.held.get(item), item) {
         (Some(since), _) => Some(*since),
-        (None, Removal::Orphan(_)) => memory.orphans_held,
+        (None, Removal::Orphan(_)) => memory.orphans_held.map(|since| HeldSince {
+            at: since.at.max(now),
+            ..since
+        }),
         (None, Removal::Node { .. }) => None,
     };
     for item in asked {
         match held_before_as(item).as_ref() {
             Some(since) => {
+                // A list that is itself a near-total wipe confirms nothing: it is the likeliest
+                // of all to be broken.
                 let ripe = cfg.confirm_by_relist
                     && !since.wipe
+                    && !wipe
                     && now.saturating_sub(since.at) >= cfg.confirm_delay
                     && relists > since.relists;
                 if cfg.force_prune || operator || ripe {
@@ -944,6 +973,82 @@ mod tests {
         );
         assert!(fewer.released.is_empty());
         assert_eq!(fewer.memory.held.len(), 2);
+    }
+
+    #[test]
+    fn a_ripe_hold_is_not_released_by_a_list_that_is_itself_a_wipe() {
+        let c = cfg(true);
+        let six = ask(&["a", "b", "c", "d", "e", "f"]);
+        let held = decide(&six, TEN, &BrakeMemory::default(), 1, None, MIN, &c);
+        assert_eq!(held.hold.map(|h| h.0), Some(HoldKind::Ratio));
+        // After the delay, a fresh list without any of the ten.
+        let all = ask(&["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]);
+        let wiped = decide(&all, TEN, &held.memory, 2, None, MIN * 2, &c);
+        assert!(wiped.released.is_empty(), "{:?}", wiped.released);
+        assert_eq!(wiped.hold.map(|h| h.0), Some(HoldKind::Wipe));
+        // The same six asked for again by a sane list later are still held: once a wipe's, the
+        // operator's.
+        let sane = decide(&six, TEN, &wiped.memory, 3, None, MIN * 4, &c);
+        assert!(sane.released.is_empty());
+    }
+
+    #[test]
+    fn orphans_held_before_a_restart_wait_a_whole_delay_from_the_restart() {
+        let orphan = |i: u8| {
+            Removal::Orphan(ObjectId::MapEntry {
+                ip: std::net::IpAddr::from([10, 0, 0, i]),
+            })
+        };
+        let c = cfg(true);
+        let restarted = BrakeMemory {
+            orphans_held: Some(HeldSince {
+                at: MIN,
+                relists: 0,
+                wipe: false,
+            }),
+            ..BrakeMemory::default()
+        };
+        let asked: BTreeSet<Removal> = (1..=6).map(orphan).collect();
+        let objects = Ask::known(0, 10);
+        // Long after the recorded hold, the restarted agent's first list.
+        let first = decide(&asked, objects, &restarted, 1, None, MIN * 10, &c);
+        assert!(first.released.is_empty(), "{:?}", first.released);
+        let early = decide(
+            &asked,
+            objects,
+            &first.memory,
+            2,
+            None,
+            MIN * 10 + MIN / 2,
+            &c,
+        );
+        assert!(early.released.is_empty());
+        let ripe = decide(&asked, objects, &early.memory, 3, None, MIN * 11, &c);
+        assert_eq!(ripe.released, asked);
+    }
+
+    #[test]
+    fn a_stale_checkpoint_window_is_completed_by_the_kernels_record() {
+        let at = |secs, nodes| RecentRemovals {
+            at: Duration::from_secs(secs),
+            nodes,
+            objects: 0,
+        };
+        // Twenty nodes. The checkpoint was last written after the first two removals; the
+        // kernel saw the three after them too.
+        let stale = Checkpoint {
+            removals: vec![at(100, 2)],
+            ..Checkpoint::default()
+        };
+        let kept = vec![at(100, 2), at(130, 3)];
+        let m = BrakeMemory::restored(Some(&stale), Some(kept), &AllocatorState::default());
+        assert_eq!(m.window, [at(100, 2), at(130, 3)]);
+        // Six of the fifteen left, 20 s later: 11 of 20 within the window (by the stale
+        // checkpoint alone, 8 of 17, which would pass).
+        let six = ask(&["a", "b", "c", "d", "e", "f"]);
+        let now = Duration::from_secs(150);
+        let d = decide(&six, Ask::known(15, 60), &m, 1, None, now, &cfg(true));
+        assert!(d.released.is_empty());
     }
 
     #[test]
