@@ -135,6 +135,7 @@ pub fn nexthop_toward(
 fn routes(
     node: &Node,
     id: NodeId,
+    config: &PlanConfig,
     nexthops: Option<&impl KernelNexthops>,
     out: &mut Vec<KernelObject>,
     problems: &mut Vec<InputProblem>,
@@ -155,6 +156,15 @@ fn routes(
             }));
             continue;
         };
+        // With IPsec, a route without its mark and policy would carry pod traffic in the
+        // clear: where this node has no xfrm endpoint of the family, no route (invariant 18).
+        if config.ipsec.is_some() && local_endpoint(config, family).is_none() {
+            problems.extend(cidrs.map(|cidr| InputProblem::NoLocalEndpoint {
+                cidr: *cidr,
+                family,
+            }));
+            continue;
+        }
         let via = match nexthops {
             Some(kernel) => {
                 let nexthop = nexthop_toward(kernel, id, family, gateway);
@@ -178,9 +188,11 @@ fn routes(
 /// from being derived (a pod CIDR without an InternalIP of its family) to `problems`. `kernel`
 /// is what the kernel holds: it decides which of the node's nexthop IDs are used.
 ///
-/// With IPsec, per family both ends have an address in: an OUT and an IN state for every key in
-/// use, an OUT policy per pod CIDR and key, and a pod-CIDR entry that marks traffic toward the
-/// CIDR with the SPI being sent with. A CIDR is marked exactly when it has its policies.
+/// With IPsec, per family both ends have an address in, for every key in use: an OUT state when
+/// the node has pod CIDRs of the family, an IN state when the local node has, an OUT policy per
+/// pod CIDR, and a pod-CIDR entry that marks traffic toward the CIDR with the SPI being sent
+/// with. A CIDR is marked exactly when it has its policies, and a state exists exactly when a
+/// policy (ours or the remote's) sends through it.
 pub fn desired_objects(
     node: &Node,
     id: NodeId,
@@ -200,7 +212,7 @@ pub fn desired_objects(
         }
     }
     let nexthops = config.route_nexthops.then_some(kernel);
-    routes(node, id, nexthops, out, problems);
+    routes(node, id, config, nexthops, out, problems);
     let Some(ipsec) = &config.ipsec else {
         return;
     };
@@ -215,13 +227,29 @@ pub fn desired_objects(
                 .iter()
                 .filter(move |c| Family::of_net(c) == family)
         };
+        // A state only where packets use it: OUT toward a node with pod CIDRs of this family
+        // (its policies select the state), IN from a node when ours has pod CIDRs of it (the
+        // remote's policies tunnel toward them). An unused state costs the kernel a place on
+        // its SPI's hash chain, and every node has one per remote node.
+        let sends = cidrs().next().is_some();
+        let receives = config
+            .local_pod_cidrs
+            .iter()
+            .any(|c| Family::of_net(c) == family);
         let (local_boot, remote_boot) = (config.local_boot_id.as_str(), node.boot_id.as_str());
         for key in &ipsec.keys {
             let ends = [
-                (local, remote, local_boot, remote_boot, XfrmDir::Out),
-                (remote, local, remote_boot, local_boot, XfrmDir::In),
+                (sends, local, remote, local_boot, remote_boot, XfrmDir::Out),
+                (
+                    receives,
+                    remote,
+                    local,
+                    remote_boot,
+                    local_boot,
+                    XfrmDir::In,
+                ),
             ];
-            for (src, dst, src_boot, dst_boot, dir) in ends {
+            for (_, src, dst, src_boot, dst_boot, dir) in ends.into_iter().filter(|e| e.0) {
                 let pair = Pair {
                     src,
                     dst,

@@ -347,6 +347,9 @@ fn config(ipsec: bool) -> PlanConfig {
     PlanConfig {
         local_node: "local".into(),
         local_addresses: vec![v4(LOCAL_SLOT), v6(LOCAL_SLOT)],
+        local_pod_cidrs: make("local", LOCAL_SLOT, true, LOCAL_SLOT)
+            .pod_cidrs
+            .to_vec(),
         ipsec: ipsec.then(|| IpsecConfig::single(1, KeyTag(1))),
         id_cooldown: Duration::from_secs(30),
         ..PlanConfig::default()

@@ -112,6 +112,7 @@ fn config(rng: &mut Rng) -> PlanConfig {
         local_node: LOCAL.into(),
         local_boot_id: "boot-local".into(),
         local_addresses: vec!["10.0.0.250".parse().unwrap()],
+        local_pod_cidrs: vec!["10.1.250.0/24".parse().unwrap()],
         ipsec: rng
             .one_in(3)
             .then(|| IpsecConfig::single(3, KeyTag::default())),

@@ -270,16 +270,15 @@ impl<K: Kernel> Reconciler<K> {
             .live
             .get(&self.config.node_name)
             .map_or_else(String::new, |n| n.boot_id.to_string());
-        config.local_addresses = self
-            .live
-            .get(&self.config.node_name)
-            .map_or_else(Vec::new, |n| {
-                n.addresses
-                    .iter()
-                    .filter(|a| a.kind == AddressKind::InternalIP)
-                    .map(|a| a.ip)
-                    .collect()
-            });
+        let local = self.live.get(&self.config.node_name);
+        config.local_addresses = local.map_or_else(Vec::new, |n| {
+            n.addresses
+                .iter()
+                .filter(|a| a.kind == AddressKind::InternalIP)
+                .map(|a| a.ip)
+                .collect()
+        });
+        config.local_pod_cidrs = local.map_or_else(Vec::new, |n| n.pod_cidrs.to_vec());
         config
     }
 

@@ -135,6 +135,9 @@ pub struct PlanConfig {
     /// node's, whatever a remote node claims (invariant 14), and map entries for them are
     /// deleted (ID 0, the local node, is implicit).
     pub local_addresses: Vec<IpAddr>,
+    /// This node's pod CIDRs: with IPsec, remote nodes tunnel traffic toward them, so an IN
+    /// state is wanted in each of their families and no other.
+    pub local_pod_cidrs: Vec<IpNet>,
     pub ipsec: Option<IpsecConfig>,
     /// Largest share of known remote nodes (or of our objects, for orphans) that removals may
     /// reach within the window without a confirmation.
@@ -169,6 +172,7 @@ impl Default for PlanConfig {
             local_node: String::new(),
             local_boot_id: String::new(),
             local_addresses: Vec::new(),
+            local_pod_cidrs: Vec::new(),
             ipsec: None,
             max_prune_ratio: 0.5,
             wipe_ratio: 0.9,
@@ -335,6 +339,10 @@ pub enum InputProblem {
     InUse { object: String, user: String },
     #[error("pod CIDR {cidr} has no {family} InternalIP to route via; the CIDR is skipped")]
     NoGateway { cidr: IpNet, family: Family },
+    #[error(
+        "pod CIDR {cidr} is not routed: IPsec is on and this node has no {family} InternalIP to encrypt from, so its traffic would leave in the clear"
+    )]
+    NoLocalEndpoint { cidr: IpNet, family: Family },
     #[error(
         "node-ID map full: {needed} more entries do not fit its {limit} entries; the node is held (raise --node-map-max)"
     )]
@@ -860,6 +868,7 @@ fn unsettled(live: &[Live<'_>], errors: &[InputError]) -> Option<Vec<String>> {
         match e.problem {
             InputProblem::Malformed
             | InputProblem::NoGateway { .. }
+            | InputProblem::NoLocalEndpoint { .. }
             | InputProblem::Conflict { .. }
             | InputProblem::LocalResource { .. }
             | InputProblem::MapFull { .. }

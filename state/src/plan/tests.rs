@@ -59,6 +59,7 @@ fn cfg() -> PlanConfig {
     PlanConfig {
         local_node: "local".into(),
         local_addresses: vec![ip("10.0.0.100"), ip("fd00::100")],
+        local_pod_cidrs: local().pod_cidrs.to_vec(),
         agent_version: "test".into(),
         // The rules below are about nodes, not how routes reach them: their routes carry their
         // gateways, and the nexthop rules have a section of their own.
@@ -631,6 +632,36 @@ fn failed_stale_delete_stays_pending_with_attempts_and_keeps_its_id() {
 
 const TAG: KeyTag = KeyTag(0x1111);
 
+/// A state exists only where a packet uses it: dual-stack hosts with IPv4 pods only get no
+/// IPv6 states (nothing marks IPv6 traffic toward a pod), and a remote node without pod CIDRs
+/// gets no OUT state while ours has pod CIDRs of the family to receive for.
+#[test]
+fn ipsec_states_exist_only_in_the_families_pod_traffic_uses() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    let mut k = Kernel::default();
+    let v4_pods = node("a", &["10.0.0.1", "fd00::1"], &["10.1.1.0/24"]);
+    let no_pods = node("b", &["10.0.0.2", "fd00::2"], &[]);
+    r.reconcile(None, &[v4_pods, no_pods], &mut k);
+    let mut states: Vec<(NodeId, XfrmDir, bool)> = k
+        .ours
+        .values()
+        .filter_map(|o| match o {
+            KernelObject::XfrmState(s) => Some((s.node_id, s.dir, s.src.is_ipv4())),
+            _ => None,
+        })
+        .collect();
+    states.sort();
+    assert_eq!(
+        states,
+        [
+            (id(1), XfrmDir::Out, true),
+            (id(1), XfrmDir::In, true),
+            (id(2), XfrmDir::In, true),
+        ]
+    );
+}
+
 #[test]
 fn ipsec_adds_states_both_ways_and_a_policy_per_cidr_for_each_shared_family() {
     let mut r = Run::new();
@@ -645,7 +676,19 @@ fn ipsec_adds_states_both_ways_and_a_policy_per_cidr_for_each_shared_family() {
     let (p, cp) = r.reconcile(None, std::slice::from_ref(&dual), &mut k);
     let count = |kind| k.ours.values().filter(|o| o.kind() == kind).count();
     assert_eq!(count(ObjectKind::MapEntry), 2);
-    assert_eq!(count(ObjectKind::Route), 2);
+    // The IPv6 pod CIDR is not routed: with no local IPv6 endpoint, nothing would encrypt its
+    // traffic (invariant 18).
+    assert_eq!(count(ObjectKind::Route), 1);
+    assert!(matches!(
+        problems(&p)[..],
+        [(
+            "a",
+            InputProblem::NoLocalEndpoint {
+                family: Family::V6,
+                ..
+            }
+        )]
+    ));
     assert_eq!(count(ObjectKind::XfrmState), 2, "IPv4 only: no local IPv6");
     assert_eq!(count(ObjectKind::XfrmPolicy), 1);
     assert_eq!(

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use node_agent_tests::agent::assert_exact;
 use node_agent_tests::agent::cluster;
-use node_agent_tests::agent::{AgentEnv, TestNode};
+use node_agent_tests::agent::{AgentEnv, TestNode, local_node};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::{ip, sandbox};
 
@@ -402,10 +402,18 @@ fn expected_xfrm(env: &AgentEnv, nodes: &[TestNode]) -> Vec<(String, String, u16
     let mut out = Vec::new();
     for n in nodes {
         let id = map[&n.ips[0]];
+        // A state only where pod traffic uses it: OUT in the families of the node's pod
+        // CIDRs, IN in those of the local node's (IPv4 only).
+        let has_cidr_of =
+            |cidrs: &[String], ip: &str| cidrs.iter().any(|c| c.contains(':') == ip.contains(':'));
         for ip in &n.ips {
             assert_eq!(map[ip], id, "{} maps to one ID", n.name);
-            out.push(("state-out".to_owned(), ip.clone(), id));
-            out.push(("state-in".to_owned(), ip.clone(), id));
+            if has_cidr_of(&n.cidrs, ip) {
+                out.push(("state-out".to_owned(), ip.clone(), id));
+            }
+            if has_cidr_of(&local_node().cidrs, ip) {
+                out.push(("state-in".to_owned(), ip.clone(), id));
+            }
         }
         for c in &n.cidrs {
             let gw = n
