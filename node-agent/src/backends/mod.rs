@@ -169,7 +169,8 @@ impl From<NodeMapError> for OpenError {
 /// fails every op of its kind.
 pub struct Backends {
     pub map: Option<map::MapBackend>,
-    /// The pod-CIDR map: only with IPsec.
+    /// The pod-CIDR map: with IPsec, and without it where a run with IPsec left it, so that
+    /// its marks are removed.
     pub pod_cidrs: Option<pod_cidrs::PodCidrBackend>,
     pub routes: Option<routes::RouteBackend>,
     /// `None` where the kernel has no nexthop objects. Open also with `--route-nexthops false`,
@@ -177,8 +178,14 @@ pub struct Backends {
     pub nexthops: Option<nexthops::NexthopBackend>,
     /// Routes go through nexthops: the kernel has them and they are not turned off.
     route_nexthops: bool,
-    /// Owns the xfrm kinds: states, policies and guards.
+    /// Owns the xfrm kinds: states, policies and guards. Open without IPsec too (where the
+    /// kernel has xfrm), so that what a run with IPsec left is dumped and removed: its marks,
+    /// policies and guards would go on encrypting toward peers, or dropping, with no agent
+    /// keeping them.
     pub xfrm: Option<xfrm::XfrmBackend>,
+    /// IPsec is off and `xfrm` is there only for that cleanup: a dump it cannot make is
+    /// reported and taken as empty, never the reconcile's failure.
+    xfrm_leftovers_only: bool,
     /// The IPsec key file and what it held when last read.
     pub key_file: Option<KeyFileState>,
     /// The kernel's record of freed node IDs; `None` in a dry run before it exists.
@@ -208,7 +215,7 @@ impl Backends {
         // IPsec's prerequisites first (a valid key file, a kernel with ESP): a start-up that
         // fails on them changes nothing.
         let (xfrm, key_file) = match &config.ipsec_key_file {
-            None => (None, None),
+            None => (leftover_xfrm(), None),
             Some(path) => {
                 let file = KeyFile::load(path)?;
                 warn_about(&file);
@@ -233,7 +240,7 @@ impl Backends {
             true => Some(map::MapBackend::open(&pin, capacity)?),
             false => None,
         };
-        let pod_cidrs = match ipsec && exists(&cidr_pin) {
+        let pod_cidrs = match (ipsec && exists(&cidr_pin)) || cidr_pin.exists() {
             true => Some(pod_cidrs::PodCidrBackend::open(&cidr_pin, capacity)?),
             false => None,
         };
@@ -271,6 +278,7 @@ impl Backends {
             route_nexthops: config.route_nexthops && nexthops.is_some(),
             nexthops,
             xfrm,
+            xfrm_leftovers_only: !ipsec,
             key_file,
             freed,
             removals,
@@ -404,10 +412,23 @@ impl Backends {
             r.dump_into(&mut inv).await?;
         }
         if let Some(x) = &mut self.xfrm {
-            x.dump_into(&mut inv).await?;
+            match x.dump_into(&mut inv).await {
+                Err(e) if self.xfrm_leftovers_only => tracing::warn!(
+                    "IPsec is off; looking for xfrm objects an earlier run left: {e}; taken as none"
+                ),
+                r => r?,
+            }
         }
         Ok(inv)
     }
+}
+
+/// With IPsec off, an xfrm backend only to find what a run with IPsec left; none where the
+/// kernel has no xfrm netlink (then nothing can have been left).
+fn leftover_xfrm() -> Option<xfrm::XfrmBackend> {
+    xfrm::XfrmBackend::new(KeyBook::default())
+        .inspect_err(|e| tracing::debug!("no xfrm netlink ({e}): no IPsec objects to look for"))
+        .ok()
 }
 
 impl Kernel for Backends {

@@ -503,7 +503,34 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
         assert_eq!(ids_of(&env, &after)["node-0002"], ids_before["node-0002"]);
         let (_, report, _) = env.once(&ipsec);
         assert_eq!(report["kernel_writes"], 0, "{report}");
+
+        // IPsec turned off: every state, policy, guard and mark of ours goes (left, they went
+        // on encrypting toward peers that no longer decrypt, and the marks on steering pod
+        // traffic into them); the routes and map entries stay.
+        assert!(xfrm_guards() > 0 && pod_cidr_marks(&sb.bpffs) > 0);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{report}\n{err}");
+        assert_eq!(xfrm_objects(), Vec::new());
+        assert_eq!(xfrm_guards(), 0, "the guards go too");
+        assert_eq!(pod_cidr_marks(&sb.bpffs), 0, "and the marks");
+        assert_exact(&env, &after);
+        assert_eq!(env.once(&[]).1["kernel_writes"], 0);
     });
+}
+
+/// Our xfrm guards in the namespace.
+fn xfrm_guards() -> usize {
+    use node_agent::backends::xfrm::{KeyBook, XfrmBackend};
+    node_agent_tests::runtime().block_on(async {
+        let x = XfrmBackend::new(KeyBook::default()).unwrap();
+        x.dump_policies().await.unwrap().guards.len()
+    })
+}
+
+/// The entries of the pod-CIDR map, which mark pod traffic for IPsec.
+fn pod_cidr_marks(bpffs: &std::path::Path) -> usize {
+    let pin = node_agent::datapath::pod_cidrs_pin(bpffs);
+    node_agent::pod_cidr_map::PodCidrMap::open(&pin).map_or(0, |m| m.dump().unwrap().entries.len())
 }
 
 #[test]
