@@ -168,7 +168,8 @@ pub enum HoldKind {
     Ratio,
     /// Removals of the wipe share or more: only an operator releases them.
     Wipe,
-    /// The list lacks the local node: it is no view of this cluster, and nothing changes.
+    /// The list lacks the local node, or a valid record of it with an InternalIP: it is no
+    /// view of this cluster from this node, and nothing changes.
     NoLocalNode,
 }
 
@@ -224,9 +225,10 @@ impl fmt::Display for BrakeHold {
         if self.kind == HoldKind::NoLocalNode {
             return write!(
                 f,
-                "the node list does not contain this node ({}): it is not a view of this \
-                 cluster (a partial or filtered list, or another cluster's); nothing is changed \
-                 until a list contains it",
+                "the node list does not contain this node ({}), or no valid record of it with \
+                 an InternalIP: it is not a view of this cluster from this node (a partial or \
+                 filtered list, another cluster's, or this node malformed or registering); \
+                 nothing is changed until a list contains it",
                 self.id
             );
         }

@@ -43,7 +43,7 @@ use crate::checkpoint::{Checkpoint, KeySeen, PendingDelete};
 use crate::desired::{desired_objects, global_objects};
 use crate::ids::{AllocatorState, IdError, IdSet, MAX_ID};
 use crate::inventory::{Inventory, Marks};
-use crate::node::{Family, Node};
+use crate::node::{AddressKind, Family, Node};
 use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
 
 pub use brake::{BrakeHold, BrakeMemory, HoldKind, Removal};
@@ -534,7 +534,10 @@ impl Plan {
 struct Local {
     ips: HashSet<IpAddr>,
     cidrs: HashSet<IpNet>,
-    /// The live view lists the local node (valid or malformed).
+    /// The live view has a valid record of the local node with an InternalIP. Without one,
+    /// what is the local node's is unknown (a remote node claiming its address would not be
+    /// stopped) and so is its xfrm endpoint (every IPsec object would look superseded): the
+    /// view is no view of this cluster from this node (invariant 15).
     listed: bool,
 }
 
@@ -542,9 +545,12 @@ impl Local {
     fn new(cfg: &PlanConfig, live: &LiveView) -> Self {
         let mut ips: HashSet<IpAddr> = cfg.local_addresses.iter().copied().collect();
         let mut cidrs = HashSet::new();
-        let mut listed = live.malformed.iter().any(|m| m.name == cfg.local_node);
+        let mut listed = false;
         for n in live.nodes.iter().filter(|n| n.name == cfg.local_node) {
-            listed = true;
+            listed |= n
+                .addresses
+                .iter()
+                .any(|a| a.kind == AddressKind::InternalIP);
             ips.extend(claims::mapped_ips(n, cfg));
             cidrs.extend(n.pod_cidrs.iter().copied());
         }

@@ -1573,6 +1573,50 @@ fn nodes_a_lost_checkpoint_forgot_count_as_nodes_when_a_record_exists_again() {
     assert_eq!(p.brake_memory.window.last().map(|w| w.nodes), Some(2));
 }
 
+/// A local node that does not validate (after a restart: no good record of it in this
+/// process) or has no InternalIP leaves this node's own addresses and xfrm endpoint unknown:
+/// with IPsec, every state, policy, guard and mark looked superseded and went, the routes
+/// stayed, and pod traffic left in the clear. Such a list is no view from this node.
+#[test]
+fn a_local_node_without_a_usable_record_changes_nothing() {
+    let mut r = Run::new();
+    r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+    assert!(k.ours.values().any(|o| o.kind() == ObjectKind::XfrmState));
+    let unknown = PlanConfig {
+        local_addresses: Vec::new(),
+        local_pod_cidrs: Vec::new(),
+        ..r.cfg.clone()
+    };
+    // The local node malformed.
+    let malformed = Run {
+        cfg: unknown.clone(),
+        with_local: false,
+        malformed: vec![MalformedNode::named("local")],
+        ..Run::new()
+    };
+    // The local node listed without an InternalIP (registering).
+    let registering = node("local", &[], &["10.1.100.0/24"]);
+    let bare = Run {
+        cfg: unknown,
+        with_local: false,
+        ..Run::new()
+    };
+    for (what, run, live) in [
+        ("malformed", &malformed, vec![a(), b()]),
+        ("registering", &bare, vec![a(), b(), registering]),
+    ] {
+        let p = run.plan(Some(&cp), &live, &k);
+        assert!(p.is_empty(), "{what}: {p:?}");
+        assert_eq!(
+            p.brake.as_ref().map(|b| b.kind),
+            Some(HoldKind::NoLocalNode),
+            "{what}"
+        );
+    }
+}
+
 #[test]
 fn a_list_without_the_local_node_changes_nothing() {
     let mut r = Run::new();
