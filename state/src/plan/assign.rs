@@ -4,6 +4,7 @@
 //! of them is programmed.
 
 use foldhash::HashSet;
+use ipnet::IpNet;
 use smallvec::SmallVec;
 
 use super::brake::{Brake, is_local_entry};
@@ -14,6 +15,7 @@ use super::resource_index::{Res, ResourceIndex};
 use super::{Allocation, Elsewhere, InputError, InputProblem, Local, PlanInput, err};
 use crate::ids::{IdAllocator, IdError, IdSet};
 use crate::inventory::Inventory;
+use crate::node::Node;
 use crate::objects::{KernelObject, NodeId, ObjectId};
 
 /// What admission leaves for the rest of the plan.
@@ -247,6 +249,11 @@ pub(super) fn admit(
     for i in order {
         // The node outlives `live`'s borrow: its name needs no copy.
         let name = &live[i].node.name[..];
+        if let Some((cidr, local)) = overlaps_local(live[i].node, local) {
+            err(errors, name, InputProblem::OverlapsLocal { cidr, local });
+            live[i].class = LiveClass::Held(HeldWhy::Conflict);
+            continue;
+        }
         let checked = claims.check(i, wants(i), |j, r| match live[j].class {
             // What a registering or malformed node claims now is unknown: its record stands.
             LiveClass::Held(HeldWhy::Registering | HeldWhy::Malformed) => true,
@@ -294,6 +301,28 @@ pub(super) fn admit(
         seen_ids,
         claimed: ids.claimed,
     }
+}
+
+/// A pod CIDR of `node` that overlaps what is the local node's without being equal to it
+/// (equal ones are claims, and conflicts of their own): one of its pod CIDRs, inside or around
+/// it, or a CIDR around one of its addresses (a `/0`, or a host route to it). Its route would
+/// take traffic that is the local node's.
+fn overlaps_local(node: &Node, local: &Local) -> Option<(IpNet, String)> {
+    node.pod_cidrs.iter().find_map(|c| {
+        let cidr = local
+            .cidrs
+            .iter()
+            .find(|l| *l != c && (l.contains(&c.network()) || c.contains(&l.network())))
+            .map(|l| l.to_string());
+        let address = || {
+            local
+                .ips
+                .iter()
+                .find(|ip| c.contains(*ip))
+                .map(|ip| format!("the address {ip}"))
+        };
+        cidr.or_else(address).map(|what| (*c, what))
+    })
 }
 
 /// New map entries live node `i` needs, and its recorded entries that go once it is programmed

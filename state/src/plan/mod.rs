@@ -331,6 +331,10 @@ pub enum InputProblem {
     },
     #[error("{resource} belongs to the local node; this node is held until it no longer claims it")]
     LocalResource { resource: Resource },
+    #[error(
+        "pod CIDR {cidr} overlaps {local}, the local node's; this node is held until it no longer does (its route would take the local node's traffic)"
+    )]
+    OverlapsLocal { cidr: IpNet, local: String },
     #[error("{object} is not written: {foreign} is there and is not ours; it is left alone")]
     Foreign { object: String, foreign: String },
     #[error(
@@ -361,6 +365,7 @@ impl InputProblem {
             self,
             Self::Conflict { .. }
                 | Self::LocalResource { .. }
+                | Self::OverlapsLocal { .. }
                 | Self::Foreign { .. }
                 | Self::InUse { .. }
         )
@@ -877,6 +882,7 @@ fn unsettled(live: &[Live<'_>], errors: &[InputError]) -> Option<Vec<String>> {
             | InputProblem::NoLocalEndpoint { .. }
             | InputProblem::Conflict { .. }
             | InputProblem::LocalResource { .. }
+            | InputProblem::OverlapsLocal { .. }
             | InputProblem::MapFull { .. }
             | InputProblem::Ids(_) => {}
             _ => return None,

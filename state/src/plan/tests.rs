@@ -1187,6 +1187,45 @@ fn the_local_node_keeps_its_addresses_and_pod_cidr() {
     assert!(p.upserts.is_empty(), "{:?}", p.upserts);
 }
 
+/// A pod CIDR that overlaps the local node's without being equal to it is the local node's
+/// too: inside its pod CIDR (the more specific route would take half its pods' traffic),
+/// around it, or around one of its addresses (a `/0` beat the host's default route, a host
+/// route took its own address). Each is held and reported; the rest is programmed.
+#[test]
+fn a_pod_cidr_overlapping_the_local_nodes_is_held() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let inside = node("v", &["10.0.0.21"], &["10.1.100.0/25"]);
+    let around = node("w", &["10.0.0.22"], &["10.1.0.0/16"]);
+    let default = node("x", &["10.0.0.23"], &["0.0.0.0/0"]);
+    let host = node("y", &["10.0.0.24"], &["10.0.0.100/32"]);
+    let (p, _) = r.reconcile(None, &[a(), inside, around, default, host], &mut k);
+    let held: Vec<(&str, String)> = p
+        .errors
+        .iter()
+        .map(|e| match &e.problem {
+            InputProblem::OverlapsLocal { cidr, .. } => (e.node.as_str(), cidr.to_string()),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        held,
+        [
+            ("v", "10.1.100.0/25".to_owned()),
+            ("w", "10.1.0.0/16".to_owned()),
+            ("x", "0.0.0.0/0".to_owned()),
+            ("y", "10.0.0.100/32".to_owned()),
+        ]
+    );
+    let routes: Vec<&KernelObject> = k
+        .ours
+        .values()
+        .filter(|o| o.kind() == ObjectKind::Route)
+        .collect();
+    assert_eq!(routes.len(), 1, "only a's: {routes:?}");
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
+}
+
 // ---- Invariant 8: transient is not gone ----
 
 #[test]
