@@ -87,14 +87,15 @@ impl KernelNexthops for Inventory {
 ///    (see "Scale" in `docs/design.md`). An old one a foreign route or group uses stays as it
 ///    is (it is kept, and reported): replaced, it would send their traffic to the new gateway;
 /// 4. with no ID free, one of ours that nothing foreign uses, replaced in place;
-/// 5. failing that (a foreign nexthop at one ID, a foreign user of ours at the other), ours,
-///    replaced in place: the node's routes must follow it, and nothing else is left to them.
+/// 5. failing that (a foreign nexthop or a shared one of ours at each ID), nothing of ours
+///    changes under a foreign user: the old one as it is, with the problem to report. The
+///    node's routes keep its old gateway until an ID of the pair is to be had.
 pub fn nexthop_toward(
     kernel: &impl KernelNexthops,
     id: NodeId,
     family: Family,
     gateway: IpAddr,
-) -> Nexthop {
+) -> (Nexthop, Option<InputProblem>) {
     let at = |second| Nexthop {
         node_id: id,
         gateway,
@@ -105,10 +106,10 @@ pub fn nexthop_toward(
         .into_iter()
         .find(|&s| ours[usize::from(s)].is_some_and(|n| n.gateway == gateway))
     {
-        return at(second);
+        return (at(second), None);
     }
     let Some(old) = ours[0].or(ours[1]) else {
-        return at(false);
+        return (at(false), None);
     };
     let view = kernel.inventory();
     let identity = |second| ObjectId::Nexthop {
@@ -124,9 +125,18 @@ pub fn nexthop_toward(
     let second = [false, true]
         .into_iter()
         .find(|&s| free(s))
-        .or_else(|| [false, true].into_iter().find(|&s| unshared(s)))
-        .unwrap_or(old.second);
-    at(second)
+        .or_else(|| [false, true].into_iter().find(|&s| unshared(s)));
+    match second {
+        Some(second) => (at(second), None),
+        None => {
+            let user = view.foreign_user(&identity(old.second)).unwrap_or_default();
+            let problem = InputProblem::InUse {
+                object: KernelObject::Nexthop(old.clone()).to_string(),
+                user: user.to_owned(),
+            };
+            (old.clone(), Some(problem))
+        }
+    }
 }
 
 /// Appends `node`'s routes to `out`, one per pod CIDR via the node's InternalIP of the CIDR's
@@ -167,7 +177,8 @@ fn routes(
         }
         let via = match nexthops {
             Some(kernel) => {
-                let nexthop = nexthop_toward(kernel, id, family, gateway);
+                let (nexthop, problem) = nexthop_toward(kernel, id, family, gateway);
+                problems.extend(problem);
                 let via = Via::Nexthop(nexthop.id());
                 out.push(KernelObject::Nexthop(nexthop));
                 via

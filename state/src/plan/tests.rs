@@ -2100,6 +2100,74 @@ fn a_nexthop_a_foreign_route_uses_is_never_changed_under_it() {
     );
 }
 
+/// With neither ID of the pair to spare (a foreign nexthop at the other, a foreign route on
+/// ours, or ours at both IDs, each used by something foreign), ours is not given the new
+/// gateway under its user: it stays as it is, reported as in use, and the node's routes stay
+/// on the old gateway.
+#[test]
+fn a_shared_nexthop_keeps_its_gateway_when_no_other_id_is_to_be_had() {
+    let theirs = "route 192.168.7.0/24 table 100 proto static";
+    let mut k = Kernel::default();
+    let (_, p, _) = readdress_a(&mut k, |k| {
+        k.used_by.insert(
+            ObjectId::Nexthop {
+                id: nh_id(1, Family::V4),
+            },
+            theirs.into(),
+        );
+        k.foreign.insert(
+            ObjectId::Nexthop {
+                id: NexthopId::of_pair(id(1), Family::V4, true),
+            },
+            "nexthop 201500001 proto static".into(),
+        );
+    });
+    assert!(
+        ops_of(&p).iter().all(|op| !op.contains("nexthop")),
+        "{:?}",
+        ops_of(&p)
+    );
+    assert!(
+        problems(&p)
+            .iter()
+            .any(|(n, e)| *n == "a" && matches!(e, InputProblem::InUse { .. })),
+        "{:?}",
+        p.errors
+    );
+    assert!(k.has(&nh_route("10.1.1.0/24", 1)), "the routes stay");
+
+    // Ours at both IDs, both used by foreign routes.
+    let mut k = Kernel::default();
+    let (_, p, _) = readdress_a(&mut k, |k| {
+        let second = Nexthop {
+            node_id: id(1),
+            gateway: ip("10.0.0.1"),
+            second: true,
+        };
+        let second = KernelObject::Nexthop(second);
+        for nh in [
+            nh_id(1, Family::V4),
+            NexthopId::of_pair(id(1), Family::V4, true),
+        ] {
+            k.used_by
+                .insert(ObjectId::Nexthop { id: nh }, theirs.into());
+        }
+        k.ours.insert(second.id(), second);
+    });
+    assert!(
+        ops_of(&p).iter().all(|op| !op.contains("nexthop 2014")),
+        "{:?}",
+        ops_of(&p)
+    );
+    assert!(
+        problems(&p)
+            .iter()
+            .any(|(n, e)| *n == "a" && matches!(e, InputProblem::InUse { .. })),
+        "{:?}",
+        p.errors
+    );
+}
+
 /// A crash between making the new nexthop and deleting the old leaves both: the one with the
 /// node's gateway is kept, whichever ID it holds, the routes still on the other move to it,
 /// and the other goes last.
