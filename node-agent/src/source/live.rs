@@ -142,7 +142,11 @@ impl LiveState {
     }
 
     /// Folds `raw` into `into`. A malformed record keeps the good one `previous` had (`None`:
-    /// `into` is the map the good one is already in).
+    /// `into` is the map the good one is already in), if it is of the same node: a node of
+    /// another UID under the name (the node was replaced while the watch was down, its
+    /// successor malformed) is not the record's node, whose objects must go as a removal the
+    /// brake counts, and whose addresses must not stay its. A malformed record without a
+    /// readable UID keeps the good one: which node it is, nobody can tell.
     fn fold(
         into: &mut BTreeMap<String, Arc<Node>>,
         errors: &mut BTreeMap<String, Rejected>,
@@ -156,8 +160,18 @@ impl LiveState {
                 into.insert(name, Arc::new(node));
             }
             Err(e) => {
-                if let Some(good) = previous.and_then(|p| p.get(&name)) {
-                    into.insert(name.clone(), good.clone());
+                let same_node = |good: &Arc<Node>| uid.is_empty() || good.uid.as_str() == uid;
+                match previous {
+                    Some(p) => {
+                        if let Some(good) = p.get(&name).filter(|g| same_node(g)) {
+                            into.insert(name.clone(), good.clone());
+                        }
+                    }
+                    None => {
+                        if into.get(&name).is_some_and(|g| !same_node(g)) {
+                            into.remove(&name);
+                        }
+                    }
                 }
                 errors.insert(name, Rejected { uid, error: e });
             }
@@ -362,6 +376,24 @@ mod tests {
         relist(&mut s, &[raw("a", "10.0.0.1"), raw("bad", "10.0.0.300")]);
         assert!(s.errors().contains_key("bad") && !s.errors().contains_key("a"));
         assert!(s.get("bad").is_none(), "a node never seen valid is skipped");
+    }
+
+    /// A malformed record under the name of a node with another UID is another node: the
+    /// good record of the first is not kept for it, by a relist or by a watch event.
+    #[test]
+    fn a_malformed_successor_under_the_name_does_not_keep_the_old_nodes_record() {
+        let successor = RawNode {
+            uid: "uid-a-2".into(),
+            ..raw("a", "not-an-ip")
+        };
+        let mut s = state();
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        relist(&mut s, std::slice::from_ref(&successor));
+        assert!(s.get("a").is_none(), "relisted: {:?}", s.get("a"));
+        assert_eq!(s.errors()["a"].uid, "uid-a-2");
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        s.apply(SourceEvent::Apply(successor));
+        assert!(s.get("a").is_none(), "watched: {:?}", s.get("a"));
     }
 
     #[test]
