@@ -138,6 +138,9 @@ struct Shared {
     failing: AtomicBool,
     /// Every connection is closed at once, as if nothing listened.
     refusing: AtomicBool,
+    /// Every watch from a version is answered `410 Expired` at once, as a caching proxy that
+    /// keeps no history does: lists succeed, watches never start.
+    expiring: AtomicBool,
     lists: AtomicU64,
     watches: AtomicU64,
     gets: AtomicU64,
@@ -199,6 +202,7 @@ impl ApiServer {
             forbidden: AtomicBool::new(false),
             revoked: AtomicBool::new(false),
             failing: AtomicBool::new(false),
+            expiring: AtomicBool::new(false),
             refusing: AtomicBool::new(false),
             lists: AtomicU64::new(0),
             watches: AtomicU64::new(0),
@@ -352,6 +356,12 @@ impl ApiServer {
     /// Answers every request from now on with `500 InternalError`, or stops doing so.
     pub fn set_failing(&self, failing: bool) {
         self.shared.failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// Answers every watch from a version with `410 Expired` from now on (lists still
+    /// succeed), or stops doing so. Open watches are not cut.
+    pub fn set_expiring(&self, expiring: bool) {
+        self.shared.expiring.store(expiring, Ordering::SeqCst);
     }
 
     /// Closes every new connection at once, as a server that is down does (the client sees it
@@ -791,7 +801,7 @@ fn watch_nodes(shared: &Arc<Shared>, query: &Query) -> Result<Response<Body>, Re
                 .collect();
             (lines, store.rv)
         }
-        Some(rv) if rv < store.floor => {
+        Some(rv) if rv < store.floor || shared.expiring.load(Ordering::SeqCst) => {
             let gone = status_json(
                 410,
                 "Expired",

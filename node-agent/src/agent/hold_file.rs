@@ -89,11 +89,13 @@ pub fn take_confirmation(dir: &Path) -> Result<Option<String>, HoldFileError> {
     }
     let read = std::fs::read(&taken);
     // Removed whatever it held: one that cannot be read, or is no text, is reported once and
-    // dropped (to be given again), never left to block every confirmation after it.
-    if let Err(e) = std::fs::remove_file(&taken) {
-        // An ID read counts all the same; the file is read again next time, which is harmless.
-        tracing::warn!("{}", io_err("removing", &taken)(e));
-    }
+    // dropped (to be given again), never left to block every confirmation after it. One that
+    // cannot be removed (immutable, a read-only mount) is not used: it would confirm again at
+    // every turn of the daemon, each a reconcile, back to back.
+    std::fs::remove_file(&taken).map_err(io_err(
+        "removing the taken confirmation (not used until it can be removed)",
+        &taken,
+    ))?;
     let bytes = read.map_err(io_err("reading", &taken))?;
     let text =
         String::from_utf8(bytes).map_err(|_| HoldFileError::NoHoldId { path: path.clone() })?;
@@ -233,6 +235,41 @@ mod tests {
         assert!(err.to_string().contains("names no hold"), "{err}");
         assert_eq!(take_confirmation(dir.path()).unwrap(), None);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    /// A taken confirmation that cannot be removed is reported and not used: used, it
+    /// confirmed again at every turn, each a reconcile.
+    #[test]
+    fn a_confirmation_that_cannot_be_removed_is_not_used() {
+        let dir = tempfile::tempdir().unwrap();
+        write_confirmation(dir.path(), "abc123").unwrap();
+        std::fs::rename(dir.path().join(CONFIRM_FILE), dir.path().join(TAKEN_FILE)).unwrap();
+        let taken = dir.path().join(TAKEN_FILE);
+        let chattr = |flag: &str| {
+            std::process::Command::new("chattr")
+                .arg(flag)
+                .arg(&taken)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !chattr("+i") {
+            eprintln!(
+                "SKIPPED a_confirmation_that_cannot_be_removed_is_not_used: chattr +i failed here \
+                 (not root, or a file system without the immutable flag)"
+            );
+            return;
+        }
+        let twice = [take_confirmation(dir.path()), take_confirmation(dir.path())];
+        assert!(chattr("-i"));
+        for r in twice {
+            let err = r.unwrap_err();
+            assert!(err.to_string().contains("not used"), "{err}");
+        }
+        assert_eq!(
+            take_confirmation(dir.path()).unwrap().as_deref(),
+            Some("abc123"),
+            "removable again: used"
+        );
     }
 
     /// Bytes that are no text are reported once and dropped: the confirmation after them is

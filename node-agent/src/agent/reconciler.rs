@@ -232,10 +232,18 @@ impl<K: Kernel> Reconciler<K> {
     }
 
     /// Folds a source event into the live view; `true` if a reconcile is due: the view changed,
-    /// or a fresh full list arrived that a held brake waits for.
+    /// or a fresh full list arrived that a held brake waits for (one whose confirm delay has
+    /// passed: a list confirms nothing sooner, nor a wipe's hold or one of no view, and at
+    /// 65,000 nodes a plan per relist is no small thing).
     pub fn on_event(&mut self, event: SourceEvent) -> bool {
         let taken = self.sync_parts().1.take(event);
-        self.live.synced() && (taken.changed || (taken.relisted && self.hold.is_some()))
+        let now = self.clock.now();
+        let waits_for_a_list = self
+            .hold
+            .as_ref()
+            .and_then(|h| h.confirmable_at)
+            .is_some_and(|at| at <= now);
+        self.live.synced() && (taken.changed || (taken.relisted && waits_for_a_list))
     }
 
     /// The kernel and the event intake, borrowed apart: at start the source's first list is
@@ -1188,6 +1196,57 @@ mod tests {
         let hold = o.plan.brake.as_ref().expect("held");
         assert_eq!((hold.removed_nodes, hold.known_nodes), (6, 10));
         assert!(o.pruned.is_empty());
+    }
+
+    /// A relist reconciles while a hold waits for one: only a ratio hold whose confirm delay
+    /// has passed. A hold no list confirms (a wipe's, or one not yet ripe) made every relist a
+    /// plan of the whole cluster.
+    #[tokio::test(flavor = "current_thread")]
+    async fn only_a_ripe_ratio_hold_makes_a_relist_reconcile() {
+        let names: Vec<String> = (1..=10).map(|i| format!("n{i:02}")).collect();
+        let nodes: Vec<(&str, u8)> = names
+            .iter()
+            .zip(1..)
+            .map(|(n, i)| (n.as_str(), i))
+            .collect();
+        let relist = |rec: &mut Reconciler<FakeKernel>, live: &[(&str, u8)]| {
+            rec.on_event(SourceEvent::Init);
+            rec.on_event(SourceEvent::InitApply(raw(
+                "local",
+                "10.0.0.100",
+                "10.1.100.0/24",
+            )));
+            for (n, i) in live {
+                let ip = format!("10.0.0.{i}");
+                rec.on_event(SourceEvent::InitApply(raw(
+                    n,
+                    &ip,
+                    &format!("10.1.{i}.0/24"),
+                )));
+            }
+            rec.on_event(SourceEvent::InitDone)
+        };
+        for (kept, kind) in [(1, HoldKind::Wipe), (4, HoldKind::Ratio)] {
+            let mut rec = reconciler(&nodes);
+            rec.confirm_by_relist(true);
+            rec.reconcile().await.unwrap();
+            relist(&mut rec, &nodes[..kept]);
+            let o = rec.reconcile().await.unwrap();
+            assert_eq!(o.plan.brake.as_ref().map(|b| b.kind), Some(kind));
+            assert!(
+                !relist(&mut rec, &nodes[..kept]),
+                "{kind:?}: the same list again"
+            );
+        }
+        // Ripe: with no confirm delay, the list after the hold's is the one it waits for.
+        let mut ripe = config();
+        ripe.prune_confirm_delay = Duration::ZERO;
+        let mut rec = reconciler_with(ripe, FakeKernel::default(), &nodes);
+        rec.confirm_by_relist(true);
+        rec.reconcile().await.unwrap();
+        relist(&mut rec, &nodes[..4]);
+        assert!(rec.reconcile().await.unwrap().plan.brake.is_some());
+        assert!(relist(&mut rec, &nodes[..4]), "a ripe hold's list");
     }
 
     fn keys(spis: &[u8], digest: u8) -> crate::agent::kernel::KeyRead {

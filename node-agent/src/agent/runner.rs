@@ -289,6 +289,7 @@ pub async fn run(
         telemetry,
         stale_since: None,
         published_hold: None,
+        confirmation_error: None,
     };
     if ipsec {
         daemon.schedule.watch_keys(Instant::now(), KEY_FILE_POLL);
@@ -324,6 +325,8 @@ struct Daemon<K: Kernel> {
     stale_since: Option<Instant>,
     /// The hold last published in the state directory, by ID.
     published_hold: Option<String>,
+    /// The last problem with an operator's confirmation file, reported once.
+    confirmation_error: Option<String>,
 }
 
 impl<K: Kernel> Daemon<K> {
@@ -376,8 +379,15 @@ impl<K: Kernel> Daemon<K> {
                 self.rec.confirm_hold(id);
                 self.schedule.reconcile_now(Instant::now());
             }
-            Ok(None) => {}
-            Err(e) => tracing::warn!("{e}"),
+            Ok(None) => self.confirmation_error = None,
+            // Reported when it first appears, not at every turn it stays.
+            Err(e) => {
+                let e = e.to_string();
+                if self.confirmation_error.as_ref() != Some(&e) {
+                    tracing::warn!("{e}");
+                    self.confirmation_error = Some(e);
+                }
+            }
         }
     }
 
@@ -561,6 +571,7 @@ mod tests {
             telemetry,
             stale_since: None,
             published_hold: None,
+            confirmation_error: None,
         }
     }
 

@@ -71,9 +71,11 @@ impl KubeSource {
     /// over from a fresh list.
     ///
     /// Errors back off exponentially with jitter (1 s doubling to [`MAX_BACKOFF`]), reset only
-    /// by data: kube-runtime's watcher announces every new list attempt with `Init`, before
-    /// the list is even sent, so a backoff that resets on any event retries a failing API
-    /// server about every second forever. After an error the source also asks the API server
+    /// once the watch has gone [`MAX_BACKOFF`] without an error: a reset by any event retried
+    /// a failing API server about every second forever (kube-runtime's watcher announces every
+    /// new list attempt with `Init`, before the list is even sent), and a reset by data did the
+    /// same wherever lists succeed and watches fail at once (`410 Expired` from a proxy that
+    /// keeps no history), each retry a list of the whole cluster. After an error the source also asks the API server
     /// for one node (`limit=1`) once per backoff period: a watch that resumes quietly sends no
     /// event, and that probe is what says the agent can see nodes again.
     pub async fn run(
@@ -85,6 +87,8 @@ impl KubeSource {
         let api: Api<Node> = Api::all(client);
         let mut backoff = Jittered::new(Duration::from_secs(1), MAX_BACKOFF);
         let mut requests_open = true;
+        // When the last error's wait ended: the watch has been good since, unless another came.
+        let mut last_retry: Option<std::time::Instant> = None;
         loop {
             let mut stream = watcher::watcher(api.clone(), watcher::Config::default()).boxed();
             loop {
@@ -105,14 +109,12 @@ impl KubeSource {
                 };
                 let Some(item) = item else { return };
                 let event = match item {
-                    Ok(ev) => {
-                        if !matches!(ev, Event::Init) {
-                            backoff.reset();
-                        }
-                        convert(ev)
-                    }
+                    Ok(ev) => convert(ev),
                     Err(e) => {
                         let msg = describe(&e);
+                        if last_retry.is_some_and(|t| t.elapsed() >= MAX_BACKOFF) {
+                            backoff.reset();
+                        }
                         let delay = backoff.next_delay();
                         tracing::warn!(
                             retry_in_ms = delay.as_millis() as u64,
@@ -122,6 +124,7 @@ impl KubeSource {
                             return;
                         }
                         tokio::time::sleep(delay).await;
+                        last_retry = Some(std::time::Instant::now());
                         match api.list(&ListParams::default().limit(1)).await {
                             Ok(_) => SourceEvent::Healthy,
                             Err(e) => {
