@@ -419,12 +419,15 @@ impl ObjectKind {
         }
     }
 
-    /// Kinds whose deletes run after the plan's upserts. Deleting a nexthop deletes every
-    /// route still through it, and makes the kernel walk them: a node whose nexthop changes
-    /// (a new node ID) has its routes moved to the new nexthop first, so the old one goes with
-    /// no route through it, and no route of a live node is ever missing.
+    /// Kinds whose deletes run after the plan's upserts, and only once every route operation
+    /// succeeded. Deleting a nexthop deletes every route still through it, and makes the
+    /// kernel walk them: a node whose nexthop changes (a new node ID) has its routes moved to
+    /// the new nexthop first, so the old one goes with no route through it, and no route of a
+    /// live node is ever missing. A pod-CIDR entry (IPsec's mark) goes after its route too: a
+    /// route whose delete failed and that lost its mark carried pod traffic in the clear
+    /// (invariant 18); kept, the mark sends it to the block guard.
     pub const fn deleted_last(self) -> bool {
-        matches!(self, Self::Nexthop)
+        matches!(self, Self::Nexthop | Self::PodCidrEntry)
     }
 
     /// The kinds written into the datapath's maps: a node gets nothing else until all of its

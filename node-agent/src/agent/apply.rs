@@ -313,6 +313,15 @@ mod tests {
             local_node: "local".into(),
             ..PlanConfig::default()
         };
+        plan_with(&cfg, nodes, k, record)
+    }
+
+    fn plan_with(
+        cfg: &PlanConfig,
+        nodes: Vec<Node>,
+        k: &FakeKernel,
+        record: Option<&Checkpoint>,
+    ) -> Plan {
         let mut all = vec![node("local", "10.0.0.100", "10.1.100.0/24")];
         all.extend(nodes);
         let live = LiveView {
@@ -329,7 +338,7 @@ mod tests {
             brake: &BrakeMemory::default(),
             confirmed_hold: None,
             now: Duration::from_secs(1000),
-            config: &cfg,
+            config: cfg,
         })
     }
 
@@ -383,6 +392,44 @@ mod tests {
             k.ours.contains_key(&route),
             "a's route is still there, through its nexthop"
         );
+    }
+
+    /// A removed node's IPsec mark goes only after its route: a route whose delete failed
+    /// and that lost its mark carried pod traffic in the clear; with the mark, the block guard
+    /// drops it.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_mark_stays_while_its_route_may_still_be_there() {
+        let cfg = PlanConfig {
+            local_node: "local".into(),
+            local_addresses: vec!["10.0.0.100".parse().unwrap()],
+            local_pod_cidrs: vec!["10.1.100.0/24".parse().unwrap()],
+            ipsec: Some(state::plan::IpsecConfig::single(
+                3,
+                state::objects::KeyTag(1),
+            )),
+            ..PlanConfig::default()
+        };
+        let mut k = FakeKernel::default();
+        let first = plan_with(&cfg, cluster(), &k, None);
+        applied(&mut k, &first).await;
+        let record = first.checkpoint_after(&[]);
+        let mark = ObjectId::PodCidrEntry {
+            cidr: "10.1.1.0/24".parse().unwrap(),
+        };
+        assert!(k.ours.contains_key(&mark));
+        // `a` is gone; its route's delete fails.
+        let second = plan_with(&cfg, cluster()[1..].to_vec(), &k, Some(&record));
+        k.faults.kinds = vec![ObjectKind::Route];
+        let results = applied(&mut k, &second).await;
+        let held = results
+            .iter()
+            .find(|r| r.op.object().id() == mark)
+            .expect("the mark's delete is reported");
+        assert!(
+            matches!(held.result, Err(OpError::RoutesUnsettled)),
+            "{held:?}"
+        );
+        assert!(k.ours.contains_key(&mark), "the mark stays");
     }
 
     #[tokio::test(flavor = "current_thread")]
