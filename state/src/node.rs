@@ -157,6 +157,16 @@ impl Node {
                 node: raw.name.clone(),
                 value: value.clone(),
             })?;
+            // An IPv4 address written as IPv4-mapped IPv6 (`::ffff:10.0.0.1`) is that IPv4
+            // address: kept as text, it conflicted with nothing (another node's or the local
+            // node's 10.0.0.1) and went past the loopback check.
+            let ip = ip.to_canonical();
+            if ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
+                return Err(NodeError::UnusableAddress {
+                    node: raw.name.clone(),
+                    ip,
+                });
+            }
             // A node is one node, whatever its address list says (invariant 13): an address
             // listed twice (an InternalIP that is also the ExternalIP, as on a node without
             // NAT) is one address, of the stronger kind, where it first appears.
@@ -374,5 +384,22 @@ mod tests {
             Node::from_raw(RawNode::default()),
             Err(NodeError::EmptyName)
         ));
+        for unusable in ["255.255.255.255", "::ffff:127.0.0.1"] {
+            assert!(
+                matches!(
+                    Node::from_raw(raw(&[("InternalIP", unusable)], &[])),
+                    Err(NodeError::UnusableAddress { .. })
+                ),
+                "{unusable}"
+            );
+        }
+    }
+
+    /// An IPv4 address written as IPv4-mapped IPv6 is that IPv4 address, so it conflicts with
+    /// the same address written plainly.
+    #[test]
+    fn an_ipv4_mapped_address_is_its_ipv4_address() {
+        let n = Node::from_raw(raw(&[("InternalIP", "::ffff:10.0.0.1")], &[])).unwrap();
+        assert_eq!(n.addresses[0].ip, "10.0.0.1".parse::<IpAddr>().unwrap());
     }
 }
