@@ -616,6 +616,7 @@ impl<K: Kernel> Reconciler<K> {
         self.remember_removal(&plan.brake_memory);
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
+        self.spend_force_prune();
         self.total_writes += writes;
         self.pruned.extend(pruned.iter().cloned());
         let elapsed_ms = started.elapsed().as_millis() as u64;
@@ -644,6 +645,19 @@ impl<K: Kernel> Reconciler<K> {
             pruned,
             record_changed,
         })
+    }
+
+    /// `--force-prune` in the daemon is for the plan after a restart, the one the operator
+    /// looked at: kept for every plan, as a setting left in a DaemonSet's environment would
+    /// be, it turned the brake off for good, near-total wipes included.
+    fn spend_force_prune(&mut self) {
+        if self.plan_config.force_prune && self.plan_config.confirm_by_relist {
+            self.plan_config.force_prune = false;
+            tracing::warn!(
+                "--force-prune released what the first plan held; the brake holds again from \
+                 now on (`node-agent prune confirm` releases a later hold)"
+            );
+        }
     }
 
     /// Dumps the kernel, and what drifted from the view the last reconcile left. Until a dump
@@ -1195,6 +1209,27 @@ mod tests {
         let o = rec.reconcile().await.unwrap();
         let hold = o.plan.brake.as_ref().expect("held");
         assert_eq!((hold.removed_nodes, hold.known_nodes), (6, 10));
+        assert!(o.pruned.is_empty());
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn force_prune_in_the_daemon_releases_the_first_plans_hold_only() {
+        let names: Vec<String> = (1..=10).map(|i| format!("n{i:02}")).collect();
+        let nodes: Vec<(&str, u8)> = names
+            .iter()
+            .zip(1..)
+            .map(|(n, i)| (n.as_str(), i))
+            .collect();
+        let mut forced = config();
+        forced.force_prune = true;
+        let mut rec = reconciler_with(forced, FakeKernel::default(), &nodes);
+        rec.confirm_by_relist(true);
+        rec.reconcile().await.unwrap();
+        for (n, _) in &nodes[..6] {
+            rec.on_event(SourceEvent::Delete((*n).into()));
+        }
+        let o = rec.reconcile().await.unwrap();
+        assert!(o.plan.brake.is_some(), "six of ten, held: {:?}", o.pruned);
         assert!(o.pruned.is_empty());
     }
 

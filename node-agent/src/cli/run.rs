@@ -91,7 +91,8 @@ pub struct AgentArgs {
     /// Largest share of known remote nodes one prune may delete before the brake holds it.
     #[arg(long, env = "NODE_AGENT_MAX_PRUNE_RATIO", default_value_t = 0.5)]
     pub max_prune_ratio: f64,
-    /// Delete stale nodes even when the brake would hold them.
+    /// Delete stale nodes even when the brake would hold them. The daemon uses it for its
+    /// first plan only: later holds wait for a confirmation (`node-agent prune confirm`).
     #[arg(long, env = "NODE_AGENT_FORCE_PRUNE")]
     pub force_prune: bool,
     /// As a daemon, a held prune goes ahead once a fresh full list at least this much later
