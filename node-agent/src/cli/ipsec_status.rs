@@ -134,9 +134,16 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
         }
     }
     let by_node = per_node(&states, &policies.policies);
-    // The agent keeps guards in every family this node has an xfrm endpoint in: there, every
-    // node should have its states.
+    // The agent keeps guards in every family this node has an xfrm endpoint in: there, a node
+    // with an address of the family should have its states where packets use them: OUT toward
+    // a node with pod CIDRs of the family, IN when this node has pod CIDRs of it (which the
+    // record does not keep; that the agent keeps IN states of the family for some node says so).
     let families: BTreeSet<Family> = policies.guards.iter().map(|g| g.family).collect();
+    let receiving: BTreeSet<Family> = states
+        .iter()
+        .filter(|s| s.dir == XfrmDir::In && Some(s.spi) == status.send_spi)
+        .map(|s| Family::of(&s.src))
+        .collect();
     for n in cp.iter().flat_map(|c| c.nodes.iter()) {
         let (st, pol) = n
             .node_id
@@ -145,8 +152,10 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
             .unwrap_or_default();
         let mut missing = Vec::new();
         if let Some(spi) = status.send_spi {
-            for f in &families {
-                for dir in [XfrmDir::Out, XfrmDir::In] {
+            for f in families.iter().filter(|f| n.internal_ip(**f).is_some()) {
+                let sends = n.pod_cidrs.iter().any(|c| Family::of_net(c) == *f);
+                let wanted = [(XfrmDir::Out, sends), (XfrmDir::In, receiving.contains(f))];
+                for dir in wanted.into_iter().filter(|w| w.1).map(|w| w.0) {
                     let has = st
                         .iter()
                         .any(|s| s.spi == spi && s.dir == dir && Family::of(&s.src) == *f);

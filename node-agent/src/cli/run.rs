@@ -77,8 +77,10 @@ pub struct AgentArgs {
     /// skb->mark bits that carry the node ID on ingress (one run of at least 16 bits).
     #[arg(long, env = "NODE_AGENT_MARK_MASK", default_value = "0xffff0000", value_parser = parse_u32)]
     pub mark_mask: u32,
-    /// Route protocol number marking our routes (name it in /etc/iproute2/rt_protos.d).
-    #[arg(long, env = "NODE_AGENT_ROUTE_PROTOCOL", default_value_t = crate::backends::routes::DEFAULT_ROUTE_PROTOCOL)]
+    /// Route protocol number marking our routes and nexthops (name it in
+    /// /etc/iproute2/rt_protos.d). The numbers the kernel and well-known routing daemons use
+    /// are refused: the agent takes every route of its protocol in its table for its own.
+    #[arg(long, env = "NODE_AGENT_ROUTE_PROTOCOL", default_value_t = crate::backends::routes::DEFAULT_ROUTE_PROTOCOL, value_parser = parse_route_protocol)]
     pub route_protocol: u8,
     /// Route through one nexthop object per node and family (`ip nexthop`), where the kernel
     /// has them (5.3 and later); `false` writes each route with its own gateway, as a kernel
@@ -242,6 +244,48 @@ fn parse_window(s: &str) -> Result<Duration, String> {
         "the brake counts removals together over this window, and a shorter one lets a mass \
          deletion through in small steps",
     )
+}
+
+/// Protocol numbers other route sources write (`RTPROT_*` in the kernel's `rtnetlink.h`, and
+/// iproute2's `rt_protos`): with one of them, the agent would take the host's default route
+/// (kernel, boot, static, DHCP) or a routing daemon's routes for orphans of its own and delete
+/// them.
+const ROUTE_PROTOCOLS_IN_USE: &[(u8, &str)] = &[
+    (0, "unspec"),
+    (1, "redirect"),
+    (2, "kernel"),
+    (3, "boot"),
+    (4, "static"),
+    (8, "gated"),
+    (9, "ra"),
+    (10, "mrt"),
+    (11, "zebra"),
+    (12, "bird"),
+    (13, "dnrouted"),
+    (14, "xorp"),
+    (15, "ntk"),
+    (16, "dhcp"),
+    (17, "mrouted"),
+    (18, "keepalived"),
+    (42, "babel"),
+    (99, "openr"),
+    (186, "bgp"),
+    (187, "isis"),
+    (188, "ospf"),
+    (189, "rip"),
+    (192, "eigrp"),
+];
+
+fn parse_route_protocol(s: &str) -> Result<u8, String> {
+    let p: u8 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    match ROUTE_PROTOCOLS_IN_USE.iter().find(|(n, _)| *n == p) {
+        Some((_, name)) => Err(format!(
+            "{p} is the route protocol of {name} routes, which are not the agent's; pick a number \
+             nothing else uses (the default is {})",
+            crate::backends::routes::DEFAULT_ROUTE_PROTOCOL
+        )),
+        None => Ok(p),
+    }
 }
 
 fn parse_u32(s: &str) -> Result<u32, String> {
@@ -484,6 +528,18 @@ mod tests {
         assert!(e.contains("mass deletion"), "{e}");
         let e = cli("--id-cooldown", "100000h").unwrap_err().to_string();
         assert!(e.contains("a year"), "{e}");
+    }
+
+    /// A protocol number the kernel or a routing daemon writes would make the host's default
+    /// route (or the daemon's) look like an orphan of ours.
+    #[test]
+    fn route_protocols_other_sources_use_are_refused() {
+        for taken in ["0", "2", "3", "4", "16", "186"] {
+            let e = parse_route_protocol(taken).unwrap_err();
+            assert!(e.contains("not the agent's"), "{taken}: {e}");
+        }
+        assert_eq!(parse_route_protocol("201"), Ok(201));
+        assert!(parse_route_protocol("256").is_err());
     }
 
     #[test]
