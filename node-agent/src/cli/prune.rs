@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use state::checkpoint::lock_holder;
+use state::checkpoint::{lock_held_by, lock_holder};
 
 use super::Output;
 use crate::agent::hold_file;
@@ -75,6 +75,16 @@ pub fn confirm(args: &ConfirmArgs, out: &mut impl Write) -> anyhow::Result<()> {
         Some(_) => {}
     }
     hold_file::write_confirmation(dir, &args.hold)?;
+    if !lock_held_by(dir, pid) {
+        // From another PID namespace (the host, for a pod's state directory) the PID names
+        // some other process, which SIGUSR1 would most likely kill.
+        writeln!(
+            out,
+            "confirmation left for the agent (pid {pid} in its lock file is not the agent as \
+             this PID namespace sees it, so it is not signalled; it reads it within seconds)"
+        )?;
+        return Ok(());
+    }
     let pid = libc::pid_t::try_from(pid).context("the PID in the lock file")?;
     // SAFETY: kill has no memory-safety preconditions; the worst outcome is an error.
     if unsafe { libc::kill(pid, libc::SIGUSR1) } != 0 {

@@ -52,7 +52,8 @@ pub struct AgentArgs {
     #[arg(
         long = "datapath-iface",
         env = "NODE_AGENT_DATAPATH_IFACE",
-        value_delimiter = ','
+        value_delimiter = ',',
+        value_parser = parse_iface
     )]
     pub datapath_ifaces: Vec<String>,
     /// Interface pod traffic enters the host through (the CNI's bridge, e.g. `cni0`);
@@ -61,7 +62,8 @@ pub struct AgentArgs {
     #[arg(
         long = "pod-iface",
         env = "NODE_AGENT_POD_IFACE",
-        value_delimiter = ','
+        value_delimiter = ',',
+        value_parser = parse_iface
     )]
     pub pod_ifaces: Vec<String>,
     /// Capacity of the node-ID and pod-CIDR maps, in entries (one per mapped address or pod
@@ -244,6 +246,25 @@ fn parse_window(s: &str) -> Result<Duration, String> {
         "the brake counts removals together over this window, and a shorter one lets a mass \
          deletion through in small steps",
     )
+}
+
+/// An interface name as the kernel takes one (`dev_valid_name`): at most 15 bytes, not `.`
+/// or `..`, without `/`, `:` or white space. The name becomes part of pin paths under the
+/// bpffs, where `../x` would reach a pin that is not ours.
+fn parse_iface(s: &str) -> Result<String, String> {
+    let valid = !s.is_empty()
+        && s.len() <= 15
+        && s != "."
+        && s != ".."
+        && !s
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace());
+    match valid {
+        true => Ok(s.to_owned()),
+        false => Err(format!(
+            "{s:?} is no interface name (at most 15 bytes, not . or .., no /, : or white space)"
+        )),
+    }
 }
 
 /// Protocol numbers other route sources write (`RTPROT_*` in the kernel's `rtnetlink.h`, and
@@ -540,6 +561,24 @@ mod tests {
         }
         assert_eq!(parse_route_protocol("201"), Ok(201));
         assert!(parse_route_protocol("256").is_err());
+    }
+
+    /// Interface names become pin paths: one that is no interface name (`../x`) is refused.
+    #[test]
+    fn interface_names_are_the_kernels() {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../links/x",
+            "a:b",
+            "eth 0",
+            "sixteen-bytes-ab",
+        ] {
+            assert!(parse_iface(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_iface("cni0").unwrap(), "cni0");
+        assert_eq!(parse_iface("fifteen-bytes-a").unwrap(), "fifteen-bytes-a");
     }
 
     #[test]

@@ -96,6 +96,23 @@ pub fn lock_holder(dir: &Path) -> Result<Option<u32>, StoreError> {
     Ok(s.trim().parse().ok())
 }
 
+/// Whether process `pid`, as this process's PID namespace numbers processes, is the one
+/// holding `dir`'s lock: it has the lock file open. The PID in the lock file is the agent's in
+/// its own namespace; from another one (the host looking into a pod's state directory) it may
+/// name some other process, which a signal meant for the agent would hit.
+pub fn lock_held_by(dir: &Path, pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(lock) = std::fs::metadata(dir.join(LOCK_NAME)) else {
+        return false;
+    };
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == lock.dev() && m.ino() == lock.ino())
+    })
+}
+
 /// The locked state directory.
 #[derive(Debug)]
 pub struct CheckpointStore {
@@ -333,6 +350,25 @@ mod tests {
         }
         drop(first);
         CheckpointStore::open(t.path()).unwrap();
+    }
+
+    /// The holder is the process with the lock file open, as this namespace numbers it; a
+    /// PID that names another process (the lock file's PID read from another PID namespace)
+    /// is not, and is not signalled.
+    #[test]
+    fn the_lock_holder_is_the_process_with_the_lock_open() {
+        let t = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(t.path()).unwrap();
+        assert!(lock_held_by(t.path(), std::process::id()));
+        let mut other = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        assert!(!lock_held_by(t.path(), other.id()));
+        other.kill().unwrap();
+        other.wait().unwrap();
+        drop(store);
+        assert!(!lock_held_by(t.path(), std::process::id()), "released");
     }
 
     #[test]
