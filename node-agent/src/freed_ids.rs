@@ -217,7 +217,10 @@ fn create() -> Result<Array<MapData, u64>, MapError> {
 
 fn set(map: &mut Array<MapData, u64>, freed: &[FreedId]) -> Result<(), MapError> {
     for f in freed {
-        let secs = f.freed_at.as_secs() + u64::from(f.freed_at.subsec_nanos() > 0);
+        let secs = f
+            .freed_at
+            .as_secs()
+            .saturating_add(u64::from(f.freed_at.subsec_nanos() > 0));
         map.set(u32::from(f.id.get()), secs.max(1), 0)?;
     }
     Ok(())

@@ -616,7 +616,7 @@ impl<K: Kernel> Reconciler<K> {
         self.remember_removal(&plan.brake_memory);
         self.brake = plan.brake_memory.clone();
         self.hold = plan.brake.clone();
-        self.spend_force_prune();
+        self.spend_force_prune(&plan);
         self.total_writes += writes;
         self.pruned.extend(pruned.iter().cloned());
         let elapsed_ms = started.elapsed().as_millis() as u64;
@@ -650,12 +650,17 @@ impl<K: Kernel> Reconciler<K> {
     /// `--force-prune` in the daemon is for the plan after a restart, the one the operator
     /// looked at: kept for every plan, as a setting left in a DaemonSet's environment would
     /// be, it turned the brake off for good, near-total wipes included.
-    fn spend_force_prune(&mut self) {
-        if self.plan_config.force_prune && self.plan_config.confirm_by_relist {
+    /// A plan of no view (no local node) is not the one: it released nothing.
+    fn spend_force_prune(&mut self, plan: &Plan) {
+        let no_view = plan
+            .brake
+            .as_ref()
+            .is_some_and(|b| b.kind == HoldKind::NoLocalNode);
+        if self.plan_config.force_prune && self.plan_config.confirm_by_relist && !no_view {
             self.plan_config.force_prune = false;
             tracing::warn!(
-                "--force-prune released what the first plan held; the brake holds again from \
-                 now on (`node-agent prune confirm` releases a later hold)"
+                "--force-prune applied to the first plan after start; the brake holds again \
+                 from now on (`node-agent prune confirm` releases a later hold)"
             );
         }
     }
@@ -1220,16 +1225,52 @@ mod tests {
             .zip(1..)
             .map(|(n, i)| (n.as_str(), i))
             .collect();
+        // Six of ten go while the agent is down: the restarted daemon holds them.
+        let mut rec = reconciler(&nodes);
+        rec.reconcile().await.unwrap();
+        let record = rec.stamp_record().cloned();
+        let kernel = std::mem::take(rec.kernel());
+        let restart = |config: AgentConfig, kernel: FakeKernel| {
+            let telemetry = Arc::new(Telemetry::new(Duration::MAX));
+            let mut rec = Reconciler::new(config, record.clone(), kernel, telemetry);
+            rec.confirm_by_relist(true);
+            rec.on_event(SourceEvent::Init);
+            rec.on_event(SourceEvent::InitApply(raw(
+                "local",
+                "10.0.0.100",
+                "10.1.100.0/24",
+            )));
+            for (n, i) in &nodes[6..] {
+                let ip = format!("10.0.0.{i}");
+                rec.on_event(SourceEvent::InitApply(raw(
+                    n,
+                    &ip,
+                    &format!("10.1.{i}.0/24"),
+                )));
+            }
+            rec.on_event(SourceEvent::InitDone);
+            rec
+        };
+        let mut held = restart(config(), kernel);
+        assert!(held.reconcile().await.unwrap().plan.brake.is_some());
+        let kernel = std::mem::take(held.kernel());
+        // Restarted with --force-prune: the first plan releases the six...
         let mut forced = config();
         forced.force_prune = true;
-        let mut rec = reconciler_with(forced, FakeKernel::default(), &nodes);
-        rec.confirm_by_relist(true);
-        rec.reconcile().await.unwrap();
-        for (n, _) in &nodes[..6] {
+        let mut rec = restart(forced, kernel);
+        let o = rec.reconcile().await.unwrap();
+        assert!(o.plan.brake.is_none());
+        assert_eq!(o.pruned.len(), 6);
+        // ... and no later one: three of the four left go, held.
+        for (n, _) in &nodes[6..9] {
             rec.on_event(SourceEvent::Delete((*n).into()));
         }
         let o = rec.reconcile().await.unwrap();
-        assert!(o.plan.brake.is_some(), "six of ten, held: {:?}", o.pruned);
+        assert!(
+            o.plan.brake.is_some(),
+            "three of four, held: {:?}",
+            o.pruned
+        );
         assert!(o.pruned.is_empty());
     }
 
