@@ -178,10 +178,10 @@ pub struct Backends {
     pub nexthops: Option<nexthops::NexthopBackend>,
     /// Routes go through nexthops: the kernel has them and they are not turned off.
     route_nexthops: bool,
-    /// Owns the xfrm kinds: states, policies and guards. Open without IPsec too (where the
-    /// kernel has xfrm), so that what a run with IPsec left is dumped and removed: its marks,
-    /// policies and guards would go on encrypting toward peers, or dropping, with no agent
-    /// keeping them.
+    /// Owns the xfrm kinds: states, policies and guards. Open without IPsec too where a run
+    /// with IPsec left some ([`leftover_xfrm`]), so that they are dumped and removed: its
+    /// marks, policies and guards would go on encrypting toward peers, or dropping, with no
+    /// agent keeping them.
     pub xfrm: Option<xfrm::XfrmBackend>,
     /// IPsec is off and `xfrm` is there only for that cleanup: a dump it cannot make is
     /// reported and taken as empty, never the reconcile's failure.
@@ -215,7 +215,7 @@ impl Backends {
         // IPsec's prerequisites first (a valid key file, a kernel with ESP): a start-up that
         // fails on them changes nothing.
         let (xfrm, key_file) = match &config.ipsec_key_file {
-            None => (leftover_xfrm(), None),
+            None => (leftover_xfrm(dry_run).await, None),
             Some(path) => {
                 let file = KeyFile::load(path)?;
                 warn_about(&file);
@@ -423,12 +423,31 @@ impl Backends {
     }
 }
 
-/// With IPsec off, an xfrm backend only to find what a run with IPsec left; none where the
-/// kernel has no xfrm netlink (then nothing can have been left).
-fn leftover_xfrm() -> Option<xfrm::XfrmBackend> {
-    xfrm::XfrmBackend::new(KeyBook::default())
+/// With IPsec off, an xfrm backend only to remove what a run with IPsec left: none where the
+/// kernel has no xfrm netlink or nothing of ours is there now (this run makes none). Before
+/// anything is removed, the kernel must match policy marks exactly (the probe IPsec runs at
+/// start): on one that does not, a delete of our policy would take someone else's unmarked
+/// policy at its selector, and the leftovers are left, reported.
+async fn leftover_xfrm(dry_run: bool) -> Option<xfrm::XfrmBackend> {
+    let mut backend = xfrm::XfrmBackend::new(KeyBook::default())
         .inspect_err(|e| tracing::debug!("no xfrm netlink ({e}): no IPsec objects to look for"))
-        .ok()
+        .ok()?;
+    let mut found = Inventory::new();
+    if let Err(e) = backend.dump_into(&mut found).await {
+        tracing::warn!("IPsec is off; looking for xfrm objects an earlier run left: {e}");
+        return None;
+    }
+    if found.is_empty() {
+        return None;
+    }
+    if !dry_run && let Err(e) = backend.probe_policy_marks().await {
+        tracing::warn!(
+            "IPsec is off, and {} xfrm objects an earlier run left stay: {e}",
+            found.len()
+        );
+        return None;
+    }
+    Some(backend)
 }
 
 impl Kernel for Backends {
