@@ -368,8 +368,9 @@ impl<K: Kernel> Daemon<K> {
     /// in readiness) while any is missing.
     fn look_for_pod_ifaces(&mut self) {
         let missing = self.rec.kernel().attach_pending();
+        let watched = !self.rec.config().datapath.pod_ifaces.is_empty();
         self.schedule
-            .pod_ifaces_pending(Instant::now(), !missing.is_empty());
+            .pod_ifaces_pending(Instant::now(), !missing.is_empty(), watched);
         self.telemetry.set_pod_ifaces_missing(&missing);
     }
 

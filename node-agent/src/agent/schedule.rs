@@ -123,10 +123,18 @@ impl Schedule {
     /// How often a missing pod interface is looked for: its classifier must be attached before
     /// pods send much through it.
     pub const ATTACH_POLL: Duration = Duration::from_millis(200);
+    /// How often attached pod interfaces are looked at, for a device deleted or made again
+    /// (its classifier went with it): an `if_nametoindex` each.
+    pub const ATTACHED_POLL: Duration = Duration::from_secs(1);
 
-    /// Some pod interfaces do not exist yet (`true`): look again soon; or none is missing.
-    pub fn pod_ifaces_pending(&mut self, now: Instant, pending: bool) {
-        self.attach_at = pending.then(|| now + Self::ATTACH_POLL);
+    /// Some pod interfaces do not exist yet (`pending`): look again soon; or some are attached
+    /// (`watched`): look again in a while; or there are none.
+    pub fn pod_ifaces_pending(&mut self, now: Instant, pending: bool, watched: bool) {
+        self.attach_at = if pending {
+            Some(now + Self::ATTACH_POLL)
+        } else {
+            watched.then(|| now + Self::ATTACHED_POLL)
+        };
     }
 
     /// Look at the IPsec key file every `every`, starting `every` from `now`.

@@ -51,7 +51,7 @@ pub enum AttachError {
 }
 
 /// The index of interface `iface`.
-fn if_index(iface: &str) -> Result<u32, AttachError> {
+pub(super) fn if_index(iface: &str) -> Result<u32, AttachError> {
     let name = std::ffi::CString::new(iface).map_err(|_| AttachError::Missing)?;
     // SAFETY: if_nametoindex(3) reads a NUL-terminated string that outlives the call.
     match unsafe { libc::if_nametoindex(name.as_ptr()) } {

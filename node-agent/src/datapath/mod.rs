@@ -203,8 +203,12 @@ pub struct Datapath {
     config: DatapathConfig,
     _logs: Option<LogForwarder>,
     attachments: Vec<(String, TcAttachType, Attachment)>,
-    /// Pod interfaces that did not exist yet (see [`Datapath::attach_pending`]).
+    /// Pod interfaces that did not exist yet, or went (see [`Datapath::attach_pending`]).
     pending: Vec<String>,
+    /// Pod interfaces attached, with the index of the device attached to: one deleted and made
+    /// again under its name (a CNI reset: `ip link del cni0`) has another index, and none of
+    /// our classifier, so its pod traffic would go unmarked, unencrypted.
+    pod_links: Vec<(String, u32)>,
     link_dir: PathBuf,
 }
 
@@ -303,6 +307,7 @@ impl Datapath {
             _logs: logs,
             attachments: Vec::new(),
             pending: Vec::new(),
+            pod_links: Vec::new(),
             link_dir,
         })
     }
@@ -312,6 +317,7 @@ impl Datapath {
     fn attach_all(&mut self) -> Result<(), DatapathError> {
         self.attachments.clear();
         self.pending.clear();
+        self.pod_links.clear();
         let roles = [
             (
                 abi::INGRESS_PROG,
@@ -355,6 +361,11 @@ impl Datapath {
                     "classifier attached"
                 );
                 self.attachments.push((iface.clone(), dir, outcome));
+                if name == abi::POD_PROG
+                    && let Ok(index) = attach::if_index(iface)
+                {
+                    self.pod_links.push((iface.clone(), index));
+                }
             }
         }
         Ok(())
@@ -367,8 +378,10 @@ impl Datapath {
 
     /// Attaches the pod classifier to the pending interfaces that exist now; returns those
     /// still pending. An interface that exists but refuses the attachment stays pending, and
-    /// the error is logged.
+    /// the error is logged. A pod interface attached before whose device went, or was made
+    /// again under its name, is pending again first.
     pub fn attach_pending(&mut self) -> &[String] {
+        self.recheck_pod_links();
         let waiting = std::mem::take(&mut self.pending);
         for iface in waiting {
             match self.attach_pod(&iface) {
@@ -378,6 +391,9 @@ impl Datapath {
                         ?outcome,
                         "pod interface appeared; classifier attached"
                     );
+                    if let Ok(index) = attach::if_index(&iface) {
+                        self.pod_links.push((iface.clone(), index));
+                    }
                     self.attachments
                         .push((iface, TcAttachType::Ingress, outcome));
                 }
@@ -390,6 +406,24 @@ impl Datapath {
             }
         }
         &self.pending
+    }
+
+    /// Moves the pod interfaces whose device is gone or another one now back to pending.
+    fn recheck_pod_links(&mut self) {
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pod_links)
+            .into_iter()
+            .partition(|(iface, index)| attach::if_index(iface).ok() != Some(*index));
+        self.pod_links = kept;
+        for (iface, _) in gone {
+            tracing::warn!(
+                iface,
+                "pod interface deleted or made again: its classifier went with the old device; \
+                 attached again as soon as it exists"
+            );
+            self.attachments
+                .retain(|(i, dir, _)| !(*i == iface && *dir == TcAttachType::Ingress));
+            self.pending.push(iface);
+        }
     }
 
     fn attach_pod(&mut self, iface: &str) -> Result<Attachment, DatapathError> {
@@ -434,11 +468,7 @@ impl Datapath {
 }
 
 fn iface_exists(name: &str) -> bool {
-    let Ok(c) = std::ffi::CString::new(name) else {
-        return false;
-    };
-    // SAFETY: `c` is a valid NUL-terminated string.
-    unsafe { libc::if_nametoindex(c.as_ptr()) != 0 }
+    attach::if_index(name).is_ok()
 }
 
 fn check_bpffs(path: &Path) -> Result<(), DatapathError> {

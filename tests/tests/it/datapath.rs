@@ -836,6 +836,38 @@ fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
     });
 }
 
+/// A pod interface deleted and made again under its name (a CNI reset) lost our classifier
+/// with the old device: the next look finds the new device and attaches it again (until then
+/// it is pending, and readiness names it). Left unattached, its pod traffic went unmarked,
+/// past IPsec.
+#[test]
+fn a_pod_interface_deleted_and_made_again_gets_its_classifier_back() {
+    require_sandbox!("a_pod_interface_deleted_and_made_again_gets_its_classifier_back");
+    sandbox(|sb| {
+        ip(&["link", "add", "cni8", "type", "bridge"]);
+        let mut config = DatapathConfig::new(&sb.bpffs);
+        config.pod_ifaces = vec!["cni8".into()];
+        let mut dp = Datapath::load(&config).unwrap();
+        assert!(dp.pending().is_empty());
+        assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
+        assert!(
+            dp.attach_pending().is_empty(),
+            "the same device: nothing to do"
+        );
+        ip(&["link", "del", "cni8"]);
+        assert_eq!(dp.attach_pending(), ["cni8"], "gone: pending again");
+        ip(&["link", "add", "cni8", "type", "bridge"]);
+        assert_eq!(attached("cni8", TcAttachType::Ingress), 0, "a new device");
+        assert!(dp.attach_pending().is_empty());
+        assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
+        // Made again between two looks: found by its new index.
+        ip(&["link", "del", "cni8"]);
+        ip(&["link", "add", "cni8", "type", "bridge"]);
+        assert!(dp.attach_pending().is_empty());
+        assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
+    });
+}
+
 #[test]
 fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
     require_sandbox!("the_maps_grow_online_while_packets_flow_and_no_lookup_misses");
