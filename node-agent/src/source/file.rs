@@ -212,11 +212,16 @@ impl FileSource {
                 }
                 Some(sig) if Some(sig) != last || due => {
                     missing_logged = false;
-                    last = Some(sig);
-                    last_read = Instant::now();
-                    for ev in self.read().await {
-                        if tx.send(ev).await.is_err() {
-                            return;
+                    // A file written while it was read (`kubectl ... > nodes.yaml` writes in
+                    // chunks, and a prefix of a YAML list is a shorter list) is read again at
+                    // the next poll, never taken as the list.
+                    if let Some(events) = self.read_unchanged(sig).await {
+                        last = Some(sig);
+                        last_read = Instant::now();
+                        for ev in events {
+                            if tx.send(ev).await.is_err() {
+                                return;
+                            }
                         }
                     }
                 }
@@ -234,6 +239,18 @@ impl FileSource {
 
     /// One read of the file, off the async threads (a large list takes a while to parse): a
     /// full list, or the error.
+    /// [`Self::read`], if the file still has signature `sig` once read: `None` if it changed
+    /// meanwhile.
+    async fn read_unchanged(&self, sig: Signature) -> Option<Vec<SourceEvent>> {
+        let events = self.read().await;
+        if signature(&self.path) == Some(sig) {
+            Some(events)
+        } else {
+            tracing::debug!(path = %self.path.display(), "nodes file changed while read; reading it again");
+            None
+        }
+    }
+
     async fn read(&self) -> Vec<SourceEvent> {
         let path = self.path.clone();
         let parsed = tokio::task::spawn_blocking(move || parse_file(&path))
@@ -278,6 +295,37 @@ mod tests {
     }
 
     const YAML: &str = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Node\n  metadata: {name: n1}\n  status:\n    addresses: [{type: InternalIP, address: 10.0.0.1}]\n";
+
+    /// A file that changed while it was read is not taken as the list: a YAML list caught
+    /// half-written is a shorter list, and its missing nodes would have been pruned.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_file_changed_while_read_is_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        // The first chunk of a longer list, as the writer's first write left it.
+        std::fs::write(&path, YAML).unwrap();
+        let half = signature(&path).unwrap();
+        let two = format!(
+            "{YAML}- apiVersion: v1\n  kind: Node\n  metadata: {{name: n2}}\n  status:\n    addresses: [{{type: InternalIP, address: 10.0.0.2}}]\n"
+        );
+        // The rest lands while the first chunk is read.
+        std::fs::write(&path, &two).unwrap();
+        let source = FileSource {
+            path: path.clone(),
+            poll: Duration::from_millis(10),
+            relist: Duration::from_secs(60),
+        };
+        assert!(source.read_unchanged(half).await.is_none());
+        let whole = source
+            .read_unchanged(signature(&path).unwrap())
+            .await
+            .unwrap();
+        let applied = whole
+            .iter()
+            .filter(|e| matches!(e, SourceEvent::InitApply(_)))
+            .count();
+        assert_eq!(applied, 2);
+    }
 
     #[test]
     fn parses_kubectl_yaml_and_json() {
