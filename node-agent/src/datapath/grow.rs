@@ -15,7 +15,9 @@
 //!
 //! A crash before the renames leaves the old pins in place, with the next start taking the
 //! attachments back (the next attempt removes stale staging pins); after them, the new maps are
-//! pinned with every entry and the next start takes the attachments over.
+//! pinned with every entry and the next start takes the attachments over; between them (the
+//! pod-CIDR map's done, the node-ID map's not), the next start finishes the node-ID map's
+//! rename before anything else ([`finish_cut_growth`]).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -85,6 +87,33 @@ impl Datapath {
         );
         Ok(())
     }
+}
+
+/// The node-ID map's staging pin, if a growth was cut between its two renames (a crash): the
+/// pod-CIDR pin is the new map already, and the staging pin holds the new node-ID map with
+/// every entry, which the programs attached last read. Left so, the two maps' capacities
+/// differed and no start got past the pin checks.
+pub(super) fn cut_growth(bpffs: &Path) -> Option<PathBuf> {
+    let live = Pins::of(bpffs);
+    let (node_ids, pod_cidrs) = (staging(&live.node_ids), staging(&live.pod_cidrs));
+    (node_ids.exists() && !pod_cidrs.exists()).then_some(node_ids)
+}
+
+/// Finishes a growth cut between its renames: the staged node-ID map goes in place.
+pub(super) fn finish_cut_growth(bpffs: &Path) -> Result<(), DatapathError> {
+    let Some(staged) = cut_growth(bpffs) else {
+        return Ok(());
+    };
+    let live = Pins::of(bpffs).node_ids;
+    std::fs::rename(&staged, &live).map_err(|source| DatapathError::FinishGrowth {
+        path: staged.clone(),
+        source,
+    })?;
+    tracing::warn!(
+        pin = %live.display(),
+        "a map growth was cut short between its renames; finished it"
+    );
+    Ok(())
 }
 
 /// Removes staging pins an interrupted attempt left.

@@ -41,6 +41,13 @@ pub enum DatapathError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "finishing a map growth a crash cut short: renaming {path} over the node-ID map's pin: {source}"
+    )]
+    FinishGrowth {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("reading the pinned map {pin}: {source}")]
     PinInfo {
         pin: PathBuf,
@@ -149,7 +156,9 @@ pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, Dat
 
 /// The capacity of the pinned node-ID map, if there is one.
 pub fn pinned_capacity(bpffs: &Path) -> Result<Option<u32>, DatapathError> {
-    let pin = node_ids_pin(bpffs);
+    // A growth cut between its renames: the staged node-ID map is the one the load puts in
+    // place, at the new capacity the pod-CIDR map has already.
+    let pin = grow::cut_growth(bpffs).unwrap_or_else(|| node_ids_pin(bpffs));
     Ok(MapLayout::of_pin(&pin)
         .map_err(|source| DatapathError::PinInfo {
             pin: pin.clone(),
@@ -221,6 +230,7 @@ impl Datapath {
     }
 
     fn load_object(bytes: &[u8], config: &DatapathConfig) -> Result<Self, DatapathError> {
+        grow::finish_cut_growth(&config.bpffs)?;
         let mut dp = Self::open(bytes, config, &Pins::of(&config.bpffs))?;
         dp.attach_all()?;
         Ok(dp)

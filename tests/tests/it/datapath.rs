@@ -868,6 +868,42 @@ fn a_pod_interface_deleted_and_made_again_gets_its_classifier_back() {
     });
 }
 
+/// A growth cut between its two renames (a crash after the pod-CIDR map's went in place,
+/// before the node-ID map's) is finished by the next start: the two maps' capacities differed,
+/// and every start stopped at the pin check, the complete new node-ID map left unused.
+#[test]
+fn a_growth_cut_between_its_renames_is_finished_by_the_next_start() {
+    use node_agent::datapath::pins::MapLayout;
+    use node_agent::datapath::{pod_cidrs_pin, resolve_capacity};
+    require_sandbox!("a_growth_cut_between_its_renames_is_finished_by_the_next_start");
+    sandbox(|sb| {
+        let mut config = DatapathConfig::new(&sb.bpffs);
+        config.node_map_max = 4;
+        drop(Datapath::load(&config).unwrap());
+        // The maps a growth to 16 made, loaded against another root of the same bpffs.
+        let other = sb.bpffs.join("growth");
+        std::fs::create_dir(&other).unwrap();
+        let mut bigger = DatapathConfig::new(&other);
+        bigger.node_map_max = 16;
+        drop(Datapath::load(&bigger).unwrap());
+        let live = node_ids_pin(&sb.bpffs);
+        let staged = live.with_file_name(format!(
+            "{}_grow",
+            live.file_name().unwrap().to_str().unwrap()
+        ));
+        std::fs::rename(node_ids_pin(&other), &staged).unwrap();
+        std::fs::rename(pod_cidrs_pin(&other), pod_cidrs_pin(&sb.bpffs)).unwrap();
+        // The next start.
+        let capacity = resolve_capacity(None, &sb.bpffs).unwrap();
+        assert_eq!(capacity, 16, "the staged map's capacity");
+        config.node_map_max = capacity;
+        Datapath::load(&config).expect("the growth is finished");
+        let layout = MapLayout::of_pin(&live).unwrap().unwrap();
+        assert_eq!(layout.max_entries, 16);
+        assert!(!staged.exists());
+    });
+}
+
 #[test]
 fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
     require_sandbox!("the_maps_grow_online_while_packets_flow_and_no_lookup_misses");
