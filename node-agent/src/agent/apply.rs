@@ -7,8 +7,12 @@
 //! encryption, gets no route or xfrm object either (invariant 17), so its pod traffic is never
 //! routed in the clear. Nexthops go in before the routes through them, and a route whose nexthop
 //! failed is not written. Last, the deletes that must wait until no route of ours uses what they
-//! delete (the nexthops, [`state::objects::ObjectKind::deleted_last`]); they wait for the next
-//! reconcile if any route operation failed, since a route may still go through them.
+//! delete ([`state::objects::ObjectKind::deleted_last`]: a nexthop, and an IPsec mark, whose
+//! route without it would carry pod traffic in the clear); one waits for the next reconcile when
+//! a route operation that failed or was not tried leaves a route that may still use it: through
+//! that nexthop in the view the plan was made from, or at that mark's CIDR. A failing route
+//! elsewhere holds back nothing else (it held back every such delete of the cluster, for as long
+//! as one node's nexthop could not be made).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -46,9 +50,57 @@ async fn run<'p, K: Kernel>(kernel: &mut K, ops: Vec<(Op, Option<&'p str>)>) -> 
         .collect()
 }
 
-fn failed_route(ran: &Ran<'_>) -> bool {
+/// The routes of `ran` whose operation failed.
+fn failed_routes<'a>(ran: &'a Ran<'_>) -> impl Iterator<Item = &'a Op> {
     ran.iter()
-        .any(|(op, _, r)| r.is_err() && op.object().kind() == ObjectKind::Route)
+        .filter(|(op, _, r)| r.is_err() && op.object().kind() == ObjectKind::Route)
+        .map(|(op, _, _)| op)
+}
+
+/// The nexthop each route the plan touches goes through in the view it was made from: where a
+/// route whose operation fails still goes.
+pub type RoutesNow = HashMap<ObjectId, ObjectId>;
+
+/// [`RoutesNow`] of `plan`, from `view`.
+pub fn routes_now(plan: &Plan, view: &state::inventory::Inventory) -> RoutesNow {
+    let touched = plan
+        .deletes
+        .iter()
+        .map(|d| &d.object)
+        .chain(plan.upserts.iter().map(|u| &u.object))
+        .filter(|o| o.kind() == ObjectKind::Route);
+    touched
+        .filter_map(|o| {
+            let id = o.id();
+            let via = view.get(&id)?.uses()?;
+            Some((id, via))
+        })
+        .collect()
+}
+
+/// What routes that may still be there keep: the nexthops they go through and their CIDRs.
+#[derive(Default)]
+struct StillRouted {
+    nexthops: HashSet<ObjectId>,
+    cidrs: HashSet<IpNet>,
+}
+
+impl StillRouted {
+    fn add(&mut self, route: &Op, now: &RoutesNow) {
+        let o = route.object();
+        self.nexthops.extend(now.get(&o.id()).cloned());
+        if let KernelObject::Route(r) = o {
+            self.cidrs.insert(r.dst);
+        }
+    }
+
+    /// Whether late delete `op` must wait.
+    fn keeps(&self, op: &Op) -> bool {
+        match op.object() {
+            KernelObject::PodCidrEntry(e) => self.cidrs.contains(&e.cidr),
+            o => self.nexthops.contains(&o.id()),
+        }
+    }
 }
 
 /// Applies every operation of `plan`, handing each to `each` with its node and result as soon
@@ -59,6 +111,7 @@ fn failed_route(ran: &Ran<'_>) -> bool {
 pub async fn apply_plan<'p, K: Kernel>(
     kernel: &mut K,
     plan: &'p Plan,
+    routes: &RoutesNow,
     contested: &[IpNet],
     mut each: impl FnMut(Op, Option<&'p str>, Result<(), OpError>),
 ) {
@@ -68,7 +121,10 @@ pub async fn apply_plan<'p, K: Kernel>(
         }
     };
     let deleted = run(kernel, plan.delete_ops()).await;
-    let mut route_failed = failed_route(&deleted);
+    let mut still = StillRouted::default();
+    for op in failed_routes(&deleted) {
+        still.add(op, routes);
+    }
     hand_over(deleted);
     let (entries, rest): (Vec<_>, Vec<_>) = plan.upsert_ops().into_iter().partition(|(op, _)| {
         let kind = op.object().kind();
@@ -126,25 +182,31 @@ pub async fn apply_plan<'p, K: Kernel>(
     // ours: read back now, as someone may have put theirs at its ID since.
     let rest = routed_through_ours(kernel, rest, &written_ok, &mut skipped).await;
     let ran = run(kernel, with_nodes(rest)).await;
-    route_failed |= failed_route(&ran);
-    hand_over(ran);
-    // A nexthop goes only once every route of ours was moved off it or deleted: if any route
-    // operation failed or was skipped, some route may still use it, and the kernel would delete
-    // that route along. Such deletes wait for the next reconcile.
-    let routes_settled = !route_failed
-        && !skipped
-            .iter()
-            .any(|(op, _, _)| op.object().kind() == ObjectKind::Route);
-    let late = plan.late_delete_ops();
-    if routes_settled {
-        hand_over(run(kernel, late).await);
-    } else {
-        hand_over(
-            late.into_iter()
-                .map(|(op, node)| (op, node, Err(OpError::RoutesUnsettled)))
-                .collect(),
-        );
+    for op in failed_routes(&ran) {
+        still.add(op, routes);
     }
+    hand_over(ran);
+    // A nexthop goes only once every route of ours was moved off it or deleted: a route whose
+    // operation failed or was not tried may still use it, and the kernel would delete that
+    // route along. A mark goes only once its route is gone. Such deletes wait for the next
+    // reconcile.
+    for (op, _, _) in skipped
+        .iter()
+        .filter(|(op, _, _)| op.object().kind() == ObjectKind::Route)
+    {
+        still.add(op, routes);
+    }
+    let (waiting, late): (Vec<_>, Vec<_>) = plan
+        .late_delete_ops()
+        .into_iter()
+        .partition(|(op, _)| still.keeps(op));
+    hand_over(run(kernel, late).await);
+    hand_over(
+        waiting
+            .into_iter()
+            .map(|(op, node)| (op, node, Err(OpError::RoutesUnsettled)))
+            .collect(),
+    );
     hand_over(
         skipped
             .into_iter()
@@ -233,7 +295,8 @@ mod tests {
     /// Every result of `apply_plan`, in the order it handed them over.
     async fn applied(k: &mut FakeKernel, p: &Plan) -> Vec<OpResult> {
         let mut out = Vec::new();
-        apply_plan(k, p, &[], |op, node, result| {
+        let view: state::inventory::Inventory = k.ours.values().cloned().collect();
+        apply_plan(k, p, &routes_now(p, &view), &[], |op, node, result| {
             out.push(OpResult {
                 op,
                 node: node.map(str::to_owned),
@@ -392,6 +455,36 @@ mod tests {
             k.ours.contains_key(&route),
             "a's route is still there, through its nexthop"
         );
+    }
+
+    /// A route that cannot be written holds back only what it may still use: one node whose
+    /// nexthop cannot be made (a gateway on no connected prefix, failing at every reconcile)
+    /// held back every nexthop delete of the cluster, so removed nodes stayed pending for good.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_failing_route_holds_back_only_the_nexthop_it_may_use() {
+        let mut k = FakeKernel::default();
+        let first = plan_for(cluster(), &k, None);
+        applied(&mut k, &first).await;
+        let record = first.checkpoint_after(&[]);
+        // b is gone; a newcomer e's nexthop cannot be made, so its route is not tried.
+        let mut nodes = cluster();
+        nodes.remove(1);
+        nodes.push(node("e", "10.0.0.5", "10.1.5.0/24"));
+        let second = plan_for(nodes, &k, Some(&record));
+        let e_nexthop = second
+            .upserts
+            .iter()
+            .find(|u| u.node == "e" && u.object.kind() == ObjectKind::Nexthop)
+            .map(|u| u.object.id())
+            .expect("e's nexthop");
+        k.faults.ids.push(e_nexthop);
+        let results = applied(&mut k, &second).await;
+        let b_nexthop = results
+            .iter()
+            .find(|r| r.op.object().id() == nexthop(2))
+            .expect("b's nexthop delete is reported");
+        assert!(b_nexthop.result.is_ok(), "{b_nexthop:?}");
+        assert!(!k.ours.contains_key(&nexthop(2)));
     }
 
     /// A removed node's IPsec mark goes only after its route: a route whose delete failed

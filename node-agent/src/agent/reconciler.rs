@@ -23,7 +23,7 @@ use state::plan::{
 };
 use state::rotation::rotation;
 
-use super::apply::{OpResult, apply_plan};
+use super::apply::{OpResult, apply_plan, routes_now};
 use super::clock::AgentClock;
 use super::config::AgentConfig;
 use super::drift::{Drift, Found};
@@ -535,42 +535,49 @@ impl<K: Kernel> Reconciler<K> {
         let telemetry = &self.telemetry;
         let mut writes = 0;
         let mut failed = Vec::new();
-        apply_plan(&mut self.kernel, &plan, &contested, |op, node, result| {
-            telemetry
-                .metrics
-                .operations
-                .get_or_create(&OpLabels {
-                    kind: op.object().kind().name().into(),
-                    op: op_label(&op).into(),
-                    result: if result.is_ok() { "ok" } else { "error" }.into(),
-                })
-                .inc();
-            match result {
-                Ok(()) => {
-                    writes += 1;
-                    match &op {
-                        Op::Delete(o) => {
-                            let reason = reasons.get(&o.id()).map_or("", |r| r.as_str());
-                            tracing::info!(node = node.unwrap_or("-"), reason, "deleted {o}");
-                        }
-                        Op::Create(o) | Op::Replace(o) => {
-                            if let Some(found) = drift.at(&o.id()) {
-                                repaired(telemetry, node, o, found);
+        let routes = routes_now(&plan, &inventory);
+        apply_plan(
+            &mut self.kernel,
+            &plan,
+            &routes,
+            &contested,
+            |op, node, result| {
+                telemetry
+                    .metrics
+                    .operations
+                    .get_or_create(&OpLabels {
+                        kind: op.object().kind().name().into(),
+                        op: op_label(&op).into(),
+                        result: if result.is_ok() { "ok" } else { "error" }.into(),
+                    })
+                    .inc();
+                match result {
+                    Ok(()) => {
+                        writes += 1;
+                        match &op {
+                            Op::Delete(o) => {
+                                let reason = reasons.get(&o.id()).map_or("", |r| r.as_str());
+                                tracing::info!(node = node.unwrap_or("-"), reason, "deleted {o}");
+                            }
+                            Op::Create(o) | Op::Replace(o) => {
+                                if let Some(found) = drift.at(&o.id()) {
+                                    repaired(telemetry, node, o, found);
+                                }
                             }
                         }
+                        inventory.apply(&op);
                     }
-                    inventory.apply(&op);
+                    Err(e) => {
+                        tracing::error!(node = node.unwrap_or("-"), "{e}");
+                        failed.push(OpResult {
+                            op,
+                            node: node.map(str::to_owned),
+                            result: Err(e),
+                        });
+                    }
                 }
-                Err(e) => {
-                    tracing::error!(node = node.unwrap_or("-"), "{e}");
-                    failed.push(OpResult {
-                        op,
-                        node: node.map(str::to_owned),
-                        result: Err(e),
-                    });
-                }
-            }
-        })
+            },
+        )
         .await;
         let failed_ops: Vec<Op> = failed.iter().map(|f| f.op.clone()).collect();
         let failed_nodes: BTreeSet<&str> =
