@@ -1057,8 +1057,25 @@ mod tests {
         kernel: FakeKernel,
         nodes: &[(&str, u8)],
     ) -> Reconciler<FakeKernel> {
+        restarted(config, None, kernel, nodes)
+    }
+
+    /// A reconciler restarted from `record` over `kernel`, synced on the local node and `nodes`.
+    fn restarted(
+        config: AgentConfig,
+        record: Option<Checkpoint>,
+        kernel: FakeKernel,
+        nodes: &[(&str, u8)],
+    ) -> Reconciler<FakeKernel> {
         let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-        let mut rec = Reconciler::new(config, None, kernel, telemetry);
+        let mut rec = Reconciler::new(config, record, kernel, telemetry);
+        relist(&mut rec, nodes);
+        rec
+    }
+
+    /// A full list of the local node and `nodes` (`10.0.0.<i>`, `10.1.<i>.0/24`): whether a
+    /// reconcile is due.
+    fn relist(rec: &mut Reconciler<FakeKernel>, nodes: &[(&str, u8)]) -> bool {
         rec.on_event(SourceEvent::Init);
         rec.on_event(SourceEvent::InitApply(raw(
             "local",
@@ -1072,8 +1089,15 @@ mod tests {
                 &format!("10.1.{i}.0/24"),
             )));
         }
-        rec.on_event(SourceEvent::InitDone);
-        rec
+        rec.on_event(SourceEvent::InitDone)
+    }
+
+    /// Ten nodes, `n01` to `n10`, numbered 1 to 10.
+    fn ten() -> Vec<(&'static str, u8)> {
+        const NAMES: [&str; 10] = [
+            "n01", "n02", "n03", "n04", "n05", "n06", "n07", "n08", "n09", "n10",
+        ];
+        NAMES.into_iter().zip(1..).collect()
     }
 
     fn metric(rec: &Reconciler<FakeKernel>, series: &str) -> Option<f64> {
@@ -1197,12 +1221,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn the_brake_window_survives_a_lost_checkpoint_through_the_kernel() {
-        let names: Vec<String> = (1..=10).map(|i| format!("n{i:02}")).collect();
-        let nodes: Vec<(&str, u8)> = names
-            .iter()
-            .zip(1..)
-            .map(|(n, i)| (n.as_str(), i))
-            .collect();
+        let nodes = ten();
         let mut rec = reconciler(&nodes);
         rec.reconcile().await.unwrap();
         // Four of ten go: within the ratio, and the kernel remembers it.
@@ -1226,36 +1245,15 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn force_prune_in_the_daemon_releases_the_first_plans_hold_only() {
-        let names: Vec<String> = (1..=10).map(|i| format!("n{i:02}")).collect();
-        let nodes: Vec<(&str, u8)> = names
-            .iter()
-            .zip(1..)
-            .map(|(n, i)| (n.as_str(), i))
-            .collect();
+        let nodes = ten();
         // Six of ten go while the agent is down: the restarted daemon holds them.
         let mut rec = reconciler(&nodes);
         rec.reconcile().await.unwrap();
         let record = rec.stamp_record().cloned();
         let kernel = std::mem::take(rec.kernel());
         let restart = |config: AgentConfig, kernel: FakeKernel| {
-            let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-            let mut rec = Reconciler::new(config, record.clone(), kernel, telemetry);
+            let mut rec = restarted(config, record.clone(), kernel, &nodes[6..]);
             rec.confirm_by_relist(true);
-            rec.on_event(SourceEvent::Init);
-            rec.on_event(SourceEvent::InitApply(raw(
-                "local",
-                "10.0.0.100",
-                "10.1.100.0/24",
-            )));
-            for (n, i) in &nodes[6..] {
-                let ip = format!("10.0.0.{i}");
-                rec.on_event(SourceEvent::InitApply(raw(
-                    n,
-                    &ip,
-                    &format!("10.1.{i}.0/24"),
-                )));
-            }
-            rec.on_event(SourceEvent::InitDone);
             rec
         };
         let mut held = restart(config(), kernel);
@@ -1286,29 +1284,7 @@ mod tests {
     /// plan of the whole cluster.
     #[tokio::test(flavor = "current_thread")]
     async fn only_a_ripe_ratio_hold_makes_a_relist_reconcile() {
-        let names: Vec<String> = (1..=10).map(|i| format!("n{i:02}")).collect();
-        let nodes: Vec<(&str, u8)> = names
-            .iter()
-            .zip(1..)
-            .map(|(n, i)| (n.as_str(), i))
-            .collect();
-        let relist = |rec: &mut Reconciler<FakeKernel>, live: &[(&str, u8)]| {
-            rec.on_event(SourceEvent::Init);
-            rec.on_event(SourceEvent::InitApply(raw(
-                "local",
-                "10.0.0.100",
-                "10.1.100.0/24",
-            )));
-            for (n, i) in live {
-                let ip = format!("10.0.0.{i}");
-                rec.on_event(SourceEvent::InitApply(raw(
-                    n,
-                    &ip,
-                    &format!("10.1.{i}.0/24"),
-                )));
-            }
-            rec.on_event(SourceEvent::InitDone)
-        };
+        let nodes = ten();
         for (kept, kind) in [(1, HoldKind::Wipe), (4, HoldKind::Ratio)] {
             let mut rec = reconciler(&nodes);
             rec.confirm_by_relist(true);
