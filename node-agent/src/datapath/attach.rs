@@ -103,10 +103,34 @@ fn has_tcx() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
+/// Unpins (and so detaches) every TCX link of ours under `link_dir` that is not `configured`:
+/// an interface taken out of the flags kept our classifier, and after the maps grew, an old
+/// program reading an old map no one updates any more. Netlink filters (kernels before TCX) are
+/// not found this way, and stay.
+pub(super) fn unpin_unconfigured(link_dir: &Path, configured: &[PathBuf]) {
+    let Ok(pins) = std::fs::read_dir(link_dir) else {
+        return;
+    };
+    for pin in pins.flatten().map(|e| e.path()) {
+        if configured.contains(&pin) {
+            continue;
+        }
+        match std::fs::remove_file(&pin) {
+            Ok(()) => tracing::info!(
+                pin = %pin.display(),
+                "classifier link of an interface no longer configured: unpinned, detached"
+            ),
+            Err(e) => {
+                tracing::warn!(pin = %pin.display(), "unpinning a link no longer configured: {e}")
+            }
+        }
+    }
+}
+
 /// `<iface>-ingress` and `<iface>-egress` for the uplink classifiers (the names releases before
 /// the pod classifier used, kept so that an upgrade takes their links over), `<iface>-pod` for
 /// the pod classifier.
-fn link_pin(link_dir: &Path, prog: &str, iface: &str, dir: TcAttachType) -> PathBuf {
+pub(super) fn link_pin(link_dir: &Path, prog: &str, iface: &str, dir: TcAttachType) -> PathBuf {
     if prog == node_agent_common::POD_PROG {
         link_dir.join(format!("{iface}-pod"))
     } else {

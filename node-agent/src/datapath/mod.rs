@@ -328,6 +328,7 @@ impl Datapath {
         self.attachments.clear();
         self.pending.clear();
         self.pod_links.clear();
+        let mut configured = Vec::new();
         let roles = [
             (
                 abi::INGRESS_PROG,
@@ -351,6 +352,7 @@ impl Datapath {
                     source: Box::new(aya::programs::ProgramError::NotLoaded),
                 })?;
             for iface in ifaces {
+                configured.push(attach::link_pin(&self.link_dir, name, iface, dir));
                 if name == abi::POD_PROG && !iface_exists(iface) {
                     // The CNI creates its bridge with the node's first pod: until then no pod
                     // traffic passes it, and it is attached the moment it appears.
@@ -378,6 +380,7 @@ impl Datapath {
                 }
             }
         }
+        attach::unpin_unconfigured(&self.link_dir, &configured);
         Ok(())
     }
 

@@ -868,6 +868,43 @@ fn a_pod_interface_deleted_and_made_again_gets_its_classifier_back() {
     });
 }
 
+/// An interface taken out of `--datapath-iface` loses our classifier at the next start (on
+/// TCX kernels, where our links are pins of ours; a netlink filter of a kernel before them is
+/// not found, and stays, as install.md says): it kept the classifier, and after the maps grew,
+/// an old program reading a map no one updates.
+#[test]
+fn an_interface_no_longer_configured_loses_its_classifier() {
+    require_sandbox!("an_interface_no_longer_configured_loses_its_classifier");
+    sandbox(|sb| {
+        for d in ["dk1", "dk2"] {
+            ip(&["link", "add", d, "type", "bridge"]);
+        }
+        let mut config = DatapathConfig::new(&sb.bpffs);
+        config.ifaces = vec!["dk1".into(), "dk2".into()];
+        drop(Datapath::load(&config).unwrap());
+        assert_eq!(attached("dk2", TcAttachType::Ingress), 1);
+        config.ifaces = vec!["dk1".into()];
+        let _dp = Datapath::load(&config).unwrap();
+        assert_eq!(attached("dk1", TcAttachType::Ingress), 1);
+        if aya::programs::SchedClassifier::query_tcx("dk1", TcAttachType::Ingress).is_err() {
+            report(
+                "SKIPPED an_interface_no_longer_configured_loses_its_classifier: no TCX on this \
+                 kernel (netlink filters are not swept, as install.md says)",
+            );
+            return;
+        }
+        // The kernel detaches a link whose last reference went from a work queue: soon after.
+        let detached =
+            || attached("dk2", TcAttachType::Ingress) + attached("dk2", TcAttachType::Egress) == 0;
+        let since = std::time::Instant::now();
+        while !detached() && since.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(detached(), "dk2 keeps a classifier");
+        assert_eq!(attached("dk1", TcAttachType::Ingress), 1);
+    });
+}
+
 /// A growth cut between its two renames (a crash after the pod-CIDR map's went in place,
 /// before the node-ID map's) is finished by the next start: the two maps' capacities differed,
 /// and every start stopped at the pin check, the complete new node-ID map left unused.
