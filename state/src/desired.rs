@@ -167,12 +167,9 @@ fn routes(
             continue;
         };
         // With IPsec, a route without its mark and policy would carry pod traffic in the
-        // clear: where this node has no xfrm endpoint of the family, no route (invariant 18).
+        // clear: where this node has no xfrm endpoint of the family, no route (invariant 18;
+        // the plan reports it once, for the local node).
         if config.ipsec.is_some() && local_endpoint(config, family).is_none() {
-            problems.extend(cidrs.map(|cidr| InputProblem::NoLocalEndpoint {
-                cidr: *cidr,
-                family,
-            }));
             continue;
         }
         let via = match nexthops {

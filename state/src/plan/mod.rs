@@ -344,9 +344,9 @@ pub enum InputProblem {
     #[error("pod CIDR {cidr} has no {family} InternalIP to route via; the CIDR is skipped")]
     NoGateway { cidr: IpNet, family: Family },
     #[error(
-        "pod CIDR {cidr} is not routed: IPsec is on and this node has no {family} InternalIP to encrypt from, so its traffic would leave in the clear"
+        "IPsec is on and this node has {family} pod CIDRs but no {family} InternalIP to encrypt from: no {family} pod CIDR of a remote node is routed (its traffic would leave in the clear)"
     )]
-    NoLocalEndpoint { cidr: IpNet, family: Family },
+    NoLocalEndpoint { family: Family },
     #[error(
         "node-ID map full: {needed} more entries do not fit its {limit} entries; the node is held (raise --node-map-max)"
     )]
@@ -563,6 +563,26 @@ impl Local {
     }
 }
 
+/// With IPsec, a family this node has pod CIDRs in but no InternalIP (no xfrm endpoint): no
+/// remote pod CIDR of it is routed ([`crate::desired`]), reported once, for the local node, and
+/// the same in a plan of the whole cluster or of a part (a problem per remote node made every
+/// event a full plan, and said the same thing 65,000 times).
+fn no_local_endpoint(cfg: &PlanConfig, local: &Local, errors: &mut Vec<InputError>) {
+    if cfg.ipsec.is_none() {
+        return;
+    }
+    for family in [Family::V4, Family::V6] {
+        let has_pods = local.cidrs.iter().any(|c| Family::of_net(c) == family);
+        if has_pods && crate::desired::local_endpoint(cfg, family).is_none() {
+            err(
+                errors,
+                &cfg.local_node,
+                InputProblem::NoLocalEndpoint { family },
+            );
+        }
+    }
+}
+
 fn err(errors: &mut Vec<InputError>, node: &str, problem: InputProblem) {
     errors.push(InputError {
         node: node.to_string(),
@@ -603,6 +623,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
         return Plan::frozen(input);
     }
     let mut errors: Vec<InputError> = Vec::new();
+    no_local_endpoint(cfg, &local, &mut errors);
 
     // 1-2. Records, live nodes, and who is what.
     let (mut records, sorted) = parallel::both(
@@ -877,9 +898,10 @@ fn unsettled(live: &[Live<'_>], errors: &[InputError]) -> Option<Vec<String>> {
     }
     for e in errors {
         match e.problem {
+            // The local node's, of the configuration alone, which a steady plan is kept with.
+            InputProblem::NoLocalEndpoint { .. } => continue,
             InputProblem::Malformed
             | InputProblem::NoGateway { .. }
-            | InputProblem::NoLocalEndpoint { .. }
             | InputProblem::Conflict { .. }
             | InputProblem::LocalResource { .. }
             | InputProblem::OverlapsLocal { .. }
