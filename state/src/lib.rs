@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod desired;
 pub mod ids;
+pub mod input;
 pub mod inventory;
 pub mod node;
 pub mod objects;

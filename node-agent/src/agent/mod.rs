@@ -19,7 +19,6 @@ pub mod report;
 mod runner;
 pub mod schedule;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use state::checkpoint::StoreError;
@@ -37,12 +36,8 @@ pub enum AgentError {
     AlreadyRunning(StoreError),
     #[error(transparent)]
     Store(StoreError),
-    #[error("reading checkpoint {path} (read-only): {source}")]
-    ReadCheckpoint {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Input(#[from] state::input::InputError),
     #[error(transparent)]
     Open(#[from] crate::backends::OpenError),
     #[error("kernel inventory: {0}")]

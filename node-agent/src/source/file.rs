@@ -16,18 +16,18 @@ use serde::Deserialize;
 use state::node::RawNode;
 use tokio::sync::mpsc;
 
+use state::input::{self, Input, InputError};
+
 use super::node_object::raw_node;
-use super::yaml_items;
 use super::{SourceEvent, SourceRequest};
 
 /// Why the file could not be read as a NodeList.
 #[derive(Debug, thiserror::Error)]
 pub enum ParseError {
-    #[error("reading {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Input(#[from] InputError),
+    #[error("reading {path}: the reading thread failed: {message}")]
+    Reader { path: PathBuf, message: String },
     #[error("{path}:{line}:{column}: {message}")]
     Syntax {
         path: PathBuf,
@@ -95,69 +95,83 @@ fn syntax(path: &Path, line: usize, column: usize, message: String) -> ParseErro
     }
 }
 
-fn parse_yaml(path: &Path, text: &str) -> Result<NodeListDoc, ParseError> {
-    serde_yaml::from_str(text).map_err(|e| {
-        let (line, column) = e.location().map_or((0, 0), |l| (l.line(), l.column()));
-        syntax(path, line, column, e.to_string())
-    })
+/// How deep a NodeList nests. A Node as the API server prints it goes about a dozen levels deep
+/// (its managed fields the deepest); anything past this is not a NodeList, and the parsers stop
+/// there instead of working through it.
+const MAX_DEPTH: usize = 64;
+
+/// The YAML parser's limits. Sizes are the input gate's (the file's cap); the counts that grow
+/// with the cluster (events, nodes, scalar bytes) follow from it. What a NodeList never holds is
+/// refused early: nesting past [`MAX_DEPTH`], and anchors and aliases beyond a few (kubectl
+/// writes none; a few expanded many times over is how a small file becomes a huge one).
+fn yaml_options() -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_reader_input_bytes = None;
+    budget.max_depth = MAX_DEPTH;
+    budget.flow_nesting_limit = MAX_DEPTH;
+    budget.max_events = usize::MAX;
+    budget.max_nodes = usize::MAX;
+    budget.max_total_scalar_bytes = usize::MAX;
+    budget.max_total_comment_bytes = usize::MAX;
+    budget.max_anchors = 1024;
+    budget.max_aliases = 1024;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options.emit_comments = false;
+    options
 }
 
-/// Reads and parses the NodeList file at `path` (JSON if it starts with `{`, YAML otherwise).
-/// Neither is held whole (`kubectl get nodes -o json` of a large cluster runs to hundreds of
-/// megabytes): JSON is parsed as it is read; YAML in block style is cut into its items, each
-/// parsed on its own ([`yaml_items`]), and only another shape is parsed as a whole document.
+/// Reads and parses the NodeList file at `path` (JSON if it starts with `{`, YAML otherwise),
+/// through the input gate. Neither is held whole (`kubectl get nodes -o json` of a large
+/// cluster runs to hundreds of megabytes): both parsers work as the file is read, and each node
+/// is cut down to what the agent keeps as soon as it is parsed.
 pub fn parse_file(path: &Path) -> Result<Vec<RawNode>, ParseError> {
-    use std::io::{BufRead, Read};
-    let read = |source| ParseError::Read {
-        path: path.to_owned(),
-        source,
+    use std::io::BufRead;
+    let gated = input::open(path, Input::NodeList)?;
+    let mut file = std::io::BufReader::with_capacity(64 * 1024, gated);
+    let refused =
+        |file: &std::io::BufReader<input::Gated>, e| ParseError::Input(file.get_ref().error(e));
+    let json = match file.fill_buf() {
+        Ok(buf) => buf.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{'),
+        Err(e) => return Err(refused(&file, e)),
     };
-    let mut file = std::io::BufReader::new(std::fs::File::open(path).map_err(read)?);
-    let json = file
-        .fill_buf()
-        .map_err(read)?
-        .iter()
-        .find(|b| !b.is_ascii_whitespace())
-        == Some(&b'{');
     if json {
-        let doc: NodeListDoc = serde_json::from_reader(file)
-            .map_err(|e| syntax(path, e.line(), e.column(), e.to_string()))?;
-        return doc.into_nodes(path);
+        let mut de = serde_json::Deserializer::from_reader(&mut file);
+        let doc = NodeListDoc::deserialize(&mut de).and_then(|doc| de.end().map(|()| doc));
+        return match doc {
+            Ok(doc) => doc.into_nodes(path),
+            Err(e) => match e.io_error_kind() {
+                Some(_) => Err(refused(&file, std::io::Error::from(e))),
+                None => Err(syntax(path, e.line(), e.column(), e.to_string())),
+            },
+        };
     }
-    if let Some(doc) = yaml_items::split(file)
-        .map_err(read)?
-        .and_then(|s| s.into_doc())
-    {
-        return doc.into_nodes(path);
-    }
-    // Not a block list, or something in it does not parse: the whole document, whose parser
-    // says where.
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_to_string(&mut text))
-        .map_err(read)?;
-    parse_yaml(path, &text)?.into_nodes(path)
-}
-
-impl yaml_items::Split {
-    /// The document this split came from; `None` if its rest does not parse.
-    fn into_doc(self) -> Option<NodeListDoc> {
-        match self.items {
-            Some(items) => {
-                #[derive(Deserialize)]
-                struct Rest {
-                    #[serde(default)]
-                    kind: Option<String>,
-                }
-                let rest: Rest = serde_yaml::from_str(&self.rest).ok()?;
-                Some(NodeListDoc {
-                    kind: rest.kind,
-                    items,
-                })
+    let doc: Result<NodeListDoc, _> =
+        serde_saphyr::from_reader_with_options(&mut file, yaml_options());
+    match doc {
+        Ok(doc) => doc.into_nodes(path),
+        Err(e) => {
+            if let Some(io) = io_error(&e) {
+                return Err(refused(&file, io));
             }
-            None => serde_yaml::from_str(&self.rest).ok(),
+            let (line, column) = e
+                .location()
+                .map_or((0, 0), |l| (l.line() as usize, l.column() as usize));
+            Err(syntax(path, line, column, e.to_string()))
         }
     }
+}
+
+/// The read error under a YAML error, if that is what it is.
+fn io_error(e: &serde_saphyr::Error) -> Option<std::io::Error> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return Some(std::io::Error::new(io.kind(), io.to_string()));
+        }
+        source = s.source();
+    }
+    None
 }
 
 /// What identifies one version of the file without reading it.
@@ -256,9 +270,9 @@ impl FileSource {
         let parsed = tokio::task::spawn_blocking(move || parse_file(&path))
             .await
             .unwrap_or_else(|e| {
-                Err(ParseError::Read {
+                Err(ParseError::Reader {
                     path: self.path.clone(),
-                    source: std::io::Error::other(e),
+                    message: e.to_string(),
                 })
             });
         match parsed {
@@ -382,7 +396,7 @@ mod tests {
     #[test]
     fn a_missing_file_is_a_read_error_naming_it() {
         let err = parse_file(Path::new("/nonexistent/nodes.yaml")).unwrap_err();
-        assert!(matches!(err, ParseError::Read { .. }), "{err}");
+        assert!(matches!(err, ParseError::Input(_)), "{err}");
         assert!(err.to_string().contains("/nonexistent/nodes.yaml"), "{err}");
     }
 }

@@ -41,6 +41,8 @@ pub enum KubeSourceError {
     InCluster(kube::config::InClusterError),
     #[error("building the Kubernetes client: {0}")]
     Client(kube::Error),
+    #[error(transparent)]
+    KubeconfigRefused(state::input::InputError),
 }
 
 /// Where the API server is: a kubeconfig file, or the pod's in-cluster service account.
@@ -57,6 +59,10 @@ impl KubeSource {
                     path: path.clone(),
                     source,
                 };
+                // Looked at by the input gate first; kube then reads it again itself, to resolve
+                // the certificate paths in it against its directory.
+                state::input::open(path, state::input::Input::Kubeconfig)
+                    .map_err(KubeSourceError::KubeconfigRefused)?;
                 let kc = Kubeconfig::read_from(path).map_err(err)?;
                 Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
                     .await

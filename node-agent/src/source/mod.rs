@@ -11,7 +11,6 @@ pub mod file;
 pub mod kube;
 pub mod live;
 pub mod node_object;
-mod yaml_items;
 
 use state::node::RawNode;
 

@@ -12,6 +12,7 @@
 //! | `rules` | end to end | one test per rule of `docs/design.md`, through the CLI only |
 //! | `invariants` | end to end | random histories, every invariant checked after every step |
 //! | `endpoints` | end to end | `/metrics`, `/healthz`, `/readyz` |
+//! | `input_gate` | none | every kind of file at the path of every file the agent reads, through the agent's own readers |
 //! | `faults` | end to end | a full or vanished state directory, a NodeList that does not parse, drift |
 //! | `kube` | end to end | the agent against the API-server stand-in |
 //! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
@@ -30,6 +31,7 @@ mod docs;
 mod endpoints;
 mod faults;
 mod image;
+mod input_gate;
 mod invariants;
 mod ipsec;
 mod kube;
