@@ -27,6 +27,9 @@ pub struct LiveState {
     /// The full list being received, between `Init` and `InitDone`.
     relist: Option<BTreeMap<String, Arc<Node>>>,
     relist_errors: BTreeMap<String, Rejected>,
+    /// Names the last full list had more than one item of: the first item stands.
+    duplicates: BTreeMap<String, Duplicate>,
+    relist_duplicates: BTreeMap<String, Duplicate>,
     synced: bool,
     relists: u64,
     /// Full lists that contained the local node.
@@ -50,6 +53,40 @@ pub struct Rejected {
 impl std::fmt::Display for Rejected {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.error.fmt(f)
+    }
+}
+
+/// A name one full list had several items of. The first item stands, whatever the others say
+/// (a NodeList file edited by hand, two lists concatenated): the order of the list is the only
+/// thing that tells them apart, and which one stands then does not change from one read of the
+/// same list to the next. The others are ignored and reported.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Duplicate {
+    /// The UID of the item that stands, and of each one ignored, in list order.
+    pub first_uid: String,
+    pub ignored_uids: Vec<String>,
+}
+
+impl std::fmt::Display for Duplicate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let uid = |u: &str| {
+            if u.is_empty() {
+                "no UID".to_owned()
+            } else {
+                format!("UID {u}")
+            }
+        };
+        write!(
+            f,
+            "listed {} times in one list; the first item ({}) stands, the others are ignored (",
+            self.ignored_uids.len() + 1,
+            uid(&self.first_uid)
+        )?;
+        for (i, u) in self.ignored_uids.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{}", uid(u))?;
+        }
+        f.write_str(")")
     }
 }
 
@@ -80,12 +117,30 @@ impl LiveState {
             SourceEvent::Init => {
                 self.relist = Some(BTreeMap::new());
                 self.relist_errors.clear();
+                self.relist_duplicates.clear();
                 false
             }
             SourceEvent::InitApply(raw) => {
                 let previous = &self.nodes;
                 if let Some(buf) = self.relist.as_mut() {
-                    Self::fold(buf, &mut self.relist_errors, Some(previous), raw);
+                    // Of a name listed twice, the first item stands; the others are reported.
+                    let first = buf
+                        .get(&raw.name)
+                        .map(|n| n.uid.to_string())
+                        .or_else(|| self.relist_errors.get(&raw.name).map(|r| r.uid.clone()));
+                    match first {
+                        Some(first_uid) => {
+                            self.relist_duplicates
+                                .entry(raw.name)
+                                .or_insert_with(|| Duplicate {
+                                    first_uid,
+                                    ignored_uids: Vec::new(),
+                                })
+                                .ignored_uids
+                                .push(raw.uid);
+                        }
+                        None => Self::fold(buf, &mut self.relist_errors, Some(previous), raw),
+                    }
                 }
                 false
             }
@@ -99,6 +154,7 @@ impl LiveState {
                 self.nodes = new;
                 self.changes = Changes::Everything;
                 self.errors = std::mem::take(&mut self.relist_errors);
+                self.duplicates = std::mem::take(&mut self.relist_duplicates);
                 self.synced = true;
                 self.relists += 1;
                 if with_local {
@@ -117,6 +173,7 @@ impl LiveState {
             }
             SourceEvent::Delete(name) => {
                 self.errors.remove(&name);
+                self.duplicates.remove(&name);
                 self.touch(&name);
                 self.nodes.remove(&name).is_some()
             }
@@ -241,6 +298,11 @@ impl LiveState {
         &self.errors
     }
 
+    /// Names the last full list had several items of, and which stood.
+    pub fn duplicates(&self) -> &BTreeMap<String, Duplicate> {
+        &self.duplicates
+    }
+
     pub fn source_errors(&self) -> u64 {
         self.source_errors
     }
@@ -278,6 +340,61 @@ mod tests {
             s.apply(SourceEvent::InitApply(n.clone()));
         }
         s.apply(SourceEvent::InitDone)
+    }
+
+    /// Two items of one name in one list: the first stands, whatever the second says (valid or
+    /// not), and the name is reported with both UIDs; a list without the repeat clears it.
+    #[test]
+    fn of_a_name_listed_twice_in_one_list_the_first_item_stands_and_both_are_reported() {
+        let mut s = state();
+        let mut second = raw("a", "10.0.0.9");
+        second.uid = "uid-other".into();
+        let mut bad = raw("b", "not an ip");
+        bad.uid = "uid-bad".into();
+        relist(
+            &mut s,
+            &[
+                raw("local", "10.0.0.100"),
+                raw("a", "10.0.0.1"),
+                second,
+                raw("b", "10.0.0.2"),
+                bad,
+            ],
+        );
+        assert_eq!(
+            s.get("a").unwrap().internal_ip(state::node::Family::V4),
+            Some("10.0.0.1".parse().unwrap())
+        );
+        assert_eq!(s.get("a").unwrap().uid.as_str(), "uid-a");
+        assert!(
+            s.errors().is_empty(),
+            "the ignored item is not validated: {:?}",
+            s.errors()
+        );
+        assert_eq!(s.get("b").unwrap().uid.as_str(), "uid-b");
+        let d = &s.duplicates()["a"];
+        assert_eq!(
+            d.to_string(),
+            "listed 2 times in one list; the first item (UID uid-a) stands, the others are ignored (UID uid-other)"
+        );
+        assert_eq!(s.duplicates()["b"].ignored_uids, ["uid-bad"]);
+        // A first item that is malformed stands too: the name is malformed, not the later item.
+        let mut first_bad = raw("c", "nope");
+        first_bad.uid = "uid-c1".into();
+        relist(
+            &mut s,
+            &[raw("local", "10.0.0.100"), first_bad, raw("c", "10.0.0.3")],
+        );
+        assert!(s.get("c").is_none());
+        assert!(s.errors().contains_key("c"));
+        assert_eq!(s.duplicates()["c"].first_uid, "uid-c1");
+        assert!(
+            !s.duplicates().contains_key("a"),
+            "a list without the repeat clears it"
+        );
+        relist(&mut s, &[raw("local", "10.0.0.100"), raw("c", "10.0.0.3")]);
+        assert!(s.duplicates().is_empty());
+        assert!(s.get("c").is_some());
     }
 
     #[test]
