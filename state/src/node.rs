@@ -76,7 +76,7 @@ impl fmt::Display for Family {
 }
 
 /// A node as the source delivered it: strings only.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RawNode {
     pub name: String,
     pub uid: String,

@@ -32,6 +32,13 @@ pub struct SourceArgs {
     /// How often the nodes file is checked for changes.
     #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = parse_poll)]
     pub nodes_file_poll: Duration,
+    /// How long the nodes file must stay unchanged before a read that removes or changes nodes
+    /// is taken; a read that only adds nodes is taken at once. A file written in place
+    /// (`kubectl get nodes -o yaml > file`) can be read while its writer pauses, a valid but
+    /// shorter list: a pause shorter than this never prunes a live node. Writers should replace
+    /// the file by rename. With --once, the wait counts against --sync-timeout.
+    #[arg(long, env = "NODE_AGENT_NODES_FILE_SETTLE", default_value = "5s", value_parser = parse_duration)]
+    pub nodes_file_settle: Duration,
     /// How often the nodes file is re-read even when unchanged (a fresh full list).
     #[arg(long, env = "NODE_AGENT_RELIST_INTERVAL", default_value = "30s", value_parser = parse_period)]
     pub relist_interval: Duration,
@@ -140,7 +147,10 @@ pub struct AgentArgs {
     /// changes (a rolling upgrade, a relist) is planned and applied once. 0 reconciles at once.
     #[arg(long, env = "NODE_AGENT_DEBOUNCE", default_value = "100ms", value_parser = parse_duration)]
     pub debounce: Duration,
-    /// With --once or --dry-run: how long to wait for the first full list of nodes.
+    /// With --once, --dry-run and `plan`: how long the run may wait before its first plan, on
+    /// whatever blocks: the state directory's lock and checkpoint, the kernel's objects, the
+    /// node source's first full list (a nodes file's settle period included). At the deadline
+    /// the run ends with status 1, naming what it waited for, having changed nothing.
     #[arg(long, env = "NODE_AGENT_SYNC_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub sync_timeout: Duration,
 }
@@ -410,6 +420,7 @@ async fn spawn_source(args: &SourceArgs) -> anyhow::Result<Source> {
                 path: path.clone(),
                 poll: args.nodes_file_poll,
                 relist: args.relist_interval,
+                settle: args.nodes_file_settle,
             };
             tokio::spawn(source.run(tx, rx));
         }

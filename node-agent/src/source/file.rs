@@ -191,13 +191,67 @@ fn signature(path: &Path) -> Option<Signature> {
     })
 }
 
+impl Signature {
+    /// How long ago the file was last written, by the wall clock (a time ahead of the clock is
+    /// taken as now).
+    fn age(&self) -> Duration {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i128);
+        Duration::from_nanos(u64::try_from(now - self.mtime_ns).unwrap_or(0))
+    }
+}
+
 /// Polls a NodeList file and sends its full lists.
+///
+/// A file can be read torn: a writer that writes it in place (`kubectl get nodes -o yaml >
+/// nodes.yaml`, paged from the API server) and pauses at an item boundary leaves a valid,
+/// shorter YAML list, and one that pauses inside an item a node missing its tail (an address,
+/// a pod CIDR). A read that only adds nodes to the last list taken is taken at once (a torn
+/// read can only lack what the whole file has); any other read, the first one included, is
+/// taken only once the file has stayed unchanged for the settle period: a removal or a change
+/// is confirmed by a later look, `settle` after, finding the same file. Writers that replace the
+/// file by rename (`kubectl ... > tmp && mv tmp nodes.yaml`, a ConfigMap mount) are never seen
+/// torn; the settle period only delays their removals.
 pub struct FileSource {
     pub path: PathBuf,
     /// How often the file's metadata is checked.
     pub poll: Duration,
     /// How often the file is re-read and re-sent even when unchanged.
     pub relist: Duration,
+    /// How long a read that removes or changes nodes waits for the file to stay unchanged.
+    pub settle: Duration,
+}
+
+/// A read of the file that waits for the settle period before it is taken.
+struct Unsettled {
+    sig: Signature,
+    nodes: Vec<RawNode>,
+    seen: Instant,
+}
+
+/// What the last list taken held: a digest of each node by name.
+#[derive(Default)]
+struct Taken(std::collections::HashMap<String, u64>);
+
+impl Taken {
+    fn of(nodes: &[RawNode]) -> Self {
+        Self(nodes.iter().map(|n| (n.name.clone(), digest(n))).collect())
+    }
+
+    /// Whether `nodes` holds every node of this list, unchanged (and perhaps more).
+    fn only_added_to(&self, nodes: &[RawNode]) -> bool {
+        let now: std::collections::HashMap<&str, u64> =
+            nodes.iter().map(|n| (n.name.as_str(), digest(n))).collect();
+        self.0
+            .iter()
+            .all(|(name, d)| now.get(name.as_str()) == Some(d))
+    }
+}
+
+fn digest(node: &RawNode) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(node)
 }
 
 impl FileSource {
@@ -209,6 +263,8 @@ impl FileSource {
         mut requests: mpsc::Receiver<SourceRequest>,
     ) {
         let mut last: Option<Signature> = None;
+        let mut taken: Option<Taken> = None;
+        let mut unsettled: Option<Unsettled> = None;
         let mut last_read = Instant::now();
         let mut missing_logged = false;
         let mut asked = false;
@@ -217,6 +273,7 @@ impl FileSource {
             let sig = signature(&self.path);
             let due = asked || last_read.elapsed() >= self.relist;
             asked = false;
+            let mut send = None;
             match sig {
                 None => {
                     if !missing_logged {
@@ -224,22 +281,48 @@ impl FileSource {
                         missing_logged = true;
                     }
                 }
+                Some(sig) if unsettled.as_ref().is_some_and(|u| u.sig == sig) => {
+                    let u = unsettled.as_ref().expect("checked");
+                    if u.seen.elapsed() >= self.settle || sig.age() >= self.settle {
+                        send = unsettled.take().map(|u| (u.sig, Ok(u.nodes)));
+                    }
+                }
                 Some(sig) if Some(sig) != last || due => {
                     missing_logged = false;
                     // A file written while it was read (`kubectl ... > nodes.yaml` writes in
-                    // chunks, and a prefix of a YAML list is a shorter list) is read again at
-                    // the next poll, never taken as the list.
-                    if let Some(events) = self.read_unchanged(sig).await {
-                        last = Some(sig);
-                        last_read = Instant::now();
-                        for ev in events {
-                            if tx.send(ev).await.is_err() {
-                                return;
-                            }
+                    // chunks) is read again at the next poll, never taken as the list.
+                    match self.read_unchanged(sig).await {
+                        None => {}
+                        Some(Ok(nodes))
+                            if sig.age() < self.settle
+                                && !taken.as_ref().is_some_and(|t| t.only_added_to(&nodes)) =>
+                        {
+                            tracing::debug!(path = %self.path.display(), settle = ?self.settle, "nodes file removes or changes nodes; taken once it stays unchanged for the settle period");
+                            unsettled = Some(Unsettled {
+                                sig,
+                                nodes,
+                                seen: Instant::now(),
+                            });
+                        }
+                        Some(read) => {
+                            unsettled = None;
+                            send = Some((sig, read));
                         }
                     }
                 }
                 Some(_) => {}
+            }
+            if let Some((sig, read)) = send {
+                last = Some(sig);
+                last_read = Instant::now();
+                if let Ok(nodes) = &read {
+                    taken = Some(Taken::of(nodes));
+                }
+                for ev in events(read) {
+                    if tx.send(ev).await.is_err() {
+                        return;
+                    }
+                }
             }
             tokio::select! {
                 () = tokio::time::sleep(self.poll) => {}
@@ -251,39 +334,41 @@ impl FileSource {
         }
     }
 
-    /// One read of the file, off the async threads (a large list takes a while to parse): a
-    /// full list, or the error.
-    /// [`Self::read`], if the file still has signature `sig` once read: `None` if it changed
-    /// meanwhile.
-    async fn read_unchanged(&self, sig: Signature) -> Option<Vec<SourceEvent>> {
-        let events = self.read().await;
+    /// One read of the file, off the async threads (a large list takes a while to parse), if
+    /// the file still has signature `sig` once read: `None` if it changed meanwhile.
+    async fn read_unchanged(&self, sig: Signature) -> Option<Result<Vec<RawNode>, ParseError>> {
+        let read = self.read().await;
         if signature(&self.path) == Some(sig) {
-            Some(events)
+            Some(read)
         } else {
             tracing::debug!(path = %self.path.display(), "nodes file changed while read; reading it again");
             None
         }
     }
 
-    async fn read(&self) -> Vec<SourceEvent> {
+    async fn read(&self) -> Result<Vec<RawNode>, ParseError> {
         let path = self.path.clone();
-        let parsed = tokio::task::spawn_blocking(move || parse_file(&path))
+        tokio::task::spawn_blocking(move || parse_file(&path))
             .await
             .unwrap_or_else(|e| {
                 Err(ParseError::Reader {
                     path: self.path.clone(),
                     message: e.to_string(),
                 })
-            });
-        match parsed {
-            Ok(nodes) => std::iter::once(SourceEvent::Init)
-                .chain(nodes.into_iter().map(SourceEvent::InitApply))
-                .chain(std::iter::once(SourceEvent::InitDone))
-                .collect(),
-            Err(e) => {
-                tracing::error!("nodes file unusable, keeping the last good view: {e}");
-                vec![SourceEvent::Error(e.to_string())]
-            }
+            })
+    }
+}
+
+/// A read as the source's events: a full list, or the error.
+fn events(read: Result<Vec<RawNode>, ParseError>) -> Vec<SourceEvent> {
+    match read {
+        Ok(nodes) => std::iter::once(SourceEvent::Init)
+            .chain(nodes.into_iter().map(SourceEvent::InitApply))
+            .chain(std::iter::once(SourceEvent::InitDone))
+            .collect(),
+        Err(e) => {
+            tracing::error!("nodes file unusable, keeping the last good view: {e}");
+            vec![SourceEvent::Error(e.to_string())]
         }
     }
 }
@@ -328,17 +413,117 @@ mod tests {
             path: path.clone(),
             poll: Duration::from_millis(10),
             relist: Duration::from_secs(60),
+            settle: Duration::ZERO,
         };
         assert!(source.read_unchanged(half).await.is_none());
         let whole = source
             .read_unchanged(signature(&path).unwrap())
             .await
+            .unwrap()
             .unwrap();
-        let applied = whole
+        assert_eq!(whole.len(), 2);
+    }
+
+    fn list(names: &[&str]) -> String {
+        let items: String = names
             .iter()
-            .filter(|e| matches!(e, SourceEvent::InitApply(_)))
-            .count();
-        assert_eq!(applied, 2);
+            .enumerate()
+            .map(|(i, n)| {
+                format!(
+                    "- apiVersion: v1\n  kind: Node\n  metadata: {{name: {n}}}\n  status:\n    addresses: [{{type: InternalIP, address: 10.0.0.{}}}]\n",
+                    i + 1
+                )
+            })
+            .collect();
+        format!("apiVersion: v1\nkind: List\nitems:\n{items}")
+    }
+
+    /// Writes `text` in place, as a writer without a rename does, dated `age` ago.
+    fn write_dated(path: &Path, text: &str, age: Duration) {
+        std::fs::write(path, text).unwrap();
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        f.set_modified(std::time::SystemTime::now() - age).unwrap();
+    }
+
+    /// The lists the source sends, as the names in each.
+    async fn next_list(rx: &mut mpsc::Receiver<SourceEvent>) -> Vec<String> {
+        let mut names = Vec::new();
+        loop {
+            match rx.recv().await.expect("the source runs") {
+                SourceEvent::Init => names.clear(),
+                SourceEvent::InitApply(n) => names.push(n.name),
+                SourceEvent::InitDone => return names,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// A writer that pauses (here: for good) after the first item of a list it writes in place
+    /// leaves a valid, shorter list: it is not taken while the file is younger than the settle
+    /// period, and it is, as soon as it is older (a later look finding the same file); a list
+    /// that only adds nodes is taken at once, fresh as it is.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_list_that_drops_nodes_waits_for_the_file_to_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        let hour = Duration::from_secs(3600);
+        write_dated(&path, &list(&["n1", "n2"]), hour);
+        let source = FileSource {
+            path: path.clone(),
+            poll: Duration::from_millis(10),
+            relist: Duration::from_secs(3600),
+            // Longer than any test machine takes for the polls below.
+            settle: Duration::from_secs(600),
+        };
+        let (tx, mut rx) = mpsc::channel(64);
+        let (_requests, requests_rx) = mpsc::channel(1);
+        let task = tokio::spawn(source.run(tx, requests_rx));
+        assert_eq!(
+            next_list(&mut rx).await,
+            ["n1", "n2"],
+            "an old file is settled"
+        );
+        // Added to, freshly written: taken at once.
+        write_dated(&path, &list(&["n1", "n2", "n3"]), Duration::ZERO);
+        assert_eq!(next_list(&mut rx).await, ["n1", "n2", "n3"]);
+        // Torn after its first item, and the writer pauses.
+        write_dated(&path, &list(&["n1"]), Duration::ZERO);
+        let waited = tokio::time::timeout(Duration::from_millis(500), next_list(&mut rx)).await;
+        assert!(
+            waited.is_err(),
+            "a fresh shorter list was taken: {waited:?}"
+        );
+        // The same file, a settle period later: the removal is confirmed.
+        write_dated(&path, &list(&["n1"]), hour);
+        assert_eq!(next_list(&mut rx).await, ["n1"]);
+        task.abort();
+    }
+
+    /// A node changed in a fresh file (a writer paused inside its item: an address missing)
+    /// waits too; the first read of a fresh file waits, since it has no list to add to.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_changed_node_and_a_first_fresh_read_wait_for_the_file_to_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        write_dated(&path, &list(&["n1"]), Duration::ZERO);
+        let source = FileSource {
+            path: path.clone(),
+            poll: Duration::from_millis(10),
+            relist: Duration::from_secs(3600),
+            settle: Duration::from_secs(600),
+        };
+        let (tx, mut rx) = mpsc::channel(64);
+        let (_requests, requests_rx) = mpsc::channel(1);
+        let task = tokio::spawn(source.run(tx, requests_rx));
+        let waited = tokio::time::timeout(Duration::from_millis(300), next_list(&mut rx)).await;
+        assert!(waited.is_err(), "a fresh first read was taken");
+        write_dated(&path, &list(&["n1"]), Duration::from_secs(3600));
+        assert_eq!(next_list(&mut rx).await, ["n1"]);
+        let changed = list(&["n1"]).replace("10.0.0.1", "10.0.0.9");
+        write_dated(&path, &changed, Duration::ZERO);
+        let waited = tokio::time::timeout(Duration::from_millis(300), next_list(&mut rx)).await;
+        assert!(waited.is_err(), "a fresh change was taken");
+        task.abort();
     }
 
     #[test]
