@@ -445,6 +445,21 @@ mod tests {
         f.set_modified(std::time::SystemTime::now() - age).unwrap();
     }
 
+    /// A source polling `path` every 10 ms, with a settle period longer than any test machine
+    /// takes for the polls a test waits through, and its events.
+    fn settling_source(path: &Path) -> (tokio::task::JoinHandle<()>, mpsc::Receiver<SourceEvent>) {
+        let source = FileSource {
+            path: path.to_owned(),
+            poll: Duration::from_millis(10),
+            relist: Duration::from_secs(3600),
+            settle: Duration::from_secs(600),
+        };
+        let (tx, rx) = mpsc::channel(64);
+        // No requests: the source goes on polling once their sender is gone.
+        let (_, requests_rx) = mpsc::channel(1);
+        (tokio::spawn(source.run(tx, requests_rx)), rx)
+    }
+
     /// The lists the source sends, as the names in each.
     async fn next_list(rx: &mut mpsc::Receiver<SourceEvent>) -> Vec<String> {
         let mut names = Vec::new();
@@ -468,16 +483,7 @@ mod tests {
         let path = dir.path().join("nodes.yaml");
         let hour = Duration::from_secs(3600);
         write_dated(&path, &list(&["n1", "n2"]), hour);
-        let source = FileSource {
-            path: path.clone(),
-            poll: Duration::from_millis(10),
-            relist: Duration::from_secs(3600),
-            // Longer than any test machine takes for the polls below.
-            settle: Duration::from_secs(600),
-        };
-        let (tx, mut rx) = mpsc::channel(64);
-        let (_requests, requests_rx) = mpsc::channel(1);
-        let task = tokio::spawn(source.run(tx, requests_rx));
+        let (task, mut rx) = settling_source(&path);
         assert_eq!(
             next_list(&mut rx).await,
             ["n1", "n2"],
@@ -506,15 +512,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nodes.yaml");
         write_dated(&path, &list(&["n1"]), Duration::ZERO);
-        let source = FileSource {
-            path: path.clone(),
-            poll: Duration::from_millis(10),
-            relist: Duration::from_secs(3600),
-            settle: Duration::from_secs(600),
-        };
-        let (tx, mut rx) = mpsc::channel(64);
-        let (_requests, requests_rx) = mpsc::channel(1);
-        let task = tokio::spawn(source.run(tx, requests_rx));
+        let (task, mut rx) = settling_source(&path);
         let waited = tokio::time::timeout(Duration::from_millis(300), next_list(&mut rx)).await;
         assert!(waited.is_err(), "a fresh first read was taken");
         write_dated(&path, &list(&["n1"]), Duration::from_secs(3600));
