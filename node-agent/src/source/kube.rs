@@ -160,7 +160,13 @@ enum Step {
 /// One probe: `Healthy` if the API server lists a node for the agent; otherwise the next probe
 /// is scheduled one backoff period on.
 async fn probe(api: &Api<Node>, health: &mut Health) -> Option<SourceEvent> {
-    match api.list(&ListParams::default().limit(1)).await {
+    let params = ListParams::default().limit(1);
+    let list = api.list(&params);
+    let answer = match tokio::time::timeout(PROBE_TIMEOUT, list).await {
+        Ok(answer) => answer.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer in {PROBE_TIMEOUT:?}")),
+    };
+    match answer {
         Ok(_) => {
             health.recovered(Instant::now());
             Some(SourceEvent::Healthy)
@@ -236,6 +242,10 @@ impl Health {
 
 /// The longest wait between two attempts on a failing API server.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// How long a probe may take before it counts as failed: a list of one node is quick, and one
+/// that hangs must not hold up the watch loop (and the probes after it) for the client's read
+/// timeout.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn convert(ev: Event<Node>) -> SourceEvent {
     match ev {
