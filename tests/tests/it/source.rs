@@ -110,11 +110,17 @@ impl Agent {
             self.next(until).await.expect("synced within the slack");
         }
         assert!(self.ready(), "{:?}", self.telemetry.ready());
-        // The watcher opens its watch when polled after `InitDone`.
-        while server.requests().watch == 0 {
-            assert!(Instant::now() < until, "no watch opened");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // The watcher opens its watch when polled after `InitDone`; a change it passes on says
+        // the watch is open, so the test's drop does cut it.
+        server.apply(node("n-9", 9));
+        let ev = self
+            .next(until)
+            .await
+            .expect("the watch passes a change on");
+        assert!(
+            matches!(&ev, SourceEvent::Apply(n) if n.name == "n-9"),
+            "expected the change, got {ev:?}"
+        );
         self.take_seen();
     }
 }
