@@ -396,6 +396,45 @@ mod tests {
     const YAML: &str = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Node\n  metadata: {name: n1}\n  status:\n    addresses: [{type: InternalIP, address: 10.0.0.1}]\n";
 
     /// A file that changed while it was read is not taken as the list: a YAML list caught
+    /// A file that does not parse fails the source; the source's own poll finds it fixed and
+    /// ends the failure with a full list: nothing else has to happen.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_broken_file_fails_the_source_until_its_own_poll_reads_it_fixed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        std::fs::write(&path, "items: [").unwrap();
+        let source = FileSource {
+            path: path.clone(),
+            poll: Duration::from_millis(10),
+            relist: Duration::from_secs(60),
+        };
+        let (tx, mut rx) = mpsc::channel(64);
+        let (_requests, requests_rx) = mpsc::channel(1);
+        let task = tokio::spawn(source.run(tx, requests_rx));
+        let mut live = super::super::live::LiveState::new("n1");
+        let mut next = async || {
+            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("an event within 10 s")
+                .unwrap();
+            live.apply(ev.clone());
+            (ev, live.failing().map(str::to_owned))
+        };
+        let (ev, failing) = next().await;
+        assert!(matches!(ev, SourceEvent::Error(_)), "{ev:?}");
+        assert!(failing.is_some());
+        std::fs::write(&path, YAML).unwrap();
+        loop {
+            let (ev, failing) = next().await;
+            if ev == SourceEvent::InitDone {
+                assert_eq!(failing, None);
+                break;
+            }
+            assert!(failing.is_some(), "still failing on {ev:?}");
+        }
+        task.abort();
+    }
+
     /// half-written is a shorter list, and its missing nodes would have been pruned.
     #[tokio::test(flavor = "current_thread")]
     async fn a_file_changed_while_read_is_read_again() {

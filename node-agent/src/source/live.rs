@@ -110,7 +110,7 @@ impl LiveState {
 
     /// Folds one event in; returns whether the live view (or its sync state) changed.
     pub fn apply(&mut self, event: SourceEvent) -> bool {
-        if !matches!(event, SourceEvent::Error(_)) {
+        if event.clears_failure() {
             self.failing = None;
         }
         match event {
@@ -471,6 +471,28 @@ mod tests {
         assert_eq!(s.failing(), None);
         s.apply(SourceEvent::Error("timed out".into()));
         s.apply(SourceEvent::Apply(raw("b", "10.0.0.2")));
+        assert_eq!(s.failing(), None);
+    }
+
+    /// kube-runtime's watcher says `Init` before it sends a list, so a list attempt that then
+    /// fails must not read as a success in between: the agent would turn ready and back.
+    #[test]
+    fn a_list_attempt_is_no_success_until_its_list_completes() {
+        let mut s = state();
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        s.apply(SourceEvent::Error("forbidden (403)".into()));
+        s.apply(SourceEvent::Init);
+        assert_eq!(s.failing(), Some("forbidden (403)"));
+        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        assert_eq!(
+            s.failing(),
+            Some("forbidden (403)"),
+            "a page is no full list"
+        );
+        s.apply(SourceEvent::Error("forbidden (403)".into()));
+        s.apply(SourceEvent::Init);
+        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        s.apply(SourceEvent::InitDone);
         assert_eq!(s.failing(), None);
     }
 

@@ -33,6 +33,19 @@ pub enum SourceEvent {
     Healthy,
 }
 
+impl SourceEvent {
+    /// Whether the event says the source can read its nodes, and so ends a failure that an
+    /// [`SourceEvent::Error`] began: data (a completed list, a change) or a check that
+    /// succeeded. `Init` and `InitApply` do not: kube-runtime's watcher announces every list
+    /// attempt with `Init` before it sends the list, and a list can fail on any page.
+    pub fn clears_failure(&self) -> bool {
+        matches!(
+            self,
+            Self::InitDone | Self::Apply(_) | Self::Delete(_) | Self::Healthy
+        )
+    }
+}
+
 /// What the agent may ask of its source.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SourceRequest {

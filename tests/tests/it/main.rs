@@ -16,6 +16,7 @@
 //! | `faults` | end to end | a full or vanished state directory, a NodeList that does not parse, drift |
 //! | `kube` | end to end | the agent against the API-server stand-in |
 //! | `apiserver` | none | the stand-in's own behaviour, against kube's client |
+//! | `source` | none | the agent's Kubernetes source in-process against the stand-in: failures, probes, readiness |
 //! | `deploy`, `docs` | none | manifests, Dockerfile, alert rules (promtool), every command the docs show |
 //! | `image` | end to end | the container image, built with podman, its binaries run from its filesystem |
 //! | `bench` | kernel | benchmarks, run by `cargo xtask bench`: backends against their floors, the agent at 5,000 and 65,000 nodes, the daemon while it waits |
@@ -37,4 +38,5 @@ mod ipsec;
 mod kube;
 mod nexthops;
 mod rules;
+mod source;
 mod xfrm;
