@@ -395,7 +395,6 @@ mod tests {
 
     const YAML: &str = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Node\n  metadata: {name: n1}\n  status:\n    addresses: [{type: InternalIP, address: 10.0.0.1}]\n";
 
-    /// A file that changed while it was read is not taken as the list: a YAML list caught
     /// A file that does not parse fails the source; the source's own poll finds it fixed and
     /// ends the failure with a full list: nothing else has to happen.
     #[tokio::test(flavor = "current_thread")]
@@ -407,6 +406,7 @@ mod tests {
             path: path.clone(),
             poll: Duration::from_millis(10),
             relist: Duration::from_secs(60),
+            settle: Duration::ZERO,
         };
         let (tx, mut rx) = mpsc::channel(64);
         let (_requests, requests_rx) = mpsc::channel(1);
@@ -435,6 +435,7 @@ mod tests {
         task.abort();
     }
 
+    /// A file that changed while it was read is not taken as the list: a YAML list caught
     /// half-written is a shorter list, and its missing nodes would have been pruned.
     #[tokio::test(flavor = "current_thread")]
     async fn a_file_changed_while_read_is_read_again() {
