@@ -69,7 +69,28 @@ fn raw_items<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<RawNode>, D::
             Ok(out)
         }
     }
-    d.deserialize_seq(Items)
+    // `items:` with nothing after it (null) is an empty list, as YAML writers make of one.
+    struct MaybeItems;
+    impl<'de> serde::de::Visitor<'de> for MaybeItems {
+        type Value = Vec<RawNode>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of Nodes")
+        }
+
+        fn visit_none<E: serde::de::Error>(self) -> Result<Vec<RawNode>, E> {
+            Ok(Vec::new())
+        }
+
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Vec<RawNode>, E> {
+            Ok(Vec::new())
+        }
+
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Vec<RawNode>, D::Error> {
+            d.deserialize_seq(Items)
+        }
+    }
+    d.deserialize_option(MaybeItems)
 }
 
 impl NodeListDoc {
@@ -581,6 +602,17 @@ mod tests {
         assert!(err.to_string().starts_with("nodes.yaml:"), "{err}");
         let err = parse("{\"items\": [1,]}").unwrap_err();
         assert!(err.to_string().starts_with("nodes.yaml:1:"), "{err}");
+    }
+
+    #[test]
+    fn an_items_key_with_nothing_after_it_is_an_empty_list() {
+        for text in [
+            "kind: List\nitems:\n",
+            "kind: List\nitems: []\n",
+            "{\"items\": null}",
+        ] {
+            assert_eq!(parse(text).unwrap(), [], "{text:?}");
+        }
     }
 
     #[test]
