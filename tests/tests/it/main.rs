@@ -9,6 +9,7 @@
 //! | `ipsec` | VM | pod traffic between node namespaces, encrypted: the wire sees only ESP; rotation; restart with churn |
 //! | `caps` | kernel (VM for IPsec) | the agent under exactly the manifest's capabilities, and one line naming each missing one |
 //! | `agent` | end to end | the real binary against NodeList files: restarts, the brake, crashes |
+//! | `rollback` | end to end | the documented rollback to the previous release, against its recorded route shape (or its binary) |
 //! | `rules` | end to end | one test per rule of `docs/design.md`, through the CLI only |
 //! | `invariants` | end to end | random histories, every invariant checked after every step |
 //! | `endpoints` | end to end | `/metrics`, `/healthz`, `/readyz` |
@@ -37,6 +38,7 @@ mod invariants;
 mod ipsec;
 mod kube;
 mod nexthops;
+mod rollback;
 mod rules;
 mod source;
 mod xfrm;
