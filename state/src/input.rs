@@ -123,6 +123,13 @@ pub enum Problem {
     TooLarge { size: u64, cap: u64 },
     #[error("{0}")]
     Io(#[source] io::Error),
+    /// A step of [`replace`] failed.
+    #[error("{step}: {source}")]
+    Write {
+        step: &'static str,
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl InputError {
@@ -224,6 +231,50 @@ pub fn read(path: &Path, what: Input) -> Result<Vec<u8>, InputError> {
     open(path, what)?.read_all()
 }
 
+/// Replaces the agent's file `what` at `path` with `bytes`: written to a temporary file beside
+/// it (`.NAME.tmp`; whatever was left there is removed first, not opened), created new with
+/// mode 0600 and `O_NOFOLLOW` (never through a symlink, nor into a FIFO someone put there),
+/// synced, renamed over `path`, and the directory synced. A crash at any point leaves the old
+/// file or the new one. Refused over the kind's cap: what the agent writes, it must read back.
+pub fn replace(path: &Path, what: Input, bytes: &[u8]) -> Result<(), InputError> {
+    use std::io::Write;
+    if bytes.len() as u64 > what.cap() {
+        let (size, cap) = (bytes.len() as u64, what.cap());
+        return Err(InputError::new(what, path, Problem::TooLarge { size, cap }));
+    }
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut name = std::ffi::OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(".tmp");
+    let tmp = dir.join(name);
+    let fail = |at: &Path, step, source| InputError::new(what, at, Problem::Write { step, source });
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Err(fail(&tmp, "removing a leftover", e));
+        }
+        _ => {}
+    }
+    let result = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&tmp)
+            .map_err(|e| fail(&tmp, "creating", e))?;
+        f.write_all(bytes).map_err(|e| fail(&tmp, "writing", e))?;
+        f.sync_all().map_err(|e| fail(&tmp, "syncing", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| fail(path, "renaming into place", e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| fail(dir, "syncing the directory", e))
+}
+
 impl Gated {
     /// The open file, for what is done to it besides reading (the lock's `flock`, writes).
     pub fn file(&mut self) -> &mut File {
@@ -277,6 +328,55 @@ impl Read for Gated {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whatever sits at the temporary path (a FIFO that would block the write, a symlink that
+    /// would send it elsewhere, a stale file) is removed, never written through; a directory
+    /// there is an error naming it. Over the cap, nothing is written.
+    #[test]
+    fn replace_never_writes_through_what_sits_at_its_temporary_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hold.json");
+        let tmp = dir.path().join(".hold.json.tmp");
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::write(&elsewhere, "untouched").unwrap();
+        let plant: [(&str, &dyn Fn()); 3] = [
+            ("a FIFO", &|| {
+                let c = std::ffi::CString::new(tmp.as_os_str().as_encoded_bytes()).unwrap();
+                // SAFETY: a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            }),
+            ("a symlink", &|| {
+                std::os::unix::fs::symlink(&elsewhere, &tmp).unwrap()
+            }),
+            ("a stale file", &|| std::fs::write(&tmp, "stale").unwrap()),
+        ];
+        for (what, plant) in plant {
+            plant();
+            replace(&path, Input::HoldFile, b"{}").unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(std::fs::read(&path).unwrap(), b"{}", "{what}");
+            assert!(std::fs::symlink_metadata(&tmp).is_err(), "{what}");
+            assert_eq!(
+                std::fs::read_to_string(&elsewhere).unwrap(),
+                "untouched",
+                "{what}"
+            );
+        }
+        std::fs::create_dir(&tmp).unwrap();
+        let e = replace(&path, Input::HoldFile, b"{}")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(".hold.json.tmp") && e.contains("removing a leftover"),
+            "{e}"
+        );
+        std::fs::remove_dir(&tmp).unwrap();
+        let big = vec![b'x'; Input::Confirmation.cap() as usize + 1];
+        let e = replace(&path, Input::Confirmation, &big)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("over the 4096 bytes"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"{}");
+    }
 
     #[test]
     fn caps_hold_what_each_file_legitimately_holds() {

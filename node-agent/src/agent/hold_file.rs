@@ -54,10 +54,8 @@ pub fn publish(dir: &Path, hold: Option<&BrakeReport>) -> Result<(), HoldFileErr
             _ => Ok(()),
         },
         Some(report) => {
-            let tmp = dir.join(".hold.json.tmp");
             let text = serde_json::to_vec_pretty(report).expect("a report serializes");
-            std::fs::write(&tmp, text).map_err(io_err("writing", &tmp))?;
-            std::fs::rename(&tmp, &path).map_err(io_err("renaming into place", &path))
+            Ok(input::replace(&path, Input::HoldFile, &text)?)
         }
     }
 }

@@ -16,10 +16,10 @@
 //! `.prune-confirm.<pid>.<nanos>.tmp` and renamed into place) and `.prune-confirm.taken` (a
 //! confirmation the daemon has taken and not yet read).
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -273,36 +273,16 @@ impl CheckpointStore {
             .map_err(io_err("syncing state directory", &self.dir))
     }
 
-    /// Replaces the checkpoint atomically: temp file (0600), fsync, rename, directory fsync. A
-    /// crash at any point leaves either the old or the new checkpoint. Returns the bytes written.
+    /// Replaces the checkpoint atomically through the input gate ([`input::replace`]: a new temp
+    /// file of mode 0600, fsync, rename, directory fsync). A crash at any point leaves either the
+    /// old or the new checkpoint. Returns the bytes written.
     pub fn write(&self, cp: &Checkpoint) -> Result<usize, StoreError> {
         let path = self.path();
         let bytes = format::encode(cp).map_err(|source| StoreError::Encode {
             path: path.clone(),
             source,
         })?;
-        let tmp = self.dir.join(TMP_NAME);
-        let result = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(io_err("creating temp checkpoint", &tmp))?;
-            f.set_permissions(fs::Permissions::from_mode(0o600))
-                .map_err(io_err("restricting temp checkpoint to 0600", &tmp))?;
-            f.write_all(&bytes)
-                .map_err(io_err("writing temp checkpoint", &tmp))?;
-            f.sync_all()
-                .map_err(io_err("syncing temp checkpoint", &tmp))?;
-            fs::rename(&tmp, &path).map_err(io_err("renaming temp checkpoint over", &path))
-        })();
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        result?;
-        self.sync_dir()?;
+        input::replace(&path, Input::Checkpoint, &bytes)?;
         Ok(bytes.len())
     }
 }
