@@ -282,6 +282,20 @@ impl Sandbox {
         for i in gone() {
             self.remove_node(i)?;
         }
+        let running: Vec<usize> = (0..NODES.len())
+            .filter(|&i| i != LOCAL && !gone().contains(&i))
+            .collect();
+        for &i in &running {
+            self.wait_routes_gone(i)?;
+        }
+        println!(
+            "{}: their agents ran and removed their routes to them as the deletes came in",
+            running
+                .iter()
+                .map(|&i| NODES[i].name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         println!(
             "{} still routes to them; nothing told its agent:",
             NODES[LOCAL].name
@@ -357,12 +371,12 @@ impl Sandbox {
         let ip4 = format!("{}/24", n.ip4);
         quiet(&["ip", "-n", n.name, "link", "set", "lo", "up"])?;
         quiet(&["ip", "-n", n.name, "addr", "add", &ip4, "dev", "eth0"])?;
-        if let Some(ip6) = n.ip6 {
-            let ip6 = format!("{ip6}/64");
-            quiet(&[
-                "ip", "-n", n.name, "addr", "add", &ip6, "dev", "eth0", "nodad",
-            ])?;
-        }
+        // An IPv6 address on every uplink, listed or not, so the IPv6 InternalIPs of the others
+        // are on-link gateways on every node.
+        let ip6 = format!("fd00:50::{}/64", n.ip4.rsplit('.').next().unwrap_or("0"));
+        quiet(&[
+            "ip", "-n", n.name, "addr", "add", &ip6, "dev", "eth0", "nodad",
+        ])?;
         quiet(&["ip", "-n", n.name, "link", "set", "eth0", "up"])?;
         quiet(&[
             "ip",
@@ -510,6 +524,38 @@ impl Sandbox {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(())
+    }
+
+    /// Waits until node `i`'s routes to the pod CIDRs of the [`GONE`] nodes are gone.
+    fn wait_routes_gone(&self, i: usize) -> anyhow::Result<()> {
+        let start = Instant::now();
+        loop {
+            let routes = cmd::output(Command::new("ip").args([
+                "-n",
+                NODES[i].name,
+                "route",
+                "show",
+                "proto",
+                "201",
+            ]))
+            .unwrap_or_default();
+            let stale: Vec<&str> = gone()
+                .into_iter()
+                .map(|g| NODES[g].pod_cidr)
+                .filter(|c| routes.contains(c))
+                .collect();
+            if stale.is_empty() {
+                return Ok(());
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                bail!(
+                    "{}'s running agent still routes to {} 20 s after the nodes were deleted",
+                    NODES[i].name,
+                    stale.join(", ")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// SIGTERM to node `i`'s agent; it must exit cleanly within 20 s.
