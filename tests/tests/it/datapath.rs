@@ -17,7 +17,7 @@ use node_agent::node_map::{NodeEntry, NodeMap, NodeStatsMap};
 use node_agent::recent_removals::{self, RecentRemovalsRecord};
 use node_agent_common::{NodeStats, NodeValue};
 use node_agent_tests::require_sandbox;
-use node_agent_tests::{VethPair, agent_bin, attached, ip, report, run, sandbox};
+use node_agent_tests::{VethPair, agent_bin, attached, ip, ip_batch, report, run, sandbox};
 use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::objects::NodeId;
@@ -816,6 +816,12 @@ fn pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it()
     });
 }
 
+/// The interfaces a check of the attachments finds missing.
+fn missing(dp: &mut Datapath) -> Vec<String> {
+    dp.check_attachments();
+    dp.pending()
+}
+
 #[test]
 fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
     require_sandbox!("a_pod_interface_that_appears_later_gets_its_classifier_then");
@@ -824,9 +830,9 @@ fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
         config.pod_ifaces = vec!["cni7".into()];
         let mut dp = Datapath::load(&config).expect("loads without the bridge");
         assert_eq!(dp.pending(), ["cni7"]);
-        assert_eq!(dp.attach_pending(), ["cni7"], "still missing");
+        assert_eq!(missing(&mut dp), ["cni7"], "still missing");
         ip(&["link", "add", "cni7", "type", "bridge"]);
-        assert!(dp.attach_pending().is_empty());
+        assert!(missing(&mut dp).is_empty());
         assert_eq!(attached("cni7", TcAttachType::Ingress), 1);
         assert!(
             dp.attachments()
@@ -851,19 +857,19 @@ fn a_pod_interface_deleted_and_made_again_gets_its_classifier_back() {
         assert!(dp.pending().is_empty());
         assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
         assert!(
-            dp.attach_pending().is_empty(),
+            missing(&mut dp).is_empty(),
             "the same device: nothing to do"
         );
         ip(&["link", "del", "cni8"]);
-        assert_eq!(dp.attach_pending(), ["cni8"], "gone: pending again");
+        assert_eq!(missing(&mut dp), ["cni8"], "gone: pending again");
         ip(&["link", "add", "cni8", "type", "bridge"]);
         assert_eq!(attached("cni8", TcAttachType::Ingress), 0, "a new device");
-        assert!(dp.attach_pending().is_empty());
+        assert!(missing(&mut dp).is_empty());
         assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
         // Made again between two looks: found by its new index.
         ip(&["link", "del", "cni8"]);
         ip(&["link", "add", "cni8", "type", "bridge"]);
-        assert!(dp.attach_pending().is_empty());
+        assert!(missing(&mut dp).is_empty());
         assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
     });
 }
@@ -1041,5 +1047,136 @@ fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
         drop(dp);
         config.node_map_max = 16;
         drop(Datapath::load(&config).unwrap());
+    });
+}
+
+/// Every kind of interface the agent attaches to (the uplink, a second uplink, a pod
+/// interface) is deleted under a running daemon, named in readiness while it is gone, made
+/// again under its name, and gets its classifiers back, on TCX kernels (links, whose stale
+/// pins go) and netlink-filter ones (clsact made again); then each is deleted and made again
+/// at once, between two checks, and found by its new index. Before the one attach reconciler
+/// an uplink made again never got its classifiers back until a restart.
+#[test]
+fn every_interface_kind_deleted_and_made_again_under_a_daemon_gets_its_classifiers_back() {
+    const NAME: &str =
+        "every_interface_kind_deleted_and_made_again_under_a_daemon_gets_its_classifiers_back";
+    require_sandbox!(NAME);
+    use node_agent_tests::agent::{AgentEnv, cluster, http_get, wait_for};
+    const ADDR: &str = "127.0.0.1:9965";
+    const WAIT: Duration = Duration::from_secs(30);
+    let readyz = || http_get(ADDR, "/readyz").unwrap_or((0, String::new()));
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        // The uplink gw0 is a veth with the nodes' gateways on-link (AgentEnv); make it again
+        // the same way.
+        let make_gw0 = || {
+            ip_batch(
+                &[],
+                "link add gw0 type veth peer name gw1\naddr add 10.88.0.1/16 dev gw0\n\
+                 link set gw0 up\nlink set gw1 up\n",
+            )
+        };
+        let make_bridge = |name: &str| ip(&["link", "add", name, "type", "bridge"]);
+        make_bridge("up2");
+        make_bridge("cni9");
+        env.write_nodes(&cluster(2));
+        let _daemon = env.spawn(&[
+            "--metrics-addr",
+            ADDR,
+            "--datapath-iface",
+            "up2",
+            "--pod-iface",
+            "cni9",
+        ]);
+        wait_for(
+            "readiness with nothing to say",
+            Duration::from_secs(90),
+            || readyz() == (200, "ready".into()),
+        );
+        let both = [TcAttachType::Ingress, TcAttachType::Egress];
+        let pod = [TcAttachType::Ingress];
+        let kinds: [(&str, &str, &[TcAttachType]); 3] = [
+            ("uplink", "gw0", &both),
+            ("uplink", "up2", &both),
+            ("pod interface", "cni9", &pod),
+        ];
+        let make = |iface: &str| match iface {
+            "gw0" => make_gw0(),
+            bridge => {
+                make_bridge(bridge);
+            }
+        };
+        let tcx = has_tcx();
+        let links = node_agent::datapath::pin_dir(&sb.bpffs).join("links");
+        let pins = || {
+            let mut p: Vec<String> = std::fs::read_dir(&links)
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            p.sort();
+            p
+        };
+        let all_pins = [
+            "cni9-pod",
+            "gw0-egress",
+            "gw0-ingress",
+            "up2-egress",
+            "up2-ingress",
+        ];
+        let back = |iface: &str, dirs: &[TcAttachType]| {
+            wait_for(
+                &format!("{iface}'s classifiers back on the new device"),
+                WAIT,
+                || dirs.iter().all(|d| attached(iface, *d) == 1),
+            );
+        };
+        for (kind, iface, dirs) in kinds {
+            back(iface, dirs);
+            let line = format!("{kind} {iface} has no classifier: no such interface");
+            ip(&["link", "del", iface]);
+            wait_for(
+                &format!("readiness to name {kind} {iface} while it is gone"),
+                WAIT,
+                || readyz().1.contains(&line),
+            );
+            if tcx {
+                // The links went with the device: their pins too.
+                wait_for(&format!("{iface}'s stale link pins unpinned"), WAIT, || {
+                    !pins().iter().any(|p| p.starts_with(&format!("{iface}-")))
+                });
+            }
+            make(iface);
+            back(iface, dirs);
+            wait_for(&format!("readiness no longer naming {iface}"), WAIT, || {
+                !readyz()
+                    .1
+                    .contains(&format!("{kind} {iface} has no classifier"))
+            });
+            if tcx {
+                assert_eq!(pins(), all_pins, "one pin per attachment, none stale");
+            }
+            // Deleted and made again at once: the same name, another device, found by its index.
+            let before =
+                std::fs::read_to_string(format!("/sys/class/net/{iface}/ifindex")).unwrap();
+            ip(&["link", "del", iface]);
+            make(iface);
+            let after = std::fs::read_to_string(format!("/sys/class/net/{iface}/ifindex")).unwrap();
+            assert_ne!(before, after, "{iface} made again is another device");
+            back(iface, dirs);
+        }
+        wait_for("readiness with nothing to say again", WAIT, || {
+            readyz().1.trim() == "ready"
+        });
+        if tcx {
+            assert_eq!(pins(), all_pins, "one pin per attachment, none stale");
+        }
+        report(&format!(
+            "attach: 3 interface kinds (uplink gw0, second uplink up2, pod interface cni9) x \
+             (delete, named in readiness, make again; delete and make again at once), {}",
+            if tcx { "tcx" } else { "netlink filters" }
+        ));
     });
 }
