@@ -312,6 +312,25 @@ mod tests {
     }
 
     #[test]
+    fn a_link_change_makes_the_attach_check_due_at_once_and_the_periodic_one_stays_behind() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        s.reconciled(t0, Reconciled::Done, false, None);
+        s.links_changed(t0);
+        assert!(!s.due(t0).attach, "nothing to attach: no check");
+        s.attachments_checked(t0, false, true);
+        assert!(!s.due(t0).attach);
+        assert!(s.due(t0 + Schedule::ATTACHED_POLL).attach, "periodic");
+        s.links_changed(t0 + S / 10);
+        assert!(s.due(t0 + S / 10).attach, "at once on a link change");
+        s.attachments_checked(t0 + S / 10, true, true);
+        assert!(
+            s.due(t0 + S / 10 + Schedule::ATTACH_POLL).attach,
+            "sooner while missing"
+        );
+    }
+
+    #[test]
     fn key_checks_and_the_rotation_wake_the_loop_only_when_due() {
         let t0 = Instant::now();
         let mut s = schedule(t0);
