@@ -2,9 +2,11 @@
 //!
 //! Everything here is pure except the checkpoint store, whose only I/O is the checkpoint file.
 
+pub mod address_policy;
 pub mod checkpoint;
 pub mod desired;
 pub mod ids;
+pub mod input;
 pub mod inventory;
 pub mod node;
 pub mod objects;

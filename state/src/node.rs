@@ -13,6 +13,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
+use crate::address_policy::{self, Refusal};
 use crate::objects::NodeId;
 use crate::text::ShortText;
 
@@ -75,7 +76,7 @@ impl fmt::Display for Family {
 }
 
 /// A node as the source delivered it: strings only.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RawNode {
     pub name: String,
     pub uid: String,
@@ -119,9 +120,22 @@ pub enum NodeError {
     #[error("node {node}: address {ip} (field status.addresses) is listed twice")]
     DuplicateAddress { node: String, ip: IpAddr },
     #[error(
-        "node {node}: address {ip} (field status.addresses) is unspecified, loopback or multicast"
+        "node {node}: address {ip} (field status.addresses) is refused by the address policy: it is in {why}, never a node's"
     )]
-    UnusableAddress { node: String, ip: IpAddr },
+    UnusableAddress {
+        node: String,
+        ip: IpAddr,
+        why: Refusal,
+    },
+    #[error(
+        "node {node}: pod CIDR {cidr} (field spec.podCIDRs) is refused by the address policy: {}, never routed to a node",
+        .why.of_prefix()
+    )]
+    UnusableCidr {
+        node: String,
+        cidr: IpNet,
+        why: Refusal,
+    },
     #[error("node {node}: pod CIDR {value:?} (field spec.podCIDRs) is not a CIDR")]
     BadCidr { node: String, value: String },
     #[error(
@@ -159,14 +173,8 @@ impl Node {
             })?;
             // An IPv4 address written as IPv4-mapped IPv6 (`::ffff:10.0.0.1`) is that IPv4
             // address: kept as text, it conflicted with nothing (another node's or the local
-            // node's 10.0.0.1) and went past the loopback check.
+            // node's 10.0.0.1) and went past the address policy.
             let ip = ip.to_canonical();
-            if ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
-                return Err(NodeError::UnusableAddress {
-                    node: raw.name.clone(),
-                    ip,
-                });
-            }
             // A node is one node, whatever its address list says (invariant 13): an address
             // listed twice (an InternalIP that is also the ExternalIP, as on a node without
             // NAT) is one address, of the stronger kind, where it first appears.
@@ -203,18 +211,40 @@ impl Node {
     }
 
     /// Checks the invariants [`Node::from_raw`] establishes, for records that did not come
-    /// through it (a decoded checkpoint, a test).
+    /// through it (a test, a record built by hand): its shape ([`Node::check_shape`]) and the
+    /// address policy ([`address_policy`]) for every address and pod CIDR.
     pub fn validate(&self) -> Result<(), NodeError> {
+        self.check_shape()?;
+        for a in &self.addresses {
+            // An IPv4-mapped address is judged as the IPv4 address it is, as `from_raw` keeps it.
+            address_policy::judge_ip(a.ip.to_canonical()).map_err(|why| {
+                NodeError::UnusableAddress {
+                    node: self.name.clone(),
+                    ip: a.ip,
+                    why,
+                }
+            })?;
+        }
+        for net in &self.pod_cidrs {
+            address_policy::judge_net(*net).map_err(|why| NodeError::UnusableCidr {
+                node: self.name.clone(),
+                cidr: *net,
+                why,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The record's shape alone: a name, no address twice, canonical pod CIDRs, at most one per
+    /// family. The checkpoint decoder checks this much: a record an earlier version wrote with a
+    /// value the address policy now refuses still decodes (a checkpoint that does not decode is
+    /// moved aside with the brake's holds in it), and its live node, refused by the policy now,
+    /// is malformed and keeps what it had (invariant 8) until its record is fixed.
+    pub fn check_shape(&self) -> Result<(), NodeError> {
         if self.name.is_empty() {
             return Err(NodeError::EmptyName);
         }
         for (i, a) in self.addresses.iter().enumerate() {
-            if a.ip.is_unspecified() || a.ip.is_loopback() || a.ip.is_multicast() {
-                return Err(NodeError::UnusableAddress {
-                    node: self.name.clone(),
-                    ip: a.ip,
-                });
-            }
             if self.addresses[..i].iter().any(|b| b.ip == a.ip) {
                 return Err(NodeError::DuplicateAddress {
                     node: self.name.clone(),
@@ -393,6 +423,61 @@ mod tests {
                 "{unusable}"
             );
         }
+    }
+
+    /// The address policy judges addresses and pod CIDRs alike: the cloud's metadata range, a
+    /// link-local or multicast address, a default route are refused, each error naming the node,
+    /// the value and the range; private, shared and documentation space are kept.
+    #[test]
+    fn the_address_policy_refuses_addresses_and_pod_cidrs_alike() {
+        for ip in [
+            "169.254.169.254",
+            "fe80::1",
+            "ff02::1",
+            "240.0.0.1",
+            "0.1.2.3",
+            "::",
+        ] {
+            let e = Node::from_raw(raw(&[("InternalIP", ip)], &[])).unwrap_err();
+            assert!(matches!(e, NodeError::UnusableAddress { .. }), "{ip}: {e}");
+            assert!(
+                e.to_string().contains("worker-1") && e.to_string().contains(ip),
+                "{e}"
+            );
+        }
+        for cidr in [
+            "169.254.169.0/24",
+            "127.0.0.0/8",
+            "224.0.0.0/24",
+            "fe80::/64",
+            "ff00::/8",
+            "::/0",
+            "0.0.0.0/0",
+            "0.0.0.0/1",
+            "::ffff:10.1.0.0/120",
+        ] {
+            let e = Node::from_raw(raw(&[("InternalIP", "10.0.0.1")], &[cidr])).unwrap_err();
+            assert!(matches!(e, NodeError::UnusableCidr { .. }), "{cidr}: {e}");
+            assert!(
+                e.to_string().contains("worker-1") && e.to_string().contains(cidr),
+                "{e}"
+            );
+        }
+        let e = Node::from_raw(raw(&[("InternalIP", "10.0.0.1")], &["169.254.169.0/24"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("link-local space (169.254.0.0/16)"), "{e}");
+        let n = Node::from_raw(raw(
+            &[("InternalIP", "100.64.0.1"), ("ExternalIP", "203.0.113.1")],
+            &["100.96.0.0/24", "fd01::/64"],
+        ))
+        .unwrap();
+        assert_eq!(n.addresses.len(), 2);
+        // A record built by hand meets the same policy; its shape alone passes.
+        let mut n = n;
+        n.pod_cidrs[0] = "169.254.169.0/24".parse().unwrap();
+        assert!(matches!(n.validate(), Err(NodeError::UnusableCidr { .. })));
+        assert_eq!(n.check_shape(), Ok(()));
     }
 
     /// An IPv4 address written as IPv4-mapped IPv6 is that IPv4 address, so it conflicts with

@@ -90,7 +90,14 @@ fn node(rng: &mut Rng, name: &str) -> Node {
         addresses.dedup_by_key(|a| a.ip);
     }
     if !addresses.is_empty() || rng.one_in(8) {
-        pod_cidrs.push(format!("10.1.{}.0/24", rng.below(POOL)).parse().unwrap());
+        // Now and then one that covers addresses of the pool (another node's, its own, the
+        // local node's): its node is held over it.
+        let v4_cidr = if rng.one_in(12) {
+            format!("10.0.0.{}/28", 16 * rng.below(16))
+        } else {
+            format!("10.1.{}.0/24", rng.below(POOL))
+        };
+        pod_cidrs.push(v4_cidr.parse().unwrap());
         // A v6 CIDR with no v6 address to route it via is an input error; now and then.
         let v6 = addresses.iter().any(|a| a.ip.is_ipv6());
         if (v6 && rng.one_in(2)) || rng.one_in(16) {

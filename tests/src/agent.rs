@@ -269,7 +269,11 @@ impl AgentEnv {
         .arg(&self.bpffs)
         .args(&self.flags)
         .args(extra)
-        .env("NODE_AGENT_LOG", "info");
+        .env("NODE_AGENT_LOG", "info")
+        // The harness replaces the file by rename, so it is never read torn: a short settle
+        // keeps the mechanism on without adding the default's 5 s to every removal (set through
+        // the environment, so that a test's own flag overrides it).
+        .env("NODE_AGENT_NODES_FILE_SETTLE", "200ms");
         c
     }
 

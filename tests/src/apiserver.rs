@@ -46,7 +46,8 @@
 //! * The server sends bookmarks only when asked ([`ApiServer::bookmark`]), never periodically, and
 //!   does not implement `sendInitialEvents` (streaming lists).
 //! * Authentication is a fixed bearer token written into the kubeconfig; a request without it is
-//!   answered `401 Unauthorized`. Authorization is all-or-nothing ([`ApiServer::set_forbidden`]).
+//!   answered `401 Unauthorized`. Authorization is all-or-nothing ([`ApiServer::set_forbidden`]), or
+//!   denies the next few requests of a kind ([`ApiServer::forbid_next`]).
 //!
 //! # Threads and network namespaces
 //!
@@ -115,6 +116,20 @@ pub struct Requests {
     pub watch: u64,
     /// `GET /api/v1/nodes/NAME`.
     pub get: u64,
+    /// Lists of one node (`limit=1`, no `continue`), counted in `list` too: a client checking
+    /// that it may list nodes, as the agent's probe does.
+    pub probe: u64,
+}
+
+/// A kind of request, for [`ApiServer::forbid_next`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Every list, probes included.
+    List,
+    /// Lists of one node ([`Requests::probe`]).
+    Probe,
+    Watch,
+    Get,
 }
 
 /// A running stand-in; dropping it stops the server and cuts every open connection.
@@ -141,9 +156,13 @@ struct Shared {
     /// Every watch from a version is answered `410 Expired` at once, as a caching proxy that
     /// keeps no history does: lists succeed, watches never start.
     expiring: AtomicBool,
+    /// How many of the next requests of each kind are answered `403 Forbidden`, by
+    /// [`Kind`] (`u64::MAX`: all of them); see [`ApiServer::forbid_next`].
+    forbid: [AtomicU64; 4],
     lists: AtomicU64,
     watches: AtomicU64,
     gets: AtomicU64,
+    probes: AtomicU64,
 }
 
 /// The store: what etcd plus the watch cache hold for Nodes.
@@ -204,9 +223,11 @@ impl ApiServer {
             failing: AtomicBool::new(false),
             expiring: AtomicBool::new(false),
             refusing: AtomicBool::new(false),
+            forbid: Default::default(),
             lists: AtomicU64::new(0),
             watches: AtomicU64::new(0),
             gets: AtomicU64::new(0),
+            probes: AtomicU64::new(0),
         });
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -347,6 +368,15 @@ impl ApiServer {
         self.shared.forbidden.store(forbidden, Ordering::SeqCst);
     }
 
+    /// Answers the next `n` requests of `kind` with `403 Forbidden` (`u64::MAX`: every one until
+    /// told otherwise; `0`: none from now on), as RBAC that grants some verbs and not others, or
+    /// is granted back between two requests, does. A probe is forbidden if either
+    /// [`Kind::Probe`] or [`Kind::List`] says so, and then counts against `Probe` first. Open
+    /// watches are not cut.
+    pub fn forbid_next(&self, kind: Kind, n: u64) {
+        self.shared.forbid[kind as usize].store(n, Ordering::SeqCst);
+    }
+
     /// Answers every request from now on with `401 Unauthorized`, as when the agent's token
     /// expired or was revoked, or stops doing so. Open watches are not cut.
     pub fn set_revoked(&self, revoked: bool) {
@@ -407,6 +437,7 @@ impl ApiServer {
             list: self.shared.lists.load(Ordering::SeqCst),
             watch: self.shared.watches.load(Ordering::SeqCst),
             get: self.shared.gets.load(Ordering::SeqCst),
+            probe: self.shared.probes.load(Ordering::SeqCst),
         }
     }
 }
@@ -427,6 +458,17 @@ impl Shared {
     /// because every mutation completes before anything that can panic.
     fn lock(&self) -> MutexGuard<'_, Store> {
         self.store.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a request of `kind` is to be forbidden by [`ApiServer::forbid_next`]; counts it.
+    fn take_forbidden(&self, kind: Kind) -> bool {
+        self.forbid[kind as usize]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
+                0 => None,
+                u64::MAX => Some(n),
+                n => Some(n - 1),
+            })
+            .is_ok()
     }
 
     /// Retains and broadcasts one change; called with the store locked, after the change.
@@ -606,6 +648,12 @@ fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
         _ => &shared.gets,
     };
     counter.fetch_add(1, Ordering::SeqCst);
+    let probe = verb == "list"
+        && query.number("limit").ok().flatten() == Some(1)
+        && query.get("continue").is_none();
+    if probe {
+        shared.probes.fetch_add(1, Ordering::SeqCst);
+    }
     let authorized = req
         .headers()
         .get(hyper::header::AUTHORIZATION)
@@ -622,7 +670,15 @@ fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
         )
         .into_response();
     }
-    if shared.forbidden.load(Ordering::SeqCst) {
+    let forbidden_now = shared.forbidden.load(Ordering::SeqCst)
+        || match verb {
+            "list" => {
+                (probe && shared.take_forbidden(Kind::Probe)) || shared.take_forbidden(Kind::List)
+            }
+            "watch" => shared.take_forbidden(Kind::Watch),
+            _ => shared.take_forbidden(Kind::Get),
+        };
+    if forbidden_now {
         return forbidden(verb, name.as_deref()).into_response();
     }
     let result = match name {

@@ -276,6 +276,8 @@ impl Cluster {
         c.args(["netns", "exec", &n.ns()])
             .arg(agent_bin())
             .args(["run", "--node-name", &n.name, "--nodes-file-poll", "200ms"])
+            // Written by rename, never torn: see `tests/src/agent.rs`.
+            .env("NODE_AGENT_NODES_FILE_SETTLE", "200ms")
             .arg("--nodes-file")
             .arg(&self.nodes_file)
             .arg("--state-dir")

@@ -26,8 +26,9 @@ enum Command {
     Setup,
     /// Build the eBPF object (runs `setup` first) into target/ebpf/node-agent.bpf.o.
     BuildEbpf(build_ebpf::Args),
-    /// Set up, then run the agent on examples/nodes.yaml in a sandbox namespace, restart it after
-    /// nodes went away, and show the deletes it synthesizes (as root).
+    /// Set up, then run examples/nodes.yaml as a cluster in a sandbox (a namespace, an agent and a
+    /// pod made by the reference CNI plugins per node), ping pods across nodes, restart one agent
+    /// after nodes went away, show the deletes it synthesizes, ping again (as root).
     Demo,
     /// Set up, build the eBPF object, and run every test tier: unit, kernel, end to end, and the
     /// VM tier on Debian 6.1 and 6.12 (as root).

@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreError};
+use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreError, Unusable};
+use state::input::Problem;
 
 use super::AgentError;
 
@@ -67,18 +68,17 @@ impl Checkpointer {
     }
 }
 
-/// The checkpoint as it is on disk, without taking the lock (for dry runs and `plan`).
+/// The checkpoint as it is on disk, without taking the lock (for dry runs and `plan`). One the
+/// input gate refuses or that does not decode is planned without, as a locked start would after
+/// moving it aside.
 fn read(dir: &Path) -> Result<Option<Checkpoint>, AgentError> {
     let path = dir.join(checkpoint::store::FILE_NAME);
-    match std::fs::read(&path) {
-        Ok(bytes) => match checkpoint::decode(&bytes) {
-            Ok(cp) => Ok(Some(cp)),
-            Err(e) => {
-                tracing::warn!(path = %path.display(), "checkpoint unreadable ({e}); planning on the kernel sweep alone");
-                Ok(None)
-            }
-        },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(AgentError::ReadCheckpoint { path, source }),
+    match checkpoint::read(&path) {
+        Ok(cp) => Ok(cp),
+        Err(Unusable::Refused(e)) if matches!(e.problem, Problem::Io(_)) => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), "checkpoint unusable ({e}); planning on the kernel sweep alone");
+            Ok(None)
+        }
     }
 }

@@ -12,6 +12,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+use state::input::{self, Input, InputError};
+
 use super::report::BrakeReport;
 
 pub const HOLD_FILE: &str = "hold.json";
@@ -29,6 +31,8 @@ pub enum HoldFileError {
     },
     #[error("{} names no hold: ignored; confirm again with the ID `node-agent prune status` prints", path.display())]
     NoHoldId { path: PathBuf },
+    #[error(transparent)]
+    Input(#[from] InputError),
     #[error("{} is not a hold report: {source}", path.display())]
     Parse {
         path: PathBuf,
@@ -50,10 +54,8 @@ pub fn publish(dir: &Path, hold: Option<&BrakeReport>) -> Result<(), HoldFileErr
             _ => Ok(()),
         },
         Some(report) => {
-            let tmp = dir.join(".hold.json.tmp");
             let text = serde_json::to_vec_pretty(report).expect("a report serializes");
-            std::fs::write(&tmp, text).map_err(io_err("writing", &tmp))?;
-            std::fs::rename(&tmp, &path).map_err(io_err("renaming into place", &path))
+            Ok(input::replace(&path, Input::HoldFile, &text)?)
         }
     }
 }
@@ -61,12 +63,12 @@ pub fn publish(dir: &Path, hold: Option<&BrakeReport>) -> Result<(), HoldFileErr
 /// The hold a running daemon published, if any.
 pub fn read(dir: &Path) -> Result<Option<BrakeReport>, HoldFileError> {
     let path = dir.join(HOLD_FILE);
-    match std::fs::read(&path) {
+    match input::read(&path, Input::HoldFile) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|source| HoldFileError::Parse { path, source }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(io_err("reading", &path)(e)),
+        Err(e) if e.is_not_found() => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -81,13 +83,19 @@ pub fn take_confirmation(dir: &Path) -> Result<Option<String>, HoldFileError> {
     let path = dir.join(CONFIRM_FILE);
     let taken = dir.join(TAKEN_FILE);
     if !taken.exists() {
+        // Looked at before it is taken: what is not a confirmation (a directory, a FIFO, a file
+        // over the cap) stays where the operator put it, reported, and nothing is renamed.
+        match input::open(&path, Input::Confirmation) {
+            Err(e) if !e.is_not_found() => return Err(e.into()),
+            _ => {}
+        }
         match std::fs::rename(&path, &taken) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_err("taking", &path)(e)),
         }
     }
-    let read = std::fs::read(&taken);
+    let read = input::read(&taken, Input::Confirmation);
     // Removed whatever it held: one that cannot be read, or is no text, is reported once and
     // dropped (to be given again), never left to block every confirmation after it. One that
     // cannot be removed (immutable, a read-only mount) is not used: it would confirm again at
@@ -96,7 +104,7 @@ pub fn take_confirmation(dir: &Path) -> Result<Option<String>, HoldFileError> {
         "removing the taken confirmation (not used until it can be removed)",
         &taken,
     ))?;
-    let bytes = read.map_err(io_err("reading", &taken))?;
+    let bytes = read?;
     let text =
         String::from_utf8(bytes).map_err(|_| HoldFileError::NoHoldId { path: path.clone() })?;
     let id = text.trim();

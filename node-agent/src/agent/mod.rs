@@ -10,6 +10,7 @@ pub mod apply;
 pub mod checkpointer;
 pub mod clock;
 pub mod config;
+pub mod deadline;
 pub mod drift;
 pub mod hold_file;
 pub mod intake;
@@ -18,9 +19,6 @@ pub mod reconciler;
 pub mod report;
 mod runner;
 pub mod schedule;
-
-use std::path::PathBuf;
-use std::time::Duration;
 
 use state::checkpoint::StoreError;
 
@@ -37,20 +35,14 @@ pub enum AgentError {
     AlreadyRunning(StoreError),
     #[error(transparent)]
     Store(StoreError),
-    #[error("reading checkpoint {path} (read-only): {source}")]
-    ReadCheckpoint {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Input(#[from] state::input::InputError),
     #[error(transparent)]
     Open(#[from] crate::backends::OpenError),
     #[error("kernel inventory: {0}")]
     Dump(#[from] DumpError),
     #[error("removing invalid node-ID map entries: {0}")]
     Purge(#[from] crate::backends::OpError),
-    #[error("the node source did not complete a full list within {0:?}")]
-    SyncTimeout(Duration),
     #[error("the node source ended before completing a full list")]
     SourceEnded,
     #[error("the node source cannot deliver a list: {0}")]

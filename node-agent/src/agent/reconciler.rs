@@ -766,6 +766,13 @@ impl<K: Kernel> Reconciler<K> {
             }
             now.insert(line);
         }
+        for (node, d) in self.live.duplicates() {
+            let line = format!("{node}: {d}");
+            if !self.logged_errors.contains(&line) {
+                tracing::warn!(%node, "name listed twice: {d}");
+            }
+            now.insert(line);
+        }
         if let Some(hold) = &plan.brake {
             let line = format!("hold {} {:?}", hold.id, hold.kind);
             if !self.logged_errors.contains(&line) {
@@ -856,8 +863,11 @@ impl<K: Kernel> Reconciler<K> {
             .filter(|e| e.problem.is_conflict())
             .count();
         m.conflicts.set(conflicts as i64);
-        m.node_input_errors
-            .set((plan.errors.len() - conflicts + self.live.errors().len()) as i64);
+        m.node_input_errors.set(
+            (plan.errors.len() - conflicts
+                + self.live.errors().len()
+                + self.live.duplicates().len()) as i64,
+        );
         let no_id: Vec<&str> = plan
             .errors
             .iter()

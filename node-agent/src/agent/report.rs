@@ -96,6 +96,11 @@ pub fn node_errors(plan: &Plan, live: &LiveState) -> Vec<NodeErrorReport> {
             error: e.to_string(),
             conflict: false,
         })
+        .chain(live.duplicates().iter().map(|(node, d)| NodeErrorReport {
+            node: node.clone(),
+            error: d.to_string(),
+            conflict: false,
+        }))
         .chain(plan.errors.iter().map(|e| NodeErrorReport {
             node: e.node.clone(),
             error: e.problem.to_string(),

@@ -16,6 +16,7 @@ use tokio::time::sleep_until;
 
 use super::checkpointer::Checkpointer;
 use super::config::AgentConfig;
+use super::deadline::Deadline;
 use super::intake::Intake;
 use super::kernel::Kernel;
 use super::reconciler::{Outcome, Reconciler};
@@ -61,9 +62,9 @@ const KEY_FILE_POLL: Duration = Duration::from_secs(2);
 const EARLY_DUMP_MAX_AGE: Duration = Duration::from_secs(5);
 
 /// How the wait for the first full list may end early.
-#[derive(Clone, Copy)]
 struct SyncWait {
-    timeout: Option<Duration>,
+    /// A one-shot run's deadline, told what the wait is waiting on.
+    deadline: Option<Deadline>,
     /// A source error before sync ends the wait (a one-shot run on a file that does not parse:
     /// no list can come until someone edits it).
     fail_on_error: bool,
@@ -101,8 +102,6 @@ async fn wait_for_sync(
     let started = Instant::now();
     let mut next_log = started + WAIT_LOG_EVERY;
     while !intake.live().synced() {
-        let deadline = wait.timeout.map(|t| started + t);
-        let wake = deadline.map_or(next_log, |d| d.min(next_log));
         tokio::select! {
             ev = rx.recv() => match ev {
                 Some(SourceEvent::Error(e)) if wait.fail_on_error => {
@@ -111,11 +110,12 @@ async fn wait_for_sync(
                 Some(ev) => { intake.take(ev); }
                 None => return Err(AgentError::SourceEnded),
             },
-            () = sleep_until(wake.into()) => {
-                if let (Some(d), Some(t)) = (deadline, wait.timeout) && Instant::now() >= d {
-                    return Err(AgentError::SyncTimeout(t));
+            () = sleep_until(next_log.into()) => {
+                let last_error = intake.live().last_error().unwrap_or("-");
+                tracing::info!(waited_s = started.elapsed().as_secs(), last_error, "still waiting for the node source to sync; nothing is pruned before it does");
+                if let Some(d) = &wait.deadline {
+                    d.waiting_for(format!("the node source's first full list (last error: {last_error})"));
                 }
-                tracing::info!(waited_s = started.elapsed().as_secs(), last_error = intake.live().last_error().unwrap_or("-"), "still waiting for the node source to sync; nothing is pruned before it does");
                 next_log = Instant::now() + WAIT_LOG_EVERY;
             }
         }
@@ -143,15 +143,22 @@ pub async fn run_once(
     file_source: bool,
     mut rx: mpsc::Receiver<SourceEvent>,
 ) -> Result<OnceResult, AgentError> {
-    let wait = SyncWait {
-        timeout: Some(config.sync_timeout),
-        fail_on_error: file_source,
-    };
+    let deadline = Deadline::start(
+        config.sync_timeout,
+        format!("the lock and checkpoint of {}", config.state_dir.display()),
+    );
     let telemetry = Arc::new(Telemetry::new(Duration::MAX));
     let (checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
+    deadline.waiting_for("the kernel's objects (the datapath's pins, netlink)");
     let backends = Backends::open(&config, dry_run).await?;
     let mut rec = Reconciler::new(config, record, backends, telemetry);
+    deadline.waiting_for("the node source's first full list");
+    let wait = SyncWait {
+        deadline: Some(deadline.clone()),
+        fail_on_error: file_source,
+    };
     sync_and_dump(&mut rec, &mut rx, wait).await?;
+    deadline.met();
     crate::memory::give_back();
     if dry_run {
         let plan = rec.plan().await?;
@@ -262,7 +269,7 @@ pub async fn run(
         }
     });
     let wait = SyncWait {
-        timeout: None,
+        deadline: None,
         fail_on_error: false,
     };
     let synced = tokio::select! {
@@ -636,7 +643,7 @@ mod tests {
     }
 
     const SYNC: SyncWait = SyncWait {
-        timeout: None,
+        deadline: None,
         fail_on_error: true,
     };
 

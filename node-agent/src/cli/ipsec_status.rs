@@ -189,14 +189,11 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
 }
 
 fn read_checkpoint(dir: &std::path::Path) -> anyhow::Result<Option<Checkpoint>> {
-    let path = dir.join("nodes.ckpt");
-    match std::fs::read(&path) {
-        Ok(bytes) => Ok(Some(
-            checkpoint::decode(&bytes).with_context(|| format!("decoding {}", path.display()))?,
-        )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
-    }
+    let path = dir.join(checkpoint::store::FILE_NAME);
+    checkpoint::read(&path).map_err(|e| match e {
+        checkpoint::Unusable::Refused(e) => e.into(),
+        e => anyhow::Error::new(e).context(format!("decoding {}", path.display())),
+    })
 }
 
 /// The SPI most of the pod-CIDR map's entries carry.

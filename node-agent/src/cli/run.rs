@@ -32,6 +32,13 @@ pub struct SourceArgs {
     /// How often the nodes file is checked for changes.
     #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = parse_poll)]
     pub nodes_file_poll: Duration,
+    /// How long the nodes file must stay unchanged before a read that removes or changes nodes
+    /// is taken; a read that only adds nodes is taken at once. A file written in place
+    /// (`kubectl get nodes -o yaml > file`) can be read while its writer pauses, a valid but
+    /// shorter list: a pause shorter than this never prunes a live node. Writers should replace
+    /// the file by rename. With --once, the wait counts against --sync-timeout.
+    #[arg(long, env = "NODE_AGENT_NODES_FILE_SETTLE", default_value = "5s", value_parser = parse_duration)]
+    pub nodes_file_settle: Duration,
     /// How often the nodes file is re-read even when unchanged (a fresh full list).
     #[arg(long, env = "NODE_AGENT_RELIST_INTERVAL", default_value = "30s", value_parser = parse_period)]
     pub relist_interval: Duration,
@@ -89,8 +96,9 @@ pub struct AgentArgs {
     /// without nexthops needs.
     #[arg(long, env = "NODE_AGENT_ROUTE_NEXTHOPS", default_value_t = true, action = clap::ArgAction::Set)]
     pub route_nexthops: bool,
-    /// Routing table for pod CIDR routes (254 is main).
-    #[arg(long, env = "NODE_AGENT_ROUTE_TABLE", default_value_t = crate::backends::routes::MAIN_TABLE)]
+    /// Routing table for pod CIDR routes (254 is main). The tables the kernel reserves (0
+    /// unspec, 253 default, 255 local) are refused.
+    #[arg(long, env = "NODE_AGENT_ROUTE_TABLE", default_value_t = crate::backends::routes::MAIN_TABLE, value_parser = parse_route_table)]
     pub route_table: u32,
     /// Largest share of known remote nodes one prune may delete before the brake holds it.
     #[arg(long, env = "NODE_AGENT_MAX_PRUNE_RATIO", default_value_t = 0.5)]
@@ -139,7 +147,10 @@ pub struct AgentArgs {
     /// changes (a rolling upgrade, a relist) is planned and applied once. 0 reconciles at once.
     #[arg(long, env = "NODE_AGENT_DEBOUNCE", default_value = "100ms", value_parser = parse_duration)]
     pub debounce: Duration,
-    /// With --once or --dry-run: how long to wait for the first full list of nodes.
+    /// With --once, --dry-run and `plan`: how long the run may wait before its first plan, on
+    /// whatever blocks: the state directory's lock and checkpoint, the kernel's objects, the
+    /// node source's first full list (a nodes file's settle period included). At the deadline
+    /// the run ends with status 1, naming what it waited for, having changed nothing.
     #[arg(long, env = "NODE_AGENT_SYNC_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub sync_timeout: Duration,
 }
@@ -309,6 +320,24 @@ fn parse_route_protocol(s: &str) -> Result<u8, String> {
     }
 }
 
+/// Route tables the kernel reserves (`RT_TABLE_*` in `rtnetlink.h`): 0 is no table (a route
+/// written there lands in main, and every dump of table 0 finds none of ours, so every run after
+/// the first failed on its own routes), 253 and 255 are the kernel's default and local tables.
+/// 254 (main) is the default and stays allowed.
+const ROUTE_TABLES_RESERVED: &[(u32, &str)] = &[(0, "unspec"), (253, "default"), (255, "local")];
+
+fn parse_route_table(s: &str) -> Result<u32, String> {
+    let t = parse_u32(s)?;
+    match ROUTE_TABLES_RESERVED.iter().find(|(n, _)| *n == t) {
+        Some((_, name)) => Err(format!(
+            "{t} is the kernel's reserved {name} table, not one the agent may write; pick another \
+             (the default is {}, main)",
+            crate::backends::routes::MAIN_TABLE
+        )),
+        None => Ok(t),
+    }
+}
+
 fn parse_u32(s: &str) -> Result<u32, String> {
     let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
         Some(hex) => u32::from_str_radix(hex, 16),
@@ -391,6 +420,7 @@ async fn spawn_source(args: &SourceArgs) -> anyhow::Result<Source> {
                 path: path.clone(),
                 poll: args.nodes_file_poll,
                 relist: args.relist_interval,
+                settle: args.nodes_file_settle,
             };
             tokio::spawn(source.run(tx, rx));
         }
@@ -561,6 +591,59 @@ mod tests {
         }
         assert_eq!(parse_route_protocol("201"), Ok(201));
         assert!(parse_route_protocol("256").is_err());
+    }
+
+    /// Every number of the flag tables is refused with its name, through the command line, and
+    /// every number next to one is taken: the tables are the whole rule.
+    #[test]
+    fn the_flag_tables_refuse_exactly_their_numbers() {
+        use clap::Parser;
+        let cli = |flag: &str, value: &str| {
+            super::super::Cli::try_parse_from([
+                "node-agent",
+                "run",
+                "--node-name",
+                "n",
+                flag,
+                value,
+            ])
+        };
+        let mut refused = 0;
+        for (n, name) in ROUTE_TABLES_RESERVED {
+            let e = cli("--route-table", &n.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("reserved") && e.contains(name), "{n}: {e}");
+            refused += 1;
+        }
+        for t in [1u32, 252, 254, 256, 1000, u32::MAX] {
+            assert_eq!(parse_route_table(&t.to_string()), Ok(t));
+        }
+        assert_eq!(parse_route_table("0xfe"), Ok(254));
+        for (n, name) in ROUTE_PROTOCOLS_IN_USE {
+            let e = cli("--route-protocol", &n.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("not the agent's") && e.contains(name),
+                "{n}: {e}"
+            );
+            refused += 1;
+        }
+        let taken: Vec<u8> = ROUTE_PROTOCOLS_IN_USE.iter().map(|(n, _)| *n).collect();
+        let free = (0..=255u8).filter(|p| !taken.contains(p)).count();
+        for p in (0..=255u8).filter(|p| !taken.contains(p)) {
+            assert_eq!(parse_route_protocol(&p.to_string()), Ok(p));
+        }
+        println!(
+            "flag tables: {} route tables and {} route protocols refused, the other {free} protocols accepted",
+            ROUTE_TABLES_RESERVED.len(),
+            ROUTE_PROTOCOLS_IN_USE.len()
+        );
+        assert_eq!(
+            refused,
+            ROUTE_TABLES_RESERVED.len() + ROUTE_PROTOCOLS_IN_USE.len()
+        );
     }
 
     /// Interface names become pin paths: one that is no interface name (`../x`) is refused.

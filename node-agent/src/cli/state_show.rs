@@ -56,7 +56,7 @@ struct Pending<'a> {
 
 pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     let path = args.state_dir.join("nodes.ckpt");
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = state::input::read(&path, state::input::Input::Checkpoint)?;
     let cp = checkpoint::decode(&bytes).with_context(|| format!("decoding {}", path.display()))?;
     let written = cp.written_at.as_secs();
     // By the agent's clock, continued from the record as a restarted agent would.

@@ -16,18 +16,18 @@ use serde::Deserialize;
 use state::node::RawNode;
 use tokio::sync::mpsc;
 
+use state::input::{self, Input, InputError};
+
 use super::node_object::raw_node;
-use super::yaml_items;
 use super::{SourceEvent, SourceRequest};
 
 /// Why the file could not be read as a NodeList.
 #[derive(Debug, thiserror::Error)]
 pub enum ParseError {
-    #[error("reading {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Input(#[from] InputError),
+    #[error("reading {path}: the reading thread failed: {message}")]
+    Reader { path: PathBuf, message: String },
     #[error("{path}:{line}:{column}: {message}")]
     Syntax {
         path: PathBuf,
@@ -69,7 +69,28 @@ fn raw_items<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<RawNode>, D::
             Ok(out)
         }
     }
-    d.deserialize_seq(Items)
+    // `items:` with nothing after it (null) is an empty list, as YAML writers make of one.
+    struct MaybeItems;
+    impl<'de> serde::de::Visitor<'de> for MaybeItems {
+        type Value = Vec<RawNode>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of Nodes")
+        }
+
+        fn visit_none<E: serde::de::Error>(self) -> Result<Vec<RawNode>, E> {
+            Ok(Vec::new())
+        }
+
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Vec<RawNode>, E> {
+            Ok(Vec::new())
+        }
+
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Vec<RawNode>, D::Error> {
+            d.deserialize_seq(Items)
+        }
+    }
+    d.deserialize_option(MaybeItems)
 }
 
 impl NodeListDoc {
@@ -95,69 +116,83 @@ fn syntax(path: &Path, line: usize, column: usize, message: String) -> ParseErro
     }
 }
 
-fn parse_yaml(path: &Path, text: &str) -> Result<NodeListDoc, ParseError> {
-    serde_yaml::from_str(text).map_err(|e| {
-        let (line, column) = e.location().map_or((0, 0), |l| (l.line(), l.column()));
-        syntax(path, line, column, e.to_string())
-    })
+/// How deep a NodeList nests. A Node as the API server prints it goes about a dozen levels deep
+/// (its managed fields the deepest); anything past this is not a NodeList, and the parsers stop
+/// there instead of working through it.
+const MAX_DEPTH: usize = 64;
+
+/// The YAML parser's limits. Sizes are the input gate's (the file's cap); the counts that grow
+/// with the cluster (events, nodes, scalar bytes) follow from it. What a NodeList never holds is
+/// refused early: nesting past [`MAX_DEPTH`], and anchors and aliases beyond a few (kubectl
+/// writes none; a few expanded many times over is how a small file becomes a huge one).
+fn yaml_options() -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_reader_input_bytes = None;
+    budget.max_depth = MAX_DEPTH;
+    budget.flow_nesting_limit = MAX_DEPTH;
+    budget.max_events = usize::MAX;
+    budget.max_nodes = usize::MAX;
+    budget.max_total_scalar_bytes = usize::MAX;
+    budget.max_total_comment_bytes = usize::MAX;
+    budget.max_anchors = 1024;
+    budget.max_aliases = 1024;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options.emit_comments = false;
+    options
 }
 
-/// Reads and parses the NodeList file at `path` (JSON if it starts with `{`, YAML otherwise).
-/// Neither is held whole (`kubectl get nodes -o json` of a large cluster runs to hundreds of
-/// megabytes): JSON is parsed as it is read; YAML in block style is cut into its items, each
-/// parsed on its own ([`yaml_items`]), and only another shape is parsed as a whole document.
+/// Reads and parses the NodeList file at `path` (JSON if it starts with `{`, YAML otherwise),
+/// through the input gate. Neither is held whole (`kubectl get nodes -o json` of a large
+/// cluster runs to hundreds of megabytes): both parsers work as the file is read, and each node
+/// is cut down to what the agent keeps as soon as it is parsed.
 pub fn parse_file(path: &Path) -> Result<Vec<RawNode>, ParseError> {
-    use std::io::{BufRead, Read};
-    let read = |source| ParseError::Read {
-        path: path.to_owned(),
-        source,
+    use std::io::BufRead;
+    let gated = input::open(path, Input::NodeList)?;
+    let mut file = std::io::BufReader::with_capacity(64 * 1024, gated);
+    let refused =
+        |file: &std::io::BufReader<input::Gated>, e| ParseError::Input(file.get_ref().error(e));
+    let json = match file.fill_buf() {
+        Ok(buf) => buf.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{'),
+        Err(e) => return Err(refused(&file, e)),
     };
-    let mut file = std::io::BufReader::new(std::fs::File::open(path).map_err(read)?);
-    let json = file
-        .fill_buf()
-        .map_err(read)?
-        .iter()
-        .find(|b| !b.is_ascii_whitespace())
-        == Some(&b'{');
     if json {
-        let doc: NodeListDoc = serde_json::from_reader(file)
-            .map_err(|e| syntax(path, e.line(), e.column(), e.to_string()))?;
-        return doc.into_nodes(path);
+        let mut de = serde_json::Deserializer::from_reader(&mut file);
+        let doc = NodeListDoc::deserialize(&mut de).and_then(|doc| de.end().map(|()| doc));
+        return match doc {
+            Ok(doc) => doc.into_nodes(path),
+            Err(e) => match e.io_error_kind() {
+                Some(_) => Err(refused(&file, std::io::Error::from(e))),
+                None => Err(syntax(path, e.line(), e.column(), e.to_string())),
+            },
+        };
     }
-    if let Some(doc) = yaml_items::split(file)
-        .map_err(read)?
-        .and_then(|s| s.into_doc())
-    {
-        return doc.into_nodes(path);
-    }
-    // Not a block list, or something in it does not parse: the whole document, whose parser
-    // says where.
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_to_string(&mut text))
-        .map_err(read)?;
-    parse_yaml(path, &text)?.into_nodes(path)
-}
-
-impl yaml_items::Split {
-    /// The document this split came from; `None` if its rest does not parse.
-    fn into_doc(self) -> Option<NodeListDoc> {
-        match self.items {
-            Some(items) => {
-                #[derive(Deserialize)]
-                struct Rest {
-                    #[serde(default)]
-                    kind: Option<String>,
-                }
-                let rest: Rest = serde_yaml::from_str(&self.rest).ok()?;
-                Some(NodeListDoc {
-                    kind: rest.kind,
-                    items,
-                })
+    let doc: Result<NodeListDoc, _> =
+        serde_saphyr::from_reader_with_options(&mut file, yaml_options());
+    match doc {
+        Ok(doc) => doc.into_nodes(path),
+        Err(e) => {
+            if let Some(io) = io_error(&e) {
+                return Err(refused(&file, io));
             }
-            None => serde_yaml::from_str(&self.rest).ok(),
+            let (line, column) = e
+                .location()
+                .map_or((0, 0), |l| (l.line() as usize, l.column() as usize));
+            Err(syntax(path, line, column, e.to_string()))
         }
     }
+}
+
+/// The read error under a YAML error, if that is what it is.
+fn io_error(e: &serde_saphyr::Error) -> Option<std::io::Error> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return Some(std::io::Error::new(io.kind(), io.to_string()));
+        }
+        source = s.source();
+    }
+    None
 }
 
 /// What identifies one version of the file without reading it.
@@ -177,13 +212,67 @@ fn signature(path: &Path) -> Option<Signature> {
     })
 }
 
+impl Signature {
+    /// How long ago the file was last written, by the wall clock (a time ahead of the clock is
+    /// taken as now).
+    fn age(&self) -> Duration {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i128);
+        Duration::from_nanos(u64::try_from(now - self.mtime_ns).unwrap_or(0))
+    }
+}
+
 /// Polls a NodeList file and sends its full lists.
+///
+/// A file can be read torn: a writer that writes it in place (`kubectl get nodes -o yaml >
+/// nodes.yaml`, paged from the API server) and pauses at an item boundary leaves a valid,
+/// shorter YAML list, and one that pauses inside an item a node missing its tail (an address,
+/// a pod CIDR). A read that only adds nodes to the last list taken is taken at once (a torn
+/// read can only lack what the whole file has); any other read, the first one included, is
+/// taken only once the file has stayed unchanged for the settle period: a removal or a change
+/// is confirmed by a later look, `settle` after, finding the same file. Writers that replace the
+/// file by rename (`kubectl ... > tmp && mv tmp nodes.yaml`, a ConfigMap mount) are never seen
+/// torn; the settle period only delays their removals.
 pub struct FileSource {
     pub path: PathBuf,
     /// How often the file's metadata is checked.
     pub poll: Duration,
     /// How often the file is re-read and re-sent even when unchanged.
     pub relist: Duration,
+    /// How long a read that removes or changes nodes waits for the file to stay unchanged.
+    pub settle: Duration,
+}
+
+/// A read of the file that waits for the settle period before it is taken.
+struct Unsettled {
+    sig: Signature,
+    nodes: Vec<RawNode>,
+    seen: Instant,
+}
+
+/// What the last list taken held: a digest of each node by name.
+#[derive(Default)]
+struct Taken(std::collections::HashMap<String, u64>);
+
+impl Taken {
+    fn of(nodes: &[RawNode]) -> Self {
+        Self(nodes.iter().map(|n| (n.name.clone(), digest(n))).collect())
+    }
+
+    /// Whether `nodes` holds every node of this list, unchanged (and perhaps more).
+    fn only_added_to(&self, nodes: &[RawNode]) -> bool {
+        let now: std::collections::HashMap<&str, u64> =
+            nodes.iter().map(|n| (n.name.as_str(), digest(n))).collect();
+        self.0
+            .iter()
+            .all(|(name, d)| now.get(name.as_str()) == Some(d))
+    }
+}
+
+fn digest(node: &RawNode) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(node)
 }
 
 impl FileSource {
@@ -195,6 +284,8 @@ impl FileSource {
         mut requests: mpsc::Receiver<SourceRequest>,
     ) {
         let mut last: Option<Signature> = None;
+        let mut taken: Option<Taken> = None;
+        let mut unsettled: Option<Unsettled> = None;
         let mut last_read = Instant::now();
         let mut missing_logged = false;
         let mut asked = false;
@@ -203,6 +294,7 @@ impl FileSource {
             let sig = signature(&self.path);
             let due = asked || last_read.elapsed() >= self.relist;
             asked = false;
+            let mut send = None;
             match sig {
                 None => {
                     if !missing_logged {
@@ -210,22 +302,48 @@ impl FileSource {
                         missing_logged = true;
                     }
                 }
+                Some(sig) if unsettled.as_ref().is_some_and(|u| u.sig == sig) => {
+                    let u = unsettled.as_ref().expect("checked");
+                    if u.seen.elapsed() >= self.settle || sig.age() >= self.settle {
+                        send = unsettled.take().map(|u| (u.sig, Ok(u.nodes)));
+                    }
+                }
                 Some(sig) if Some(sig) != last || due => {
                     missing_logged = false;
                     // A file written while it was read (`kubectl ... > nodes.yaml` writes in
-                    // chunks, and a prefix of a YAML list is a shorter list) is read again at
-                    // the next poll, never taken as the list.
-                    if let Some(events) = self.read_unchanged(sig).await {
-                        last = Some(sig);
-                        last_read = Instant::now();
-                        for ev in events {
-                            if tx.send(ev).await.is_err() {
-                                return;
-                            }
+                    // chunks) is read again at the next poll, never taken as the list.
+                    match self.read_unchanged(sig).await {
+                        None => {}
+                        Some(Ok(nodes))
+                            if sig.age() < self.settle
+                                && !taken.as_ref().is_some_and(|t| t.only_added_to(&nodes)) =>
+                        {
+                            tracing::debug!(path = %self.path.display(), settle = ?self.settle, "nodes file removes or changes nodes; taken once it stays unchanged for the settle period");
+                            unsettled = Some(Unsettled {
+                                sig,
+                                nodes,
+                                seen: Instant::now(),
+                            });
+                        }
+                        Some(read) => {
+                            unsettled = None;
+                            send = Some((sig, read));
                         }
                     }
                 }
                 Some(_) => {}
+            }
+            if let Some((sig, read)) = send {
+                last = Some(sig);
+                last_read = Instant::now();
+                if let Ok(nodes) = &read {
+                    taken = Some(Taken::of(nodes));
+                }
+                for ev in events(read) {
+                    if tx.send(ev).await.is_err() {
+                        return;
+                    }
+                }
             }
             tokio::select! {
                 () = tokio::time::sleep(self.poll) => {}
@@ -237,39 +355,41 @@ impl FileSource {
         }
     }
 
-    /// One read of the file, off the async threads (a large list takes a while to parse): a
-    /// full list, or the error.
-    /// [`Self::read`], if the file still has signature `sig` once read: `None` if it changed
-    /// meanwhile.
-    async fn read_unchanged(&self, sig: Signature) -> Option<Vec<SourceEvent>> {
-        let events = self.read().await;
+    /// One read of the file, off the async threads (a large list takes a while to parse), if
+    /// the file still has signature `sig` once read: `None` if it changed meanwhile.
+    async fn read_unchanged(&self, sig: Signature) -> Option<Result<Vec<RawNode>, ParseError>> {
+        let read = self.read().await;
         if signature(&self.path) == Some(sig) {
-            Some(events)
+            Some(read)
         } else {
             tracing::debug!(path = %self.path.display(), "nodes file changed while read; reading it again");
             None
         }
     }
 
-    async fn read(&self) -> Vec<SourceEvent> {
+    async fn read(&self) -> Result<Vec<RawNode>, ParseError> {
         let path = self.path.clone();
-        let parsed = tokio::task::spawn_blocking(move || parse_file(&path))
+        tokio::task::spawn_blocking(move || parse_file(&path))
             .await
             .unwrap_or_else(|e| {
-                Err(ParseError::Read {
+                Err(ParseError::Reader {
                     path: self.path.clone(),
-                    source: std::io::Error::other(e),
+                    message: e.to_string(),
                 })
-            });
-        match parsed {
-            Ok(nodes) => std::iter::once(SourceEvent::Init)
-                .chain(nodes.into_iter().map(SourceEvent::InitApply))
-                .chain(std::iter::once(SourceEvent::InitDone))
-                .collect(),
-            Err(e) => {
-                tracing::error!("nodes file unusable, keeping the last good view: {e}");
-                vec![SourceEvent::Error(e.to_string())]
-            }
+            })
+    }
+}
+
+/// A read as the source's events: a full list, or the error.
+fn events(read: Result<Vec<RawNode>, ParseError>) -> Vec<SourceEvent> {
+    match read {
+        Ok(nodes) => std::iter::once(SourceEvent::Init)
+            .chain(nodes.into_iter().map(SourceEvent::InitApply))
+            .chain(std::iter::once(SourceEvent::InitDone))
+            .collect(),
+        Err(e) => {
+            tracing::error!("nodes file unusable, keeping the last good view: {e}");
+            vec![SourceEvent::Error(e.to_string())]
         }
     }
 }
@@ -296,6 +416,46 @@ mod tests {
 
     const YAML: &str = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Node\n  metadata: {name: n1}\n  status:\n    addresses: [{type: InternalIP, address: 10.0.0.1}]\n";
 
+    /// A file that does not parse fails the source; the source's own poll finds it fixed and
+    /// ends the failure with a full list: nothing else has to happen.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_broken_file_fails_the_source_until_its_own_poll_reads_it_fixed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        std::fs::write(&path, "items: [").unwrap();
+        let source = FileSource {
+            path: path.clone(),
+            poll: Duration::from_millis(10),
+            relist: Duration::from_secs(60),
+            settle: Duration::ZERO,
+        };
+        let (tx, mut rx) = mpsc::channel(64);
+        let (_requests, requests_rx) = mpsc::channel(1);
+        let task = tokio::spawn(source.run(tx, requests_rx));
+        let mut live = super::super::live::LiveState::new("n1");
+        let mut next = async || {
+            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("an event within 10 s")
+                .unwrap();
+            live.apply(ev.clone());
+            (ev, live.failing().map(str::to_owned))
+        };
+        let (ev, failing) = next().await;
+        assert!(matches!(ev, SourceEvent::Error(_)), "{ev:?}");
+        assert!(failing.is_some());
+        std::fs::write(&path, YAML).unwrap();
+        loop {
+            let (ev, failing) = next().await;
+            if ev == SourceEvent::InitDone {
+                assert_eq!(failing, None);
+                break;
+            }
+            assert!(failing.is_some(), "still failing on {ev:?}");
+        }
+        task.abort();
+    }
+
     /// A file that changed while it was read is not taken as the list: a YAML list caught
     /// half-written is a shorter list, and its missing nodes would have been pruned.
     #[tokio::test(flavor = "current_thread")]
@@ -314,17 +474,115 @@ mod tests {
             path: path.clone(),
             poll: Duration::from_millis(10),
             relist: Duration::from_secs(60),
+            settle: Duration::ZERO,
         };
         assert!(source.read_unchanged(half).await.is_none());
         let whole = source
             .read_unchanged(signature(&path).unwrap())
             .await
+            .unwrap()
             .unwrap();
-        let applied = whole
+        assert_eq!(whole.len(), 2);
+    }
+
+    fn list(names: &[&str]) -> String {
+        let items: String = names
             .iter()
-            .filter(|e| matches!(e, SourceEvent::InitApply(_)))
-            .count();
-        assert_eq!(applied, 2);
+            .enumerate()
+            .map(|(i, n)| {
+                format!(
+                    "- apiVersion: v1\n  kind: Node\n  metadata: {{name: {n}}}\n  status:\n    addresses: [{{type: InternalIP, address: 10.0.0.{}}}]\n",
+                    i + 1
+                )
+            })
+            .collect();
+        format!("apiVersion: v1\nkind: List\nitems:\n{items}")
+    }
+
+    /// Writes `text` in place, as a writer without a rename does, dated `age` ago.
+    fn write_dated(path: &Path, text: &str, age: Duration) {
+        std::fs::write(path, text).unwrap();
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        f.set_modified(std::time::SystemTime::now() - age).unwrap();
+    }
+
+    /// A source polling `path` every 10 ms, with a settle period longer than any test machine
+    /// takes for the polls a test waits through, and its events.
+    fn settling_source(path: &Path) -> (tokio::task::JoinHandle<()>, mpsc::Receiver<SourceEvent>) {
+        let source = FileSource {
+            path: path.to_owned(),
+            poll: Duration::from_millis(10),
+            relist: Duration::from_secs(3600),
+            settle: Duration::from_secs(600),
+        };
+        let (tx, rx) = mpsc::channel(64);
+        // No requests: the source goes on polling once their sender is gone.
+        let (_, requests_rx) = mpsc::channel(1);
+        (tokio::spawn(source.run(tx, requests_rx)), rx)
+    }
+
+    /// The lists the source sends, as the names in each.
+    async fn next_list(rx: &mut mpsc::Receiver<SourceEvent>) -> Vec<String> {
+        let mut names = Vec::new();
+        loop {
+            match rx.recv().await.expect("the source runs") {
+                SourceEvent::Init => names.clear(),
+                SourceEvent::InitApply(n) => names.push(n.name),
+                SourceEvent::InitDone => return names,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// A writer that pauses (here: for good) after the first item of a list it writes in place
+    /// leaves a valid, shorter list: it is not taken while the file is younger than the settle
+    /// period, and it is, as soon as it is older (a later look finding the same file); a list
+    /// that only adds nodes is taken at once, fresh as it is.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_list_that_drops_nodes_waits_for_the_file_to_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        let hour = Duration::from_secs(3600);
+        write_dated(&path, &list(&["n1", "n2"]), hour);
+        let (task, mut rx) = settling_source(&path);
+        assert_eq!(
+            next_list(&mut rx).await,
+            ["n1", "n2"],
+            "an old file is settled"
+        );
+        // Added to, freshly written: taken at once.
+        write_dated(&path, &list(&["n1", "n2", "n3"]), Duration::ZERO);
+        assert_eq!(next_list(&mut rx).await, ["n1", "n2", "n3"]);
+        // Torn after its first item, and the writer pauses.
+        write_dated(&path, &list(&["n1"]), Duration::ZERO);
+        let waited = tokio::time::timeout(Duration::from_millis(500), next_list(&mut rx)).await;
+        assert!(
+            waited.is_err(),
+            "a fresh shorter list was taken: {waited:?}"
+        );
+        // The same file, a settle period later: the removal is confirmed.
+        write_dated(&path, &list(&["n1"]), hour);
+        assert_eq!(next_list(&mut rx).await, ["n1"]);
+        task.abort();
+    }
+
+    /// A node changed in a fresh file (a writer paused inside its item: an address missing)
+    /// waits too; the first read of a fresh file waits, since it has no list to add to.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_changed_node_and_a_first_fresh_read_wait_for_the_file_to_settle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.yaml");
+        write_dated(&path, &list(&["n1"]), Duration::ZERO);
+        let (task, mut rx) = settling_source(&path);
+        let waited = tokio::time::timeout(Duration::from_millis(300), next_list(&mut rx)).await;
+        assert!(waited.is_err(), "a fresh first read was taken");
+        write_dated(&path, &list(&["n1"]), Duration::from_secs(3600));
+        assert_eq!(next_list(&mut rx).await, ["n1"]);
+        let changed = list(&["n1"]).replace("10.0.0.1", "10.0.0.9");
+        write_dated(&path, &changed, Duration::ZERO);
+        let waited = tokio::time::timeout(Duration::from_millis(300), next_list(&mut rx)).await;
+        assert!(waited.is_err(), "a fresh change was taken");
+        task.abort();
     }
 
     #[test]
@@ -344,6 +602,17 @@ mod tests {
         assert!(err.to_string().starts_with("nodes.yaml:"), "{err}");
         let err = parse("{\"items\": [1,]}").unwrap_err();
         assert!(err.to_string().starts_with("nodes.yaml:1:"), "{err}");
+    }
+
+    #[test]
+    fn an_items_key_with_nothing_after_it_is_an_empty_list() {
+        for text in [
+            "kind: List\nitems:\n",
+            "kind: List\nitems: []\n",
+            "{\"items\": null}",
+        ] {
+            assert_eq!(parse(text).unwrap(), [], "{text:?}");
+        }
     }
 
     #[test]
@@ -382,7 +651,7 @@ mod tests {
     #[test]
     fn a_missing_file_is_a_read_error_naming_it() {
         let err = parse_file(Path::new("/nonexistent/nodes.yaml")).unwrap_err();
-        assert!(matches!(err, ParseError::Read { .. }), "{err}");
+        assert!(matches!(err, ParseError::Input(_)), "{err}");
         assert!(err.to_string().contains("/nonexistent/nodes.yaml"), "{err}");
     }
 }

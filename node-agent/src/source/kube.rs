@@ -9,12 +9,12 @@
 //!
 //! Failures never make nodes look deleted: disconnects, timeouts and API errors (403 from
 //! missing RBAC, 401 from an expired token) become [`SourceEvent::Error`], the live view stays,
-//! the agent reports itself not ready, and the watcher retries with a backoff that only data
-//! resets.
+//! the agent reports itself not ready, and the watcher retries with a backoff that only a
+//! healthy spell resets. What ends the failure is the source's own probe, retried on that
+//! backoff until it succeeds, or data: never an event that a quiet cluster may not send.
 
 use std::path::PathBuf;
-
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -41,6 +41,8 @@ pub enum KubeSourceError {
     InCluster(kube::config::InClusterError),
     #[error("building the Kubernetes client: {0}")]
     Client(kube::Error),
+    #[error(transparent)]
+    KubeconfigRefused(state::input::InputError),
 }
 
 /// Where the API server is: a kubeconfig file, or the pod's in-cluster service account.
@@ -57,6 +59,10 @@ impl KubeSource {
                     path: path.clone(),
                     source,
                 };
+                // Looked at by the input gate first; kube then reads it again itself, to resolve
+                // the certificate paths in it against its directory.
+                state::input::open(path, state::input::Input::Kubeconfig)
+                    .map_err(KubeSourceError::KubeconfigRefused)?;
                 let kc = Kubeconfig::read_from(path).map_err(err)?;
                 Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
                     .await
@@ -71,13 +77,18 @@ impl KubeSource {
     /// over from a fresh list.
     ///
     /// Errors back off exponentially with jitter (1 s doubling to [`MAX_BACKOFF`]), reset only
-    /// once the watch has gone [`MAX_BACKOFF`] without an error: a reset by any event retried
-    /// a failing API server about every second forever (kube-runtime's watcher announces every
+    /// once the source has been healthy for [`MAX_BACKOFF`]: a reset by any event retried a
+    /// failing API server about every second forever (kube-runtime's watcher announces every
     /// new list attempt with `Init`, before the list is even sent), and a reset by data did the
     /// same wherever lists succeed and watches fail at once (`410 Expired` from a proxy that
-    /// keeps no history), each retry a list of the whole cluster. After an error the source also asks the API server
-    /// for one node (`limit=1`) once per backoff period: a watch that resumes quietly sends no
-    /// event, and that probe is what says the agent can see nodes again.
+    /// keeps no history), each retry a list of the whole cluster.
+    ///
+    /// A failure is ended by the source's own check, never by waiting for an event: a watch
+    /// that resumes quietly sends none, in a quiet cluster for good. So while failing, the
+    /// source asks the API server for one node (`limit=1`) at the end of each error's wait and
+    /// then again after each backoff period, beside the watch, until a probe succeeds
+    /// ([`SourceEvent::Healthy`]) or data comes; each failed probe counts as a failure for the
+    /// backoff, so the probes never outpace it.
     pub async fn run(
         self,
         client: Client,
@@ -85,14 +96,13 @@ impl KubeSource {
         mut requests: mpsc::Receiver<SourceRequest>,
     ) {
         let api: Api<Node> = Api::all(client);
-        let mut backoff = Jittered::new(Duration::from_secs(1), MAX_BACKOFF);
+        let mut health = Health::new(Instant::now());
         let mut requests_open = true;
-        // When the last error's wait ended: the watch has been good since, unless another came.
-        let mut last_retry: Option<std::time::Instant> = None;
         loop {
             let mut stream = watcher::watcher(api.clone(), watcher::Config::default()).boxed();
             loop {
-                let item = tokio::select! {
+                let probe_at = health.probe_at();
+                let step = tokio::select! {
                     req = requests.recv(), if requests_open => {
                         match req {
                             Some(SourceRequest::Relist) => {
@@ -105,17 +115,24 @@ impl KubeSource {
                             }
                         }
                     }
-                    item = stream.next() => item,
+                    () = tokio::time::sleep_until(probe_at.unwrap_or_else(Instant::now).into()),
+                        if probe_at.is_some() => Step::Probe,
+                    item = stream.next() => match item {
+                        None => return,
+                        Some(Ok(ev)) => Step::Event(convert(ev)),
+                        Some(Err(e)) => Step::Failed(e),
+                    },
                 };
-                let Some(item) = item else { return };
-                let event = match item {
-                    Ok(ev) => convert(ev),
-                    Err(e) => {
-                        let msg = describe(&e);
-                        if last_retry.is_some_and(|t| t.elapsed() >= MAX_BACKOFF) {
-                            backoff.reset();
+                let event = match step {
+                    Step::Event(ev) => {
+                        if ev.clears_failure() {
+                            health.recovered(Instant::now());
                         }
-                        let delay = backoff.next_delay();
+                        Some(ev)
+                    }
+                    Step::Failed(e) => {
+                        let msg = describe(&e);
+                        let delay = health.failed(Instant::now());
                         tracing::warn!(
                             retry_in_ms = delay.as_millis() as u64,
                             "Kubernetes node watch: {msg}; keeping the last view"
@@ -123,18 +140,15 @@ impl KubeSource {
                         if tx.send(SourceEvent::Error(msg)).await.is_err() {
                             return;
                         }
+                        // The watcher retries as soon as it is polled again: not before the wait.
                         tokio::time::sleep(delay).await;
-                        last_retry = Some(std::time::Instant::now());
-                        match api.list(&ListParams::default().limit(1)).await {
-                            Ok(_) => SourceEvent::Healthy,
-                            Err(e) => {
-                                tracing::debug!("probe list after a watch error: {e}");
-                                continue;
-                            }
-                        }
+                        probe(&api, &mut health).await
                     }
+                    Step::Probe => probe(&api, &mut health).await,
                 };
-                if tx.send(event).await.is_err() {
+                if let Some(event) = event
+                    && tx.send(event).await.is_err()
+                {
                     return;
                 }
             }
@@ -142,8 +156,102 @@ impl KubeSource {
     }
 }
 
+/// What the watch loop does next.
+enum Step {
+    Event(SourceEvent),
+    Failed(watcher::Error),
+    Probe,
+}
+
+/// One probe: `Healthy` if the API server lists a node for the agent; otherwise the next probe
+/// is scheduled one backoff period on.
+async fn probe(api: &Api<Node>, health: &mut Health) -> Option<SourceEvent> {
+    let params = ListParams::default().limit(1);
+    let list = api.list(&params);
+    let answer = match tokio::time::timeout(PROBE_TIMEOUT, list).await {
+        Ok(answer) => answer.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer in {PROBE_TIMEOUT:?}")),
+    };
+    match answer {
+        Ok(_) => {
+            health.recovered(Instant::now());
+            Some(SourceEvent::Healthy)
+        }
+        Err(e) => {
+            let delay = health.probe_failed(Instant::now());
+            tracing::debug!(
+                retry_in_ms = delay.as_millis() as u64,
+                "probe list while the node source fails: {e}"
+            );
+            None
+        }
+    }
+}
+
+/// Whether the source is failing, and when it asks the API server next: the backoff that
+/// spaces the watch's retries and the probes alike. Time comes in as an argument.
+struct Health {
+    backoff: Jittered,
+    /// Since when the source has been healthy; `None` while it fails.
+    healthy_since: Option<Instant>,
+    /// While failing: when to probe next.
+    probe_at: Option<Instant>,
+}
+
+impl Health {
+    fn new(now: Instant) -> Self {
+        Self {
+            backoff: Jittered::new(Duration::from_secs(1), MAX_BACKOFF),
+            healthy_since: Some(now),
+            probe_at: None,
+        }
+    }
+
+    /// A request failed (the watch, or a probe): failing from now; the wait before the next
+    /// attempt. The backoff starts over only after [`MAX_BACKOFF`] of health.
+    fn failed(&mut self, now: Instant) -> Duration {
+        if self
+            .healthy_since
+            .is_some_and(|t| now.saturating_duration_since(t) >= MAX_BACKOFF)
+        {
+            self.backoff.reset();
+        }
+        self.healthy_since = None;
+        // The probe that ends this wait is made by whoever waits (the error path), or by the
+        // timer a failed probe sets.
+        self.probe_at = None;
+        self.backoff.next_delay()
+    }
+
+    /// A probe failed: probe again one backoff period from now (until then the watch runs).
+    fn probe_failed(&mut self, now: Instant) -> Duration {
+        let delay = self.failed(now);
+        self.probe_at = Some(now + delay);
+        delay
+    }
+
+    /// The API server answered (a probe, or data): healthy, unless it was already.
+    fn recovered(&mut self, now: Instant) {
+        self.healthy_since.get_or_insert(now);
+        self.probe_at = None;
+    }
+
+    fn probe_at(&self) -> Option<Instant> {
+        self.probe_at
+    }
+
+    #[cfg(test)]
+    fn failing(&self) -> bool {
+        self.healthy_since.is_none()
+    }
+}
+
 /// The longest wait between two attempts on a failing API server.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// How long a probe may take before it counts as failed: a list of one node is quick, and one
+/// that hangs must not hold up the watch loop (and the probes after it) for the client's read
+/// timeout.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn convert(ev: Event<Node>) -> SourceEvent {
     match ev {
@@ -229,5 +337,47 @@ mod tests {
         assert!(b.next_delay() >= MAX_BACKOFF / 2);
         b.reset();
         assert!(b.next_delay() <= Duration::from_secs(1));
+    }
+
+    /// While failing, the next probe is always due, one backoff period after the last failed
+    /// one: nothing waits for an event. The periods grow like the watch's retries, so probes
+    /// never outpace the backoff, and only a healthy spell of [`MAX_BACKOFF`] starts it over.
+    #[test]
+    fn a_failure_is_probed_on_the_backoff_until_a_probe_succeeds() {
+        let t0 = Instant::now();
+        let mut h = Health::new(t0);
+        let mut now = t0 + Duration::from_secs(1);
+        let wait = h.failed(now);
+        assert!(h.failing());
+        assert_eq!(
+            h.probe_at(),
+            None,
+            "the error path probes at the end of its wait"
+        );
+        now += wait;
+        let mut last = wait;
+        for _ in 0..10 {
+            let d = h.probe_failed(now);
+            assert_eq!(
+                h.probe_at(),
+                Some(now + d),
+                "a probe is always due while failing"
+            );
+            assert!(d >= last / 2 && d <= MAX_BACKOFF, "{d:?} after {last:?}");
+            assert!(h.failing());
+            now += d;
+            last = d;
+        }
+        assert!(last >= MAX_BACKOFF / 2, "the probes back off: {last:?}");
+        h.recovered(now);
+        assert!(!h.failing());
+        assert_eq!(h.probe_at(), None);
+        // Another failure within MAX_BACKOFF of the recovery keeps the grown backoff...
+        now += Duration::from_secs(5);
+        assert!(h.failed(now) >= MAX_BACKOFF / 2);
+        h.recovered(now);
+        // ...and one after a healthy MAX_BACKOFF starts over.
+        now += MAX_BACKOFF;
+        assert!(h.failed(now) <= Duration::from_secs(1));
     }
 }

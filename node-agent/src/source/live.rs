@@ -27,6 +27,9 @@ pub struct LiveState {
     /// The full list being received, between `Init` and `InitDone`.
     relist: Option<BTreeMap<String, Arc<Node>>>,
     relist_errors: BTreeMap<String, Rejected>,
+    /// Names the last full list had more than one item of: the first item stands.
+    duplicates: BTreeMap<String, Duplicate>,
+    relist_duplicates: BTreeMap<String, Duplicate>,
     synced: bool,
     relists: u64,
     /// Full lists that contained the local node.
@@ -53,6 +56,40 @@ impl std::fmt::Display for Rejected {
     }
 }
 
+/// A name one full list had several items of. The first item stands, whatever the others say
+/// (a NodeList file edited by hand, two lists concatenated): the order of the list is the only
+/// thing that tells them apart, and which one stands then does not change from one read of the
+/// same list to the next. The others are ignored and reported.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Duplicate {
+    /// The UID of the item that stands, and of each one ignored, in list order.
+    pub first_uid: String,
+    pub ignored_uids: Vec<String>,
+}
+
+impl std::fmt::Display for Duplicate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let uid = |u: &str| {
+            if u.is_empty() {
+                "no UID".to_owned()
+            } else {
+                format!("UID {u}")
+            }
+        };
+        write!(
+            f,
+            "listed {} times in one list; the first item ({}) stands, the others are ignored (",
+            self.ignored_uids.len() + 1,
+            uid(&self.first_uid)
+        )?;
+        for (i, u) in self.ignored_uids.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{}", uid(u))?;
+        }
+        f.write_str(")")
+    }
+}
+
 /// What changed in the live view since the last reconcile took its changes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Changes {
@@ -73,19 +110,37 @@ impl LiveState {
 
     /// Folds one event in; returns whether the live view (or its sync state) changed.
     pub fn apply(&mut self, event: SourceEvent) -> bool {
-        if !matches!(event, SourceEvent::Error(_)) {
+        if event.clears_failure() {
             self.failing = None;
         }
         match event {
             SourceEvent::Init => {
                 self.relist = Some(BTreeMap::new());
                 self.relist_errors.clear();
+                self.relist_duplicates.clear();
                 false
             }
             SourceEvent::InitApply(raw) => {
                 let previous = &self.nodes;
                 if let Some(buf) = self.relist.as_mut() {
-                    Self::fold(buf, &mut self.relist_errors, Some(previous), raw);
+                    // Of a name listed twice, the first item stands; the others are reported.
+                    let first = buf
+                        .get(&raw.name)
+                        .map(|n| n.uid.to_string())
+                        .or_else(|| self.relist_errors.get(&raw.name).map(|r| r.uid.clone()));
+                    match first {
+                        Some(first_uid) => {
+                            self.relist_duplicates
+                                .entry(raw.name)
+                                .or_insert_with(|| Duplicate {
+                                    first_uid,
+                                    ignored_uids: Vec::new(),
+                                })
+                                .ignored_uids
+                                .push(raw.uid);
+                        }
+                        None => Self::fold(buf, &mut self.relist_errors, Some(previous), raw),
+                    }
                 }
                 false
             }
@@ -99,6 +154,7 @@ impl LiveState {
                 self.nodes = new;
                 self.changes = Changes::Everything;
                 self.errors = std::mem::take(&mut self.relist_errors);
+                self.duplicates = std::mem::take(&mut self.relist_duplicates);
                 self.synced = true;
                 self.relists += 1;
                 if with_local {
@@ -117,6 +173,7 @@ impl LiveState {
             }
             SourceEvent::Delete(name) => {
                 self.errors.remove(&name);
+                self.duplicates.remove(&name);
                 self.touch(&name);
                 self.nodes.remove(&name).is_some()
             }
@@ -241,6 +298,11 @@ impl LiveState {
         &self.errors
     }
 
+    /// Names the last full list had several items of, and which stood.
+    pub fn duplicates(&self) -> &BTreeMap<String, Duplicate> {
+        &self.duplicates
+    }
+
     pub fn source_errors(&self) -> u64 {
         self.source_errors
     }
@@ -278,6 +340,61 @@ mod tests {
             s.apply(SourceEvent::InitApply(n.clone()));
         }
         s.apply(SourceEvent::InitDone)
+    }
+
+    /// Two items of one name in one list: the first stands, whatever the second says (valid or
+    /// not), and the name is reported with both UIDs; a list without the repeat clears it.
+    #[test]
+    fn of_a_name_listed_twice_in_one_list_the_first_item_stands_and_both_are_reported() {
+        let mut s = state();
+        let mut second = raw("a", "10.0.0.9");
+        second.uid = "uid-other".into();
+        let mut bad = raw("b", "not an ip");
+        bad.uid = "uid-bad".into();
+        relist(
+            &mut s,
+            &[
+                raw("local", "10.0.0.100"),
+                raw("a", "10.0.0.1"),
+                second,
+                raw("b", "10.0.0.2"),
+                bad,
+            ],
+        );
+        assert_eq!(
+            s.get("a").unwrap().internal_ip(state::node::Family::V4),
+            Some("10.0.0.1".parse().unwrap())
+        );
+        assert_eq!(s.get("a").unwrap().uid.as_str(), "uid-a");
+        assert!(
+            s.errors().is_empty(),
+            "the ignored item is not validated: {:?}",
+            s.errors()
+        );
+        assert_eq!(s.get("b").unwrap().uid.as_str(), "uid-b");
+        let d = &s.duplicates()["a"];
+        assert_eq!(
+            d.to_string(),
+            "listed 2 times in one list; the first item (UID uid-a) stands, the others are ignored (UID uid-other)"
+        );
+        assert_eq!(s.duplicates()["b"].ignored_uids, ["uid-bad"]);
+        // A first item that is malformed stands too: the name is malformed, not the later item.
+        let mut first_bad = raw("c", "nope");
+        first_bad.uid = "uid-c1".into();
+        relist(
+            &mut s,
+            &[raw("local", "10.0.0.100"), first_bad, raw("c", "10.0.0.3")],
+        );
+        assert!(s.get("c").is_none());
+        assert!(s.errors().contains_key("c"));
+        assert_eq!(s.duplicates()["c"].first_uid, "uid-c1");
+        assert!(
+            !s.duplicates().contains_key("a"),
+            "a list without the repeat clears it"
+        );
+        relist(&mut s, &[raw("local", "10.0.0.100"), raw("c", "10.0.0.3")]);
+        assert!(s.duplicates().is_empty());
+        assert!(s.get("c").is_some());
     }
 
     #[test]
@@ -354,6 +471,28 @@ mod tests {
         assert_eq!(s.failing(), None);
         s.apply(SourceEvent::Error("timed out".into()));
         s.apply(SourceEvent::Apply(raw("b", "10.0.0.2")));
+        assert_eq!(s.failing(), None);
+    }
+
+    /// kube-runtime's watcher says `Init` before it sends a list, so a list attempt that then
+    /// fails must not read as a success in between: the agent would turn ready and back.
+    #[test]
+    fn a_list_attempt_is_no_success_until_its_list_completes() {
+        let mut s = state();
+        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        s.apply(SourceEvent::Error("forbidden (403)".into()));
+        s.apply(SourceEvent::Init);
+        assert_eq!(s.failing(), Some("forbidden (403)"));
+        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        assert_eq!(
+            s.failing(),
+            Some("forbidden (403)"),
+            "a page is no full list"
+        );
+        s.apply(SourceEvent::Error("forbidden (403)".into()));
+        s.apply(SourceEvent::Init);
+        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        s.apply(SourceEvent::InitDone);
         assert_eq!(s.failing(), None);
     }
 

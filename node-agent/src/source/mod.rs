@@ -11,7 +11,6 @@ pub mod file;
 pub mod kube;
 pub mod live;
 pub mod node_object;
-mod yaml_items;
 
 use state::node::RawNode;
 
@@ -32,6 +31,19 @@ pub enum SourceEvent {
     Error(String),
     /// The source reached its nodes again after an error, with nothing to report.
     Healthy,
+}
+
+impl SourceEvent {
+    /// Whether the event says the source can read its nodes, and so ends a failure that an
+    /// [`SourceEvent::Error`] began: data (a completed list, a change) or a check that
+    /// succeeded. `Init` and `InitApply` do not: kube-runtime's watcher announces every list
+    /// attempt with `Init` before it sends the list, and a list can fail on any page.
+    pub fn clears_failure(&self) -> bool {
+        matches!(
+            self,
+            Self::InitDone | Self::Apply(_) | Self::Delete(_) | Self::Healthy
+        )
+    }
 }
 
 /// What the agent may ask of its source.

@@ -39,7 +39,7 @@ mod tests {
     use super::*;
 
     fn node(yaml: &str) -> RawNode {
-        raw_node(&serde_yaml::from_str::<Node>(yaml).unwrap())
+        raw_node(&serde_saphyr::from_str::<Node>(yaml).unwrap())
     }
 
     #[test]

@@ -20,7 +20,9 @@ use crate::node::{Node, name_range};
 
 pub use clock::BootTime;
 pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, PayloadError, decode, encode};
-pub use store::{CheckpointStore, LoadOutcome, StoreError, lock_held_by, lock_holder};
+pub use store::{
+    CheckpointStore, LoadOutcome, StoreError, Unusable, lock_held_by, lock_holder, read,
+};
 
 /// A restored node whose cleanup has not succeeded yet. It is carried from checkpoint to
 /// checkpoint until its deletes succeed, so a failed or braked cleanup is retried after the next

@@ -16,15 +16,16 @@
 //! `.prune-confirm.<pid>.<nanos>.tmp` and renamed into place) and `.prune-confirm.taken` (a
 //! confirmation the daemon has taken and not yet read).
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::format::{self, DecodeError, EncodeError};
+use crate::input::{self, Input, InputError, Problem};
 
 pub const FILE_NAME: &str = "nodes.ckpt";
 const TMP_NAME: &str = ".nodes.ckpt.tmp";
@@ -55,6 +56,28 @@ pub enum StoreError {
         #[source]
         source: EncodeError,
     },
+    #[error(transparent)]
+    Input(#[from] InputError),
+}
+
+/// Why a checkpoint file was not used: the input gate refused it (a FIFO, a directory, over its
+/// cap, ...) or it did not decode.
+#[derive(Debug, thiserror::Error)]
+pub enum Unusable {
+    #[error(transparent)]
+    Refused(#[from] InputError),
+    #[error(transparent)]
+    Undecodable(#[from] DecodeError),
+}
+
+/// The checkpoint at `path`, read through the input gate and decoded; `None` when there is none.
+pub fn read(path: &Path) -> Result<Option<Checkpoint>, Unusable> {
+    let bytes = match input::read(path, Input::Checkpoint) {
+        Ok(bytes) => bytes,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(Some(format::decode(&bytes)?))
 }
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
@@ -68,10 +91,10 @@ pub enum LoadOutcome {
     Loaded(Checkpoint),
     /// No checkpoint: a first start, or one lost. The agent goes on with the kernel sweep.
     NotFound,
-    /// The file failed to decode and was renamed to `moved_to`; the agent logs `reason` and goes
-    /// on with the kernel sweep alone.
+    /// The file was refused or failed to decode, and was renamed to `moved_to`; the agent logs
+    /// `reason` and goes on with the kernel sweep alone.
     MovedAside {
-        reason: DecodeError,
+        reason: Unusable,
         moved_to: PathBuf,
     },
 }
@@ -79,20 +102,18 @@ pub enum LoadOutcome {
 /// The PID of the agent that holds the lock on `dir`, or `None` when no agent runs there.
 pub fn lock_holder(dir: &Path) -> Result<Option<u32>, StoreError> {
     let lock_path = dir.join(LOCK_NAME);
-    let mut lock = match File::open(&lock_path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err("opening lock file", &lock_path)(e)),
-    };
+    if !lock_path.exists() {
+        return Ok(None);
+    }
+    let mut lock = input::open(&lock_path, Input::Lock)?;
     // SAFETY: flock only reads the fd, which `lock` owns and keeps open for this call.
-    let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+    let rc = unsafe { libc::flock(lock.file().as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
     if rc == 0 {
         // Nobody holds it; dropping the file releases our shared lock at once.
         return Ok(None);
     }
     let mut s = String::new();
-    lock.read_to_string(&mut s)
-        .map_err(io_err("reading lock file", &lock_path))?;
+    lock.read_to_string(&mut s).map_err(|e| lock.error(e))?;
     Ok(s.trim().parse().ok())
 }
 
@@ -136,21 +157,14 @@ impl CheckpointStore {
                 .map_err(io_err("restricting state directory to 0700", &dir))?;
         }
         let lock_path = dir.join(LOCK_NAME);
-        let mut lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&lock_path)
-            .map_err(io_err("opening lock file", &lock_path))?;
-        // SAFETY: flock only reads the fd, which `lock` owns and keeps open for this call.
-        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        let mut gated = input::open(&lock_path, Input::Lock)?;
+        // SAFETY: flock only reads the fd, which `gated` owns and keeps open for this call.
+        let rc = unsafe { libc::flock(gated.file().as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
         if rc != 0 {
             let err = io::Error::last_os_error();
             if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
                 let mut s = String::new();
-                let _ = lock.read_to_string(&mut s);
+                let _ = gated.read_to_string(&mut s);
                 return Err(StoreError::AlreadyRunning {
                     pid: s.trim().parse().ok(),
                     dir,
@@ -168,6 +182,7 @@ impl CheckpointStore {
             writeln!(lock, "{}", std::process::id())?;
             lock.sync_all()
         };
+        let mut lock = gated.into_file();
         write_pid(&mut lock).map_err(io_err("writing our PID into lock file", &lock_path))?;
         let tmp = dir.join(TMP_NAME);
         match fs::remove_file(&tmp) {
@@ -186,16 +201,15 @@ impl CheckpointStore {
         self.dir.join(FILE_NAME)
     }
 
-    /// Reads the checkpoint. A file that fails to decode is moved aside, never deleted.
+    /// Reads the checkpoint. A file the input gate refuses (the wrong kind of file, over its
+    /// cap) or that fails to decode is moved aside, never deleted nor opened again. An I/O error
+    /// reading a regular file stops the start: the file may be fine, and the record in it is not
+    /// to be lost by going on without it.
     pub fn load(&self) -> Result<LoadOutcome, StoreError> {
-        let path = self.path();
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LoadOutcome::NotFound),
-            Err(e) => return Err(io_err("reading checkpoint", &path)(e)),
-        };
-        match format::decode(&bytes) {
-            Ok(cp) => Ok(LoadOutcome::Loaded(cp)),
+        match read(&self.path()) {
+            Ok(Some(cp)) => Ok(LoadOutcome::Loaded(cp)),
+            Ok(None) => Ok(LoadOutcome::NotFound),
+            Err(Unusable::Refused(e)) if matches!(e.problem, Problem::Io(_)) => Err(e.into()),
             Err(reason) => {
                 let moved_to = self.move_aside()?;
                 Ok(LoadOutcome::MovedAside { reason, moved_to })
@@ -259,36 +273,16 @@ impl CheckpointStore {
             .map_err(io_err("syncing state directory", &self.dir))
     }
 
-    /// Replaces the checkpoint atomically: temp file (0600), fsync, rename, directory fsync. A
-    /// crash at any point leaves either the old or the new checkpoint. Returns the bytes written.
+    /// Replaces the checkpoint atomically through the input gate ([`input::replace`]: a new temp
+    /// file of mode 0600, fsync, rename, directory fsync). A crash at any point leaves either the
+    /// old or the new checkpoint. Returns the bytes written.
     pub fn write(&self, cp: &Checkpoint) -> Result<usize, StoreError> {
         let path = self.path();
         let bytes = format::encode(cp).map_err(|source| StoreError::Encode {
             path: path.clone(),
             source,
         })?;
-        let tmp = self.dir.join(TMP_NAME);
-        let result = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(io_err("creating temp checkpoint", &tmp))?;
-            f.set_permissions(fs::Permissions::from_mode(0o600))
-                .map_err(io_err("restricting temp checkpoint to 0600", &tmp))?;
-            f.write_all(&bytes)
-                .map_err(io_err("writing temp checkpoint", &tmp))?;
-            f.sync_all()
-                .map_err(io_err("syncing temp checkpoint", &tmp))?;
-            fs::rename(&tmp, &path).map_err(io_err("renaming temp checkpoint over", &path))
-        })();
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        result?;
-        self.sync_dir()?;
+        input::replace(&path, Input::Checkpoint, &bytes)?;
         Ok(bytes.len())
     }
 }
@@ -403,7 +397,9 @@ mod tests {
                     assert!(
                         matches!(
                             reason,
-                            DecodeError::Truncated { .. } | DecodeError::BadMagic { .. }
+                            Unusable::Undecodable(
+                                DecodeError::Truncated { .. } | DecodeError::BadMagic { .. }
+                            )
                         ),
                         "{cut}: {reason}"
                     );
@@ -422,7 +418,10 @@ mod tests {
             fs::write(store.path(), [b'x', i]).unwrap();
             match store.load().unwrap() {
                 LoadOutcome::MovedAside { reason, moved_to } => {
-                    assert!(matches!(reason, DecodeError::Truncated { .. }));
+                    assert!(matches!(
+                        reason,
+                        Unusable::Undecodable(DecodeError::Truncated { .. })
+                    ));
                     assert_eq!(fs::read(&moved_to).unwrap(), [b'x', i]);
                     moved.push(moved_to);
                 }

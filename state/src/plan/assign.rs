@@ -3,6 +3,8 @@
 //! ID. A candidate that fails any of them is held as a whole and reported; one that passes all
 //! of them is programmed.
 
+use std::net::IpAddr;
+
 use foldhash::HashSet;
 use ipnet::IpNet;
 use smallvec::SmallVec;
@@ -245,12 +247,23 @@ pub(super) fn admit(
         .collect();
     order.sort_by_key(|&i| live[i].record.is_none());
     let wants = |i: usize| index.live[i].claims.as_slice();
+    let addresses = AddressBook::of(live);
     let mut allocations = Vec::new();
     for i in order {
         // The node outlives `live`'s borrow: its name needs no copy.
         let name = &live[i].node.name[..];
         if let Some((cidr, local)) = overlaps_local(live[i].node, local) {
             err(errors, name, InputProblem::OverlapsLocal { cidr, local });
+            live[i].class = LiveClass::Held(HeldWhy::Conflict);
+            continue;
+        }
+        if let Some((cidr, ip, j)) = addresses.covered_by(&live[i].node.pod_cidrs) {
+            let holder = live[j].node.name.clone();
+            err(
+                errors,
+                name,
+                InputProblem::CoversAddress { cidr, ip, holder },
+            );
             live[i].class = LiveClass::Held(HeldWhy::Conflict);
             continue;
         }
@@ -323,6 +336,38 @@ fn overlaps_local(node: &Node, local: &Local) -> Option<(IpNet, String)> {
         };
         cidr.or_else(address).map(|what| (*c, what))
     })
+}
+
+/// Every live node's addresses (a malformed node's as recorded), sorted, to find those a pod
+/// CIDR covers: its route would take the traffic toward that node's address, and that node's
+/// own routes, through a gateway the kernel then finds behind another node, with it. The node
+/// whose pod CIDR covers an address is the one held, whoever's address it is (its own too).
+struct AddressBook {
+    /// `(address, index of the live node)`.
+    sorted: Vec<(IpAddr, u32)>,
+}
+
+impl AddressBook {
+    fn of(live: &[Live<'_>]) -> Self {
+        let mut sorted: Vec<(IpAddr, u32)> = live
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| l.node.ips().map(move |ip| (ip, i as u32)))
+            .collect();
+        sorted.sort_unstable();
+        Self { sorted }
+    }
+
+    /// The first of `cidrs` that covers a live node's address, the address and the node.
+    fn covered_by(&self, cidrs: &[IpNet]) -> Option<(IpNet, IpAddr, usize)> {
+        cidrs.iter().find_map(|c| {
+            let from = self.sorted.partition_point(|(ip, _)| *ip < c.network());
+            self.sorted
+                .get(from)
+                .filter(|(ip, _)| c.contains(ip))
+                .map(|&(ip, j)| (*c, ip, j as usize))
+        })
+    }
 }
 
 /// New map entries live node `i` needs, and its recorded entries that go once it is programmed

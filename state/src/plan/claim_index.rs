@@ -13,11 +13,14 @@
 //! It also counts what the plan needs of the rest of the cluster (records, IDs) so that an
 //! event's plan never walks the record.
 
+use std::collections::BTreeSet;
 use std::collections::hash_map::Entry;
 use std::hash::{BuildHasher, Hash};
+use std::net::IpAddr;
 
 use foldhash::fast::FixedState;
 use foldhash::{HashMap, HashMapExt};
+use ipnet::IpNet;
 
 use super::claims::{Resource, resources_of};
 use crate::checkpoint::{Checkpoint, spliced_names};
@@ -32,6 +35,9 @@ pub struct ClaimIndex {
     claims: MultiMap<u32, NodeId>,
     /// Node ID -> names of the records holding it (one, in a steady record).
     holders: MultiMap<NodeId, Box<str>>,
+    /// Every record's addresses, in order, with its node ID: the records whose address a pod
+    /// CIDR covers, found by range.
+    addresses: BTreeSet<(IpAddr, NodeId)>,
     /// Every ID some record holds.
     ids: IdSet,
     /// Records indexed.
@@ -48,6 +54,7 @@ impl ClaimIndex {
             // Two addresses and two pod CIDRs a dual-stack node.
             claims: MultiMap::with_capacity(4 * n),
             holders: MultiMap::with_capacity(n),
+            addresses: BTreeSet::new(),
             ids: IdSet::new(),
             records: 0,
             unnumbered: 0,
@@ -82,6 +89,7 @@ impl ClaimIndex {
         for r in resources_of(n) {
             self.claims.insert(hash(&r), id);
         }
+        self.addresses.extend(n.ips().map(|ip| (ip, id)));
     }
 
     fn remove(&mut self, n: &Node) {
@@ -97,6 +105,9 @@ impl ClaimIndex {
         for r in resources_of(n) {
             self.claims.remove(&hash(&r), |m| *m == id);
         }
+        for ip in n.ips() {
+            self.addresses.remove(&(ip, id));
+        }
     }
 
     /// Names of the records that may claim `r` (a superset: check each record).
@@ -104,6 +115,29 @@ impl ClaimIndex {
         self.claims
             .get(hash(r))
             .flat_map(|id| self.holders.get(*id).map(|name| &**name))
+    }
+
+    /// Names of the records with an address `cidr` covers.
+    pub(super) fn covered(&self, cidr: &IpNet) -> impl Iterator<Item = &str> {
+        let ids = NodeId::new(1).zip(NodeId::new(u16::MAX));
+        ids.into_iter()
+            .flat_map(|(lo, hi)| {
+                self.addresses
+                    .range((cidr.network(), lo)..=(cidr.broadcast(), hi))
+            })
+            .flat_map(|(_, id)| self.holders.get(*id).map(|name| &**name))
+    }
+
+    /// Names of the records that may have a pod CIDR covering `ip` (a superset: check each
+    /// record): the claimants of every prefix holding it, one lookup per prefix length.
+    pub(super) fn covering(&self, ip: IpAddr) -> impl Iterator<Item = &str> {
+        let bits = if ip.is_ipv4() { 32 } else { 128 };
+        (0..=bits).flat_map(move |len| {
+            let net = IpNet::new(ip, len).map(|n| n.trunc());
+            net.into_iter()
+                .flat_map(|n| self.claims.get(hash(&Resource::PodCidr(n))))
+                .flat_map(|id| self.holders.get(*id).map(|name| &**name))
+        })
     }
 
     /// Whether this is the index of `record`, as far as counting tells (a cheap guard against

@@ -335,6 +335,14 @@ pub enum InputProblem {
         "pod CIDR {cidr} overlaps {local}, the local node's; this node is held until it no longer does (its route would take the local node's traffic)"
     )]
     OverlapsLocal { cidr: IpNet, local: String },
+    #[error(
+        "pod CIDR {cidr} covers {ip}, the address of node {holder}; this node is held until it no longer does (its route would take {holder}'s traffic)"
+    )]
+    CoversAddress {
+        cidr: IpNet,
+        ip: IpAddr,
+        holder: String,
+    },
     #[error("{object} is not written: {foreign} is there and is not ours; it is left alone")]
     Foreign { object: String, foreign: String },
     #[error(
@@ -366,6 +374,7 @@ impl InputProblem {
             Self::Conflict { .. }
                 | Self::LocalResource { .. }
                 | Self::OverlapsLocal { .. }
+                | Self::CoversAddress { .. }
                 | Self::Foreign { .. }
                 | Self::InUse { .. }
         )
@@ -905,6 +914,7 @@ fn unsettled(live: &[Live<'_>], errors: &[InputError]) -> Option<Vec<String>> {
             | InputProblem::Conflict { .. }
             | InputProblem::LocalResource { .. }
             | InputProblem::OverlapsLocal { .. }
+            | InputProblem::CoversAddress { .. }
             | InputProblem::MapFull { .. }
             | InputProblem::Ids(_) => {}
             _ => return None,

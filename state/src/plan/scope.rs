@@ -16,7 +16,10 @@
 //! every ID in use. The property test `state/tests/scoped.rs` holds its plans to the full ones.
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 use std::sync::Arc;
+
+use ipnet::IpNet;
 
 use super::claim_index::ClaimIndex;
 use super::claims::{Resource, resources_of};
@@ -68,6 +71,25 @@ pub fn plan_scoped(
     for r in &claimed {
         for name in index.claimants(r) {
             at.extend(name_range(nodes, name).filter(|&i| claims_any(&nodes[i], &claimed)));
+        }
+    }
+    // And every record whose pod CIDR covers an address the touched nodes have, or had, or
+    // with an address a pod CIDR of theirs covers: the node of such a CIDR is held over it
+    // (`InputProblem::CoversAddress`), whoever changed.
+    let (ips, cidrs) = addresses_and_cidrs(touched, input.live, record);
+    for ip in &ips {
+        for name in index.covering(*ip) {
+            at.extend(
+                name_range(nodes, name)
+                    .filter(|&i| nodes[i].pod_cidrs.iter().any(|c| c.contains(ip))),
+            );
+        }
+    }
+    for c in &cidrs {
+        for name in index.covered(c) {
+            at.extend(
+                name_range(nodes, name).filter(|&i| nodes[i].ips().any(|ip| c.contains(&ip))),
+            );
         }
     }
     at.retain(|i| !local.contains(i));
@@ -158,6 +180,28 @@ fn claimed_by(touched: &BTreeSet<String>, live: &LiveView, record: &Checkpoint) 
     claims.sort_unstable();
     claims.dedup();
     claims
+}
+
+/// The addresses and pod CIDRs of the touched nodes, now and as recorded.
+fn addresses_and_cidrs(
+    touched: &BTreeSet<String>,
+    live: &LiveView,
+    record: &Checkpoint,
+) -> (Vec<IpAddr>, Vec<IpNet>) {
+    let live = live
+        .nodes
+        .iter()
+        .map(|n| &**n)
+        .filter(|n| touched.contains(&n.name));
+    let recorded = touched
+        .iter()
+        .flat_map(|t| &record.nodes[name_range(&record.nodes, t)]);
+    let (mut ips, mut cidrs) = (Vec::new(), Vec::new());
+    for n in live.chain(recorded) {
+        ips.extend(n.ips());
+        cidrs.extend(n.pod_cidrs.iter().copied());
+    }
+    (ips, cidrs)
 }
 
 /// Whether `n` claims any of `claimed` (sorted).

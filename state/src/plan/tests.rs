@@ -1259,6 +1259,53 @@ fn a_pod_cidr_overlapping_the_local_nodes_is_held() {
     assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
 }
 
+/// A pod CIDR that covers another node's address (or its own) would take the traffic toward
+/// that address, and the gateway of that node's routes with it: the node that claims the CIDR
+/// is held and reported, naming the address and whose it is; the covered node is programmed.
+#[test]
+fn a_pod_cidr_covering_a_nodes_address_holds_the_node_that_claims_it() {
+    let r = Run::new();
+    let mut k = Kernel::default();
+    let other = node("m", &["10.0.0.30"], &["10.0.0.0/28"]);
+    let own = node("n", &["10.9.0.5"], &["10.9.0.0/24"]);
+    let (p, _) = r.reconcile(None, &[a(), b(), other, own], &mut k);
+    let held: Vec<(&str, String, String, &str)> = p
+        .errors
+        .iter()
+        .map(|e| match &e.problem {
+            InputProblem::CoversAddress { cidr, ip, holder } => (
+                e.node.as_str(),
+                cidr.to_string(),
+                ip.to_string(),
+                holder.as_str(),
+            ),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        held,
+        [
+            ("m", "10.0.0.0/28".into(), "10.0.0.1".into(), "a"),
+            ("n", "10.9.0.0/24".into(), "10.9.0.5".into(), "n"),
+        ]
+    );
+    let text = p.errors[0].to_string();
+    assert!(
+        text.starts_with("node m: pod CIDR 10.0.0.0/28 covers 10.0.0.1, the address of node a"),
+        "{text}"
+    );
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
+    assert!(k.has(&route("10.1.2.0/24", "10.0.0.2")));
+    let routes = k.ours.values().filter(|o| o.kind() == ObjectKind::Route);
+    assert_eq!(routes.count(), 2, "only a's and b's");
+
+    // Once it no longer covers the address, it is programmed.
+    let moved = node("m", &["10.0.0.30"], &["10.1.30.0/24"]);
+    let (p, _) = r.reconcile(None, &[a(), b(), moved], &mut k);
+    assert!(p.errors.is_empty(), "{:?}", p.errors);
+    assert!(k.has(&route("10.1.30.0/24", "10.0.0.30")));
+}
+
 // ---- Invariant 8: transient is not gone ----
 
 #[test]

@@ -224,7 +224,8 @@ async fn watcher_lists_then_follows_changes() {
         Requests {
             list: 1,
             watch: 1,
-            get: 0
+            get: 0,
+            probe: 0,
         }
     );
 }

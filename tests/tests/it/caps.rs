@@ -13,10 +13,10 @@ use node_agent_tests::{ip, report, require_sandbox, sandbox};
 /// The agent container's user and added capabilities, from the manifest.
 fn manifest() -> (u32, Vec<String>) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemonset.yaml");
-    let ds: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap())
+    let ds: serde_json::Value = serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap())
         .expect("deploy/daemonset.yaml");
     let c = ds["spec"]["template"]["spec"]["containers"]
-        .as_sequence()
+        .as_array()
         .unwrap()
         .iter()
         .find(|c| c["name"] == "node-agent")
@@ -24,7 +24,7 @@ fn manifest() -> (u32, Vec<String>) {
     let sc = &c["securityContext"];
     let uid = sc["runAsUser"].as_u64().unwrap_or(0) as u32;
     let caps = sc["capabilities"]["add"]
-        .as_sequence()
+        .as_array()
         .unwrap()
         .iter()
         .map(|v| v.as_str().unwrap().to_owned())

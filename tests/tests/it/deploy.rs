@@ -37,7 +37,7 @@ fn read(rel: &str) -> String {
 }
 
 fn load<T: serde::de::DeserializeOwned>(rel: &str) -> T {
-    serde_yaml::from_str(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+    serde_saphyr::from_str(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
 }
 
 #[derive(Debug, Deserialize)]
@@ -53,7 +53,7 @@ struct Kustomization {
     images: Vec<Image>,
     /// Patches of an overlay, checked by the overlay's own test.
     #[serde(default)]
-    patches: Vec<serde_yaml::Value>,
+    patches: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -91,7 +91,7 @@ fn resource<T: serde::de::DeserializeOwned>(kind: &str) -> T {
 }
 
 fn kind_of(file: &str) -> String {
-    let v: serde_yaml::Value = load(&format!("deploy/{file}"));
+    let v: serde_json::Value = load(&format!("deploy/{file}"));
     v["kind"]
         .as_str()
         .unwrap_or_else(|| panic!("deploy/{file} has no kind"))
@@ -610,7 +610,7 @@ fn the_privileged_overlay_makes_only_the_agent_container_privileged() {
     assert_eq!(patch["target"]["kind"].as_str(), Some("DaemonSet"));
     assert_eq!(patch["target"]["name"].as_str(), Some("node-agent"));
     let ops: serde_json::Value =
-        serde_yaml::from_str(patch["patch"].as_str().expect("an inline JSON patch")).unwrap();
+        serde_saphyr::from_str(patch["patch"].as_str().expect("an inline JSON patch")).unwrap();
     // Applied to the real DaemonSet: the agent container, and nothing else, turns privileged.
     let mut ds = serde_json::to_value(daemonset()).unwrap();
     for op in ops.as_array().unwrap() {
@@ -1436,8 +1436,8 @@ fn prometheus_rule_and_docs_table_are_generated_from_the_rules() {
     let k = kustomization_in("monitoring/");
     assert_eq!(k.resources, ["prometheusrule.yaml"]);
     assert_eq!(k.namespace, kustomization().namespace);
-    let spec: serde_yaml::Value = load::<serde_yaml::Value>(PROMETHEUS_RULE)["spec"].clone();
-    assert_eq!(spec, load::<serde_yaml::Value>(RULES));
+    let spec: serde_json::Value = load::<serde_json::Value>(PROMETHEUS_RULE)["spec"].clone();
+    assert_eq!(spec, load::<serde_json::Value>(RULES));
     assert_eq!(pr.metadata.name.as_deref(), Some("node-agent"));
     let groups: Vec<&str> = pr.spec.groups.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(groups, ["node-agent"]);
@@ -1573,9 +1573,9 @@ struct Cases {
 }
 
 fn cases(text: &str) -> Cases {
-    let v: serde_yaml::Value = serde_yaml::from_str(text).unwrap();
+    let v: serde_json::Value = serde_saphyr::from_str(text).unwrap();
     let rule_files: Vec<&str> = v["rule_files"]
-        .as_sequence()
+        .as_array()
         .expect("rule_files")
         .iter()
         .filter_map(|f| f.as_str())
@@ -1587,25 +1587,25 @@ fn cases(text: &str) -> Cases {
         fires: BTreeSet::new(),
         quiet: BTreeSet::new(),
     };
-    for group in v["tests"].as_sequence().expect("tests") {
+    for group in v["tests"].as_array().expect("tests") {
         if group["name"].as_str() == Some("healthy agent") {
-            for s in group["input_series"].as_sequence().unwrap() {
+            for s in group["input_series"].as_array().unwrap() {
                 let series = s["series"].as_str().unwrap();
                 c.healthy_inputs
                     .insert(series.split('{').next().unwrap().to_owned());
             }
             // ALERTS empty at every check: nothing pending or firing.
-            let checks = group["promql_expr_test"].as_sequence().unwrap();
+            let checks = group["promql_expr_test"].as_array().unwrap();
             c.healthy_checks_alerts = checks.len() >= 2
                 && checks.iter().all(|t| {
                     t["expr"].as_str() == Some("ALERTS")
-                        && t["exp_samples"].as_sequence().is_some_and(|s| s.is_empty())
+                        && t["exp_samples"].as_array().is_some_and(|s| s.is_empty())
                 });
             continue;
         }
-        for t in group["alert_rule_test"].as_sequence().into_iter().flatten() {
+        for t in group["alert_rule_test"].as_array().into_iter().flatten() {
             let name = t["alertname"].as_str().unwrap().to_owned();
-            match t["exp_alerts"].as_sequence() {
+            match t["exp_alerts"].as_array() {
                 Some(e) if !e.is_empty() => c.fires.insert(name),
                 _ => c.quiet.insert(name),
             };

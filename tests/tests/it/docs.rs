@@ -296,11 +296,11 @@ fn the_check_refuses_commands_nothing_vouches_for() {
 
 #[test]
 fn kubectl_commands_name_the_namespace_and_daemonset_deploy_creates() {
-    let k: serde_yaml::Value = serde_yaml::from_str(
+    let k: serde_json::Value = serde_saphyr::from_str(
         &std::fs::read_to_string(root().join("deploy/kustomization.yaml")).unwrap(),
     )
     .unwrap();
-    let ds: serde_yaml::Value = serde_yaml::from_str(
+    let ds: serde_json::Value = serde_saphyr::from_str(
         &std::fs::read_to_string(root().join("deploy/daemonset.yaml")).unwrap(),
     )
     .unwrap();
@@ -314,7 +314,7 @@ fn kubectl_commands_name_the_namespace_and_daemonset_deploy_creates() {
         assert!(cmd.starts_with(&format!("kubectl -n {ns} ")), "{cmd}");
     }
     let secret = ds["spec"]["template"]["spec"]["volumes"]
-        .as_sequence()
+        .as_array()
         .unwrap()
         .iter()
         .find_map(|v| v["secret"]["secretName"].as_str())

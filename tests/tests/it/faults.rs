@@ -219,6 +219,63 @@ fn a_nodes_file_that_does_not_parse_ends_a_one_shot_run_at_once() {
     });
 }
 
+/// Every wait of a one-shot run before its first plan ends at `--sync-timeout`, whatever it
+/// waits on, with status 1 and what it waited for; nothing is written. Walked: a nodes file that
+/// never appears, and one that is fresh and lists fewer nodes than nothing (its first read waits
+/// for the settle period, here longer than the timeout), for `run --once` and `plan`.
+#[test]
+fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
+    require_sandbox!("every_wait_of_a_one_shot_run_ends_at_the_sync_timeout");
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let mut covered = 0;
+        for (case, fresh_file) in [("no nodes file", false), ("a fresh file settling", true)] {
+            let _ = std::fs::remove_file(&env.nodes_file);
+            if fresh_file {
+                env.write_nodes(&cluster(2));
+            }
+            for cmd in [&["run", "--once"][..], &["plan"][..]] {
+                let mut c = std::process::Command::new(node_agent_tests::agent_bin());
+                let args: Vec<String> = env
+                    .command(&["--sync-timeout", "2s", "--nodes-file-settle", "10m"])
+                    .get_args()
+                    .skip(1)
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect();
+                c.args(cmd).args(&args).env("NODE_AGENT_LOG", "warn");
+                c.stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped());
+                let mut child = c.spawn().unwrap();
+                // A bound far past the timeout, so that a run that never ends fails the test
+                // instead of hanging it.
+                let began = Instant::now();
+                while child.try_wait().unwrap().is_none() {
+                    if began.elapsed() > Duration::from_secs(120) {
+                        let _ = child.kill();
+                        panic!("{case}, {cmd:?}: still running after 120 s");
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let out = child.wait_with_output().unwrap();
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert_eq!(out.status.code(), Some(1), "{case}, {cmd:?}: {err}");
+                assert!(
+                    err.contains("gave up after 2s (--sync-timeout) waiting for the node source's first full list"),
+                    "{case}, {cmd:?}: {err}"
+                );
+                assert!(
+                    !env.state_dir.join("nodes.ckpt").exists(),
+                    "{case}, {cmd:?}: a checkpoint was written"
+                );
+                covered += 1;
+            }
+        }
+        node_agent_tests::report(&format!(
+            "sync timeout: {covered} waits (2 sources x run --once, plan) ended at the deadline"
+        ));
+    });
+}
+
 #[test]
 fn drift_in_routes_and_the_map_is_repaired_and_counted() {
     require_sandbox!("drift_in_routes_and_the_map_is_repaired_and_counted");

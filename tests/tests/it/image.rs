@@ -208,6 +208,8 @@ fn restart_scenario(image: &Mounted, bpffs: &Path) {
             "gw0",
             "--nodes-file-poll",
             "50ms",
+            "--nodes-file-settle",
+            "200ms",
         ])
         .stdout(Stdio::null())
         .stderr(log)

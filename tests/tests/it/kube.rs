@@ -6,14 +6,17 @@
 
 use std::time::Duration;
 
+use node_agent::source::kube::MAX_BACKOFF;
 use node_agent_tests::agent::cluster;
 use node_agent_tests::agent::{AgentEnv, TestNode, http_get, k8s_node, local_node, metric};
 use node_agent_tests::agent::{assert_exact, is_exact};
-use node_agent_tests::apiserver::ApiServer;
+use node_agent_tests::apiserver::{ApiServer, Kind};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::sandbox;
 
 const TIMEOUT: Duration = Duration::from_secs(90);
+/// Room for a slow guest on top of a wait the agent's backoff sets.
+const SLACK: Duration = Duration::from_secs(30);
 const METRICS: &str = "127.0.0.1:9965";
 
 /// The server, holding the local node and `remote`, and an agent environment pointed at it.
@@ -194,6 +197,12 @@ fn restart_with_churn_through_the_api() {
     });
 }
 
+/// After sync, readiness follows the API server both ways: not ready while it refuses the agent
+/// or cannot be reached, ready again once it serves. Nothing in the cluster changes, so no event
+/// comes: readiness comes back by the agent's own probe, which it retries on its backoff, so it
+/// comes within one backoff period ([`MAX_BACKOFF`] at most) of the recovery however fast the
+/// machine is. (A probe that failed just before the recovery was not retried, and the agent
+/// stayed not ready until the next node event: a flake in the 6.12 guest.)
 #[test]
 fn readiness_follows_the_api_server_after_sync() {
     require_sandbox!("readiness_follows_the_api_server_after_sync");
@@ -225,12 +234,78 @@ fn readiness_follows_the_api_server_after_sync() {
                 "{what}"
             );
             assert_exact(&env, &nodes);
+            let before = server.requests();
+            let began = std::time::Instant::now();
             set(&server, false);
-            env.wait(&format!("ready again after {what}"), TIMEOUT, || {
-                readyz().0 == 200
-            });
+            env.wait(
+                &format!("ready again after {what}, by a probe within a backoff period"),
+                MAX_BACKOFF + SLACK,
+                || readyz().0 == 200,
+            );
+            let after = server.requests();
+            node_agent_tests::report(&format!(
+                "readiness after {what}: ready {:.1} s after the recovery, {} probe(s)",
+                began.elapsed().as_secs_f64(),
+                after.probe - before.probe
+            ));
+            assert!(
+                after.probe > before.probe,
+                "no node event came: only a probe can have made the agent ready"
+            );
             assert_eq!(metric(&metrics(), "node_agent_source_failing"), Some(0.0));
         }
+    });
+}
+
+/// The race of the test above, made on purpose: the resumed watch is refused once and the first
+/// two probes too, so the watch comes back (quietly) while the agent still fails. Its probes go on,
+/// one per backoff period, and the third makes it ready; no node event ever comes.
+#[test]
+fn a_watch_that_resumes_quietly_after_a_failed_probe_is_ready_by_the_next_probe() {
+    require_sandbox!(
+        "a_watch_that_resumes_quietly_after_a_failed_probe_is_ready_by_the_next_probe"
+    );
+    sandbox(|sb| {
+        let nodes = cluster(2);
+        let (server, env) = setup(sb, &nodes);
+        let _child = env.spawn(&["--metrics-addr", METRICS]);
+        env.wait("readiness", TIMEOUT, || readyz().0 == 200);
+        let errors = || metric(&metrics(), "node_agent_source_errors_total").unwrap_or(0.0);
+        let errors_before = errors();
+        let before = server.requests();
+        const FAILED_PROBES: u64 = 2;
+        server.forbid_next(Kind::Watch, 1);
+        server.forbid_next(Kind::Probe, FAILED_PROBES);
+        server.drop_watches();
+        // Three backoff periods: the watch's failure and each failed probe's (1, 2 and 4 s).
+        let began = std::time::Instant::now();
+        env.wait(
+            "the failure, the refused probes, and readiness by the next probe",
+            Duration::from_secs(1 + 2 + 4) + SLACK,
+            || {
+                errors() > errors_before
+                    && server.requests().probe > before.probe + FAILED_PROBES
+                    && readyz().0 == 200
+            },
+        );
+        let after = server.requests();
+        node_agent_tests::report(&format!(
+            "quiet resumption: ready {:.1} s after the watch failed, by probe {} ({FAILED_PROBES} refused)",
+            began.elapsed().as_secs_f64(),
+            after.probe - before.probe
+        ));
+        assert_eq!(
+            after.probe - before.probe,
+            FAILED_PROBES + 1,
+            "no probe once ready"
+        );
+        assert_eq!(
+            after.list - after.probe,
+            before.list - before.probe,
+            "no relist: the watch resumed"
+        );
+        assert_eq!(errors(), errors_before + 1.0, "one failure, of the watch");
+        assert_exact(&env, &nodes);
     });
 }
 

@@ -500,7 +500,13 @@ impl KeyFile {
             line: None,
             kind: KeyErrorKind::Io(source),
         };
-        let mode = std::fs::metadata(path).map_err(io)?.permissions().mode() & 0o7777;
+        let refused = |e: state::input::InputError| KeyError {
+            path: Some(path.to_path_buf()),
+            line: None,
+            kind: KeyErrorKind::Refused(e.problem),
+        };
+        let mut file = state::input::open(path, state::input::Input::KeyFile).map_err(refused)?;
+        let mode = file.file().metadata().map_err(io)?.permissions().mode() & 0o7777;
         let mut warnings = Vec::new();
         if mode & 0o044 != 0 {
             let w = format!(
@@ -510,7 +516,7 @@ impl KeyFile {
             );
             warnings.push(w);
         }
-        let text = Secret(std::fs::read(path).map_err(io)?);
+        let text = Secret(file.read_all().map_err(refused)?);
         let text = std::str::from_utf8(&text.0).map_err(|_| KeyError {
             path: Some(path.to_path_buf()),
             line: None,
@@ -576,6 +582,8 @@ pub enum KeyErrorKind {
     NotUtf8,
     #[error("{0}")]
     Io(std::io::Error),
+    #[error("{0}")]
+    Refused(state::input::Problem),
 }
 
 impl fmt::Display for KeyError {
@@ -595,6 +603,7 @@ impl std::error::Error for KeyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match &self.kind {
             KeyErrorKind::Io(e) => Some(e),
+            KeyErrorKind::Refused(p) => Some(p),
             _ => None,
         }
     }

@@ -1029,7 +1029,7 @@ fn decode_entry<T: Entry>(
         },
         tail,
     ));
-    if let Some(Err(e)) = entries.last().map(|t| t.node().validate()) {
+    if let Some(Err(e)) = entries.last().map(|t| t.node().check_shape()) {
         entries.pop();
         return Err(e.into());
     }
