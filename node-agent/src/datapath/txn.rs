@@ -24,7 +24,8 @@
 //!
 //! Debug builds only: `NODE_AGENT_TEST_PIN_TXN_CUT=<kind>:<step>:<kill|fail>` ends the process
 //! (a crash) or fails (a refused syscall) at the transaction's step `<step>` (from 1), before
-//! the step does anything. The kernel tier enumerates every step with it.
+//! the step does anything; `recovery:<step>:...` cuts the recovery likewise. The kernel tier
+//! enumerates every step with it.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -126,8 +127,6 @@ pub enum TxnError {
         name: &'static str,
         what: String,
     },
-    #[error("recovering a {kind} cut short: {what}")]
-    Recover { kind: &'static str, what: String },
 }
 
 /// What [`recover`] did.
@@ -148,8 +147,7 @@ pub struct Txn {
     bpffs: PathBuf,
     capacity: u32,
     record: Option<Array<MapData, Intent>>,
-    step: u32,
-    cut: Option<Cut>,
+    steps: Steps,
 }
 
 impl Txn {
@@ -160,8 +158,7 @@ impl Txn {
             bpffs: bpffs.to_owned(),
             capacity,
             record: None,
-            step: 0,
-            cut: Cut::from_env(kind),
+            steps: Steps::new(kind.name()),
         };
         let pin = intent_pin(bpffs);
         txn.step("pin the intent", || {
@@ -181,17 +178,7 @@ impl Txn {
         name: &'static str,
         op: impl FnOnce() -> Result<T, String>,
     ) -> Result<T, TxnError> {
-        self.step += 1;
-        let err = |what: String| TxnError::Step {
-            kind: self.kind.name(),
-            step: self.step,
-            name,
-            what,
-        };
-        if let Some(cut) = self.cut.filter(|c| c.step == self.step) {
-            cut.apply(self.kind, self.step, name).map_err(err)?;
-        }
-        op().map_err(err)
+        self.steps.run(name, op)
     }
 
     /// Records that the new pins are complete: from here on, the transaction rolls forward.
@@ -268,23 +255,20 @@ pub fn forward_capacity(bpffs: &Path) -> Result<Option<u32>, TxnError> {
 pub fn recover(bpffs: &Path) -> Result<Recovery, TxnError> {
     let found = intent(bpffs)?;
     let pin = intent_pin(bpffs);
-    let fail = |kind: Option<Kind>, what: String| TxnError::Recover {
-        kind: kind.map_or("transaction", Kind::name),
-        what,
-    };
+    let mut steps = Steps::new("recovery");
     match found {
         Some((kind, true, _)) => {
-            for (staged, live, _) in kind.renames(bpffs) {
-                if staged.exists() {
+            for (staged, live, name) in kind.renames(bpffs) {
+                steps.run(name, || {
+                    if !staged.exists() {
+                        return Ok(());
+                    }
                     std::fs::rename(&staged, &live).map_err(|e| {
-                        fail(
-                            Some(kind),
-                            format!("renaming {} over {}: {e}", staged.display(), live.display()),
-                        )
-                    })?;
-                }
+                        format!("renaming {} over {}: {e}", staged.display(), live.display())
+                    })
+                })?;
             }
-            unpin(&pin).map_err(|e| fail(Some(kind), e))?;
+            steps.run("unpin the intent", || unpin(&pin))?;
             tracing::warn!(
                 kind = kind.name(),
                 "a pin transaction was cut short after its new maps were complete; finished it"
@@ -293,9 +277,9 @@ pub fn recover(bpffs: &Path) -> Result<Recovery, TxnError> {
         }
         Some((kind, false, _)) => {
             for (staged, _, _) in kind.renames(bpffs) {
-                unpin(&staged).map_err(|e| fail(Some(kind), e))?;
+                steps.run("unpin a staging pin", || unpin(&staged))?;
             }
-            unpin(&pin).map_err(|e| fail(Some(kind), e))?;
+            steps.run("unpin the intent", || unpin(&pin))?;
             tracing::warn!(
                 kind = kind.name(),
                 "a pin transaction was cut short before its new maps were complete; undid it"
@@ -303,22 +287,59 @@ pub fn recover(bpffs: &Path) -> Result<Recovery, TxnError> {
             Ok(Recovery::RolledBack(Some(kind)))
         }
         None => {
-            let mut left = false;
-            for kind in Kind::ALL {
-                for (staged, _, _) in kind.renames(bpffs) {
-                    if staged.exists() {
-                        unpin(&staged).map_err(|e| fail(None, e))?;
-                        left = true;
-                    }
-                }
+            let left: Vec<PathBuf> = Kind::ALL
+                .into_iter()
+                .flat_map(|k| k.renames(bpffs))
+                .map(|(staged, _, _)| staged)
+                .filter(|staged| staged.exists())
+                .collect();
+            if left.is_empty() {
+                return Ok(Recovery::Nothing);
             }
-            Ok(if left {
-                tracing::warn!("staging pins without an intent were left; unpinned them");
-                Recovery::RolledBack(None)
-            } else {
-                Recovery::Nothing
-            })
+            for staged in &left {
+                steps.run("unpin a staging pin left without an intent", || {
+                    unpin(staged)
+                })?;
+            }
+            tracing::warn!("staging pins without an intent were left; unpinned them");
+            Ok(Recovery::RolledBack(None))
         }
+    }
+}
+
+/// The steps of a transaction (or of a recovery), counted from 1, where a test may cut one.
+struct Steps {
+    what: &'static str,
+    step: u32,
+    cut: Option<Cut>,
+}
+
+impl Steps {
+    fn new(what: &'static str) -> Self {
+        Self {
+            what,
+            step: 0,
+            cut: Cut::from_env(what),
+        }
+    }
+
+    /// Runs `op` as the next step, named `name`.
+    fn run<T>(
+        &mut self,
+        name: &'static str,
+        op: impl FnOnce() -> Result<T, String>,
+    ) -> Result<T, TxnError> {
+        self.step += 1;
+        let err = |what: String| TxnError::Step {
+            kind: self.what,
+            step: self.step,
+            name,
+            what,
+        };
+        if let Some(cut) = self.cut.filter(|c| c.step == self.step) {
+            cut.apply(self.what, self.step, name).map_err(err)?;
+        }
+        op().map_err(err)
     }
 }
 
@@ -334,11 +355,11 @@ pub const CUT_ENV: &str = "NODE_AGENT_TEST_PIN_TXN_CUT";
 
 impl Cut {
     #[cfg(debug_assertions)]
-    fn from_env(kind: Kind) -> Option<Self> {
+    fn from_env(what: &str) -> Option<Self> {
         let v = std::env::var(CUT_ENV).ok()?;
         let mut parts = v.split(':');
         let (k, step, how) = (parts.next()?, parts.next()?, parts.next()?);
-        (k == kind.name()).then_some(())?;
+        (k == what).then_some(())?;
         Some(Self {
             step: step.parse().ok()?,
             kill: match how {
@@ -350,14 +371,13 @@ impl Cut {
     }
 
     #[cfg(not(debug_assertions))]
-    fn from_env(_: Kind) -> Option<Self> {
+    fn from_env(_: &str) -> Option<Self> {
         None
     }
 
-    fn apply(self, kind: Kind, step: u32, name: &str) -> Result<(), String> {
+    fn apply(self, what: &str, step: u32, name: &str) -> Result<(), String> {
         eprintln!(
-            "{CUT_ENV}: {} step {step} ({name}): {}",
-            kind.name(),
+            "{CUT_ENV}: {what} step {step} ({name}): {}",
             if self.kill { "kill" } else { "fail" }
         );
         if self.kill {

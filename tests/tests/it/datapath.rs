@@ -905,20 +905,27 @@ fn an_interface_no_longer_configured_loses_its_classifier() {
     });
 }
 
-/// The child process of [`every_cut_of_a_map_growth_is_recovered_by_the_next_start`]: with
-/// `TXN_CHILD_BPFFS` set (in the sandbox's namespaces, which it inherits), it loads the datapath
-/// at 4 entries and grows it to 16 under the cut `NODE_AGENT_TEST_PIN_TXN_CUT` names; alone it
-/// says so and passes.
+/// The child process of [`every_cut_of_a_map_growth_is_recovered_by_the_next_start`] and
+/// [`every_cut_of_a_recovery_is_recovered_by_the_next_start`]: with `TXN_CHILD_BPFFS` set (in
+/// the sandbox's namespaces, which it inherits), it loads the datapath at 4 entries and grows
+/// it to 16 (`TXN_CHILD_ACTION=grow`) or starts as the agent does (`start`), under the cut
+/// `NODE_AGENT_TEST_PIN_TXN_CUT` names; alone it says so and passes.
 #[test]
-fn child_grows_the_maps_under_a_cut() {
+fn child_cuts_a_pin_transaction() {
     let Ok(bpffs) = std::env::var("TXN_CHILD_BPFFS") else {
-        eprintln!(
-            "a helper of every_cut_of_a_map_growth_is_recovered_by_the_next_start; nothing to do \
-             alone"
-        );
+        eprintln!("a helper of the pin transaction tests; nothing to do alone");
         return;
     };
-    let mut dp = Datapath::load(&txn_config(Path::new(&bpffs), 4)).unwrap();
+    let bpffs = Path::new(&bpffs);
+    if std::env::var("TXN_CHILD_ACTION").as_deref() == Ok("start") {
+        let capacity = node_agent::datapath::resolve_capacity(None, bpffs).unwrap();
+        match Datapath::load(&txn_config(bpffs, capacity)) {
+            Ok(_) => println!("TXN-CHILD started"),
+            Err(e) => println!("TXN-CHILD failed: {e}"),
+        }
+        return;
+    }
+    let mut dp = Datapath::load(&txn_config(bpffs, 4)).unwrap();
     match dp.grow(16) {
         Ok(()) => println!("TXN-CHILD grown to {}", dp.capacity()),
         Err(e) => println!("TXN-CHILD failed: {e}"),
@@ -1054,11 +1061,9 @@ fn check_converged(bpffs: &Path, capacity: u32, case: &str) {
     assert_eq!(read, (true, true), "{case}: the datapath reads both maps");
 }
 
-/// One case: the maps at 4 entries with every node, a child process growing them to 16 killed
-/// (or failed) at step `step`, then a start. `None` when the growth has no such step.
-fn growth_case(bpffs: &Path, step: u32, how: &str) -> Option<(String, u32)> {
+/// The maps at 4 entries with every node and pod CIDR, nothing else pinned but the links.
+fn txn_setup(bpffs: &Path) {
     use node_agent::datapath::pin_dir;
-    use node_agent::datapath::txn::{CUT_ENV, CUT_EXIT};
     use node_agent::pod_cidr_map::PodCidrMap;
 
     // The maps of the last case go (the links stay, and the next load takes them over).
@@ -1080,16 +1085,30 @@ fn growth_case(bpffs: &Path, step: u32, how: &str) -> Option<(String, u32)> {
             .unwrap();
     }
     drop((dp, map, cidrs));
+}
+
+/// Runs [`child_cuts_a_pin_transaction`] doing `action` under the cut `what:step:how`, checks
+/// how it ended, and returns the name of the step cut (`None`: there is no such step, and the
+/// child did all of `action`) and the case's name.
+fn txn_child(
+    bpffs: &Path,
+    action: &str,
+    what: &str,
+    step: u32,
+    how: &str,
+) -> (Option<String>, String) {
+    use node_agent::datapath::txn::{CUT_ENV, CUT_EXIT};
 
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "datapath::child_grows_the_maps_under_a_cut",
+            "datapath::child_cuts_a_pin_transaction",
             "--nocapture",
             "--test-threads=1",
         ])
         .env("TXN_CHILD_BPFFS", bpffs)
-        .env(CUT_ENV, format!("growth:{step}:{how}"))
+        .env("TXN_CHILD_ACTION", action)
+        .env(CUT_ENV, format!("{what}:{step}:{how}"))
         .output()
         .unwrap();
     let text = format!(
@@ -1100,41 +1119,55 @@ fn growth_case(bpffs: &Path, step: u32, how: &str) -> Option<(String, u32)> {
     let cut = text
         .lines()
         .find_map(|l| {
-            l.split_once(&format!("{CUT_ENV}: growth step {step} ("))
+            l.split_once(&format!("{CUT_ENV}: {what} step {step} ("))
                 .and_then(|(_, rest)| rest.split_once(')'))
         })
         .map(|(name, _)| name.to_owned());
     let case = format!(
-        "growth step {step} ({}) {how}",
+        "{what} step {step} ({}) {how}",
         cut.as_deref().unwrap_or("-")
     );
-    match how {
-        "kill" if cut.is_some() => assert_eq!(out.status.code(), Some(CUT_EXIT), "{case}:\n{text}"),
-        _ => assert!(
-            out.status.success() && text.contains("TXN-CHILD"),
+    match (&cut, how) {
+        (Some(_), "kill") => assert_eq!(out.status.code(), Some(CUT_EXIT), "{case}:\n{text}"),
+        // A failed step after the new maps were complete is finished at once by the recovery.
+        (Some(_), _) => assert!(
+            out.status.success()
+                && (text.contains("TXN-CHILD failed") || text.contains("TXN-CHILD grown to 16")),
+            "{case}:\n{text}"
+        ),
+        (None, _) => assert!(
+            out.status.success()
+                && (text.contains("TXN-CHILD grown to 16") || text.contains("TXN-CHILD started")),
             "{case}:\n{text}"
         ),
     }
-    let cut = match cut {
-        Some(name) => name,
-        None => {
-            assert!(text.contains("TXN-CHILD grown to 16"), "{case}:\n{text}");
-            return None;
-        }
-    };
-    // The next start, as the agent's: the capacity the pins will have, then the load.
+    (cut, case)
+}
+
+/// The next start, as the agent's (the capacity the pins will have, then the load), must
+/// converge; the maps then grow from there, and the start after finds them grown. Returns the
+/// capacity the start found.
+fn txn_converges(bpffs: &Path, case: &str) -> u32 {
     let capacity = node_agent::datapath::resolve_capacity(None, bpffs).unwrap();
     let mut dp = Datapath::load(&txn_config(bpffs, capacity))
-        .unwrap_or_else(|e| panic!("{case}: the next start: {e}\n{text}"));
-    check_converged(bpffs, capacity, &case);
-    // And the maps grow from there, at this start and the next.
+        .unwrap_or_else(|e| panic!("{case}: the next start: {e}"));
+    check_converged(bpffs, capacity, case);
     dp.grow(16)
         .unwrap_or_else(|e| panic!("{case}: growing after the start: {e}"));
-    check_converged(bpffs, 16, &case);
+    check_converged(bpffs, 16, case);
     drop(dp);
     drop(Datapath::load(&txn_config(bpffs, 16)).unwrap());
-    check_converged(bpffs, 16, &case);
-    Some((cut, capacity))
+    check_converged(bpffs, 16, case);
+    capacity
+}
+
+/// One case: a child process growing the maps from 4 to 16 killed (or failed) at step `step`,
+/// then a start. `None` when the growth has no such step.
+fn growth_case(bpffs: &Path, step: u32, how: &str) -> Option<(String, u32)> {
+    txn_setup(bpffs);
+    let (cut, case) = txn_child(bpffs, "grow", "growth", step, how);
+    let cut = cut?;
+    Some((cut, txn_converges(bpffs, &case)))
 }
 
 /// A map growth is a pin transaction (`datapath/txn.rs`): killed or failed at each of its
@@ -1165,9 +1198,72 @@ fn every_cut_of_a_map_growth_is_recovered_by_the_next_start() {
         }
         let steps = covered.len() / 2;
         assert!(steps >= 8, "the growth has its steps: {covered:?}");
+        assert_eq!(
+            covered.iter().filter(|c| c.contains(":kill:")).count(),
+            steps,
+            "as many steps killed as failed: {covered:?}"
+        );
         report(&format!(
             "growth: {steps} step boundaries x {{kill, fail}} = {} cases, all converged ({:.1} s)",
             covered.len(),
+            since.elapsed().as_secs_f64()
+        ));
+    });
+}
+
+/// The recovery of a pin transaction is cut too: a growth killed at `growth_step`, then a start
+/// killed (or failed) at each step of its recovery, then a start that must converge.
+fn recovery_case(bpffs: &Path, growth_step: u32, step: u32, how: &str) -> Option<(String, u32)> {
+    txn_setup(bpffs);
+    let (cut, _) = txn_child(bpffs, "grow", "growth", growth_step, "kill");
+    assert!(cut.is_some(), "the growth has a step {growth_step}");
+    let (cut, case) = txn_child(bpffs, "start", "recovery", step, how);
+    let cut = cut?;
+    let case = format!("growth step {growth_step} kill, {case}");
+    Some((cut, txn_converges(bpffs, &case)))
+}
+
+/// A recovery cut short (a crash, or a failed unpin or rename, at each of its steps) is
+/// finished by the start after, rolling back (a growth killed before its maps were recorded
+/// complete, both staging pins there) or forward (killed before its first rename).
+#[test]
+fn every_cut_of_a_recovery_is_recovered_by_the_next_start() {
+    require_sandbox!("every_cut_of_a_recovery_is_recovered_by_the_next_start");
+    sandbox(|sb| {
+        for d in ["tx0", "tx1"] {
+            ip(&["link", "add", d, "type", "bridge"]);
+        }
+        let since = std::time::Instant::now();
+        let mut cases = 0;
+        let mut ways = Vec::new();
+        // Step 6 attaches the new programs (both staging pins are there); step 8 renames first.
+        for (growth_step, want) in [(6, 4), (8, 16)] {
+            let mut steps = 0;
+            for how in ["kill", "fail"] {
+                let mut step = 1;
+                while let Some((name, capacity)) = recovery_case(&sb.bpffs, growth_step, step, how)
+                {
+                    assert_eq!(
+                        capacity, want,
+                        "growth step {growth_step}: rolled the wrong way"
+                    );
+                    report(&format!(
+                        "recovery after growth step {growth_step} kill, step {step} ({name}) {how}: converged"
+                    ));
+                    step += 1;
+                    cases += 1;
+                }
+                steps = step - 1;
+            }
+            ways.push(format!(
+                "{steps} steps rolling {}",
+                if want == 16 { "forward" } else { "back" }
+            ));
+        }
+        assert!(cases >= 12, "the recoveries have their steps");
+        report(&format!(
+            "recovery: ({}) x {{kill, fail}} = {cases} cases, all converged ({:.1} s)",
+            ways.join(" + "),
             since.elapsed().as_secs_f64()
         ));
     });
