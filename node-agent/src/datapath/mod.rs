@@ -13,6 +13,7 @@ pub mod log_forward;
 pub mod object;
 pub mod pins;
 pub mod tc_filter;
+pub mod txn;
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -44,13 +45,8 @@ pub enum DatapathError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error(
-        "finishing a map growth a crash cut short: renaming {path} over the node-ID map's pin: {source}"
-    )]
-    FinishGrowth {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Txn(Box<txn::TxnError>),
     #[error("reading the pinned map {pin}: {source}")]
     PinInfo {
         pin: PathBuf,
@@ -98,6 +94,12 @@ pub enum DatapathError {
         direction: &'static str,
         source: attach::AttachError,
     },
+}
+
+impl From<txn::TxnError> for DatapathError {
+    fn from(e: txn::TxnError) -> Self {
+        Self::Txn(Box::new(e))
+    }
 }
 
 /// What to load and where to attach it.
@@ -159,9 +161,11 @@ pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, Dat
 
 /// The capacity of the pinned node-ID map, if there is one.
 pub fn pinned_capacity(bpffs: &Path) -> Result<Option<u32>, DatapathError> {
-    // A growth cut between its renames: the staged node-ID map is the one the load puts in
-    // place, at the new capacity the pod-CIDR map has already.
-    let pin = grow::cut_growth(bpffs).unwrap_or_else(|| node_ids_pin(bpffs));
+    // A growth the next start finishes: the live maps will have its capacity.
+    if let Some(capacity) = txn::forward_capacity(bpffs)? {
+        return Ok(Some(capacity));
+    }
+    let pin = node_ids_pin(bpffs);
     Ok(MapLayout::of_pin(&pin)
         .map_err(|source| DatapathError::PinInfo {
             pin: pin.clone(),
@@ -231,15 +235,17 @@ impl Datapath {
     }
 
     fn load_object(bytes: &[u8], config: &DatapathConfig) -> Result<Self, DatapathError> {
-        grow::finish_cut_growth(&config.bpffs)?;
-        let mut dp = Self::open(bytes, config, &Pins::of(&config.bpffs))?;
+        // A pin transaction a crash (or a failed step) cut short is finished or undone first.
+        txn::recover(&config.bpffs)?;
+        let mut dp = Self::open(bytes, config, false)?;
         dp.attach_all()?;
         Ok(dp)
     }
 
-    /// Checks `config` and the pins, and loads the object against the maps at `pins` (creating
-    /// those that do not exist) and its programs into the kernel, attaching nothing yet.
-    fn open(bytes: &[u8], config: &DatapathConfig, pins: &Pins) -> Result<Self, DatapathError> {
+    /// Checks `config` and the pins, and loads the object against the pinned maps (creating
+    /// those that do not exist) and its programs into the kernel, attaching nothing yet. With
+    /// `fresh`, the node-ID and pod-CIDR maps are new ones, not pinned (a growth pins them).
+    fn open(bytes: &[u8], config: &DatapathConfig, fresh: bool) -> Result<Self, DatapathError> {
         if config.node_map_max == 0 || config.node_map_max > abi::MAX_NODE_MAP_MAX {
             return Err(DatapathError::BadCapacity(config.node_map_max));
         }
@@ -271,19 +277,27 @@ impl Datapath {
                     source,
                 })?;
         }
-        check_pin(&pins.node_ids, node_ids_layout(config.node_map_max))?;
+        let pins = Pins::of(&config.bpffs);
+        if !fresh {
+            check_pin(&pins.node_ids, node_ids_layout(config.node_map_max))?;
+            check_pin(&pins.pod_cidrs, pod_cidrs_layout(config.node_map_max))?;
+        }
         check_pin(&pins.node_stats, node_stats_layout())?;
-        check_pin(&pins.pod_cidrs, pod_cidrs_layout(config.node_map_max))?;
         let ipsec = u32::from(config.ipsec);
 
         // No kernel BTF: the programs use no CO-RE relocations, and parsing vmlinux's BTF would
         // cost the agent tens of MiB of memory for nothing. The object's own BTF still goes to
         // the kernel with its maps, which is what bpftool needs to print field names.
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        loader
             .btf(None)
-            .map_pin_path(abi::NODE_IDS_MAP, pins.node_ids.as_path())
-            .map_pin_path(abi::NODE_STATS_MAP, pins.node_stats.as_path())
-            .map_pin_path(abi::POD_CIDRS_MAP, pins.pod_cidrs.as_path())
+            .map_pin_path(abi::NODE_STATS_MAP, pins.node_stats.as_path());
+        if !fresh {
+            loader
+                .map_pin_path(abi::NODE_IDS_MAP, pins.node_ids.as_path())
+                .map_pin_path(abi::POD_CIDRS_MAP, pins.pod_cidrs.as_path());
+        }
+        let mut ebpf = loader
             .map_max_entries(abi::NODE_IDS_MAP, config.node_map_max)
             .map_max_entries(abi::POD_CIDRS_MAP, config.node_map_max)
             .override_global(abi::MARK_MASK_GLOBAL, &mask, true)
