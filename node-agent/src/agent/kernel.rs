@@ -74,9 +74,10 @@ pub trait Kernel {
     /// last view holds as ours there are still ours, and a plan may replace them.
     fn routes_since_dump(&mut self, at: &[IpNet]) -> RoutesSinceDump;
 
-    /// Attaches the pod classifier to pod interfaces that appeared since the datapath loaded;
-    /// returns those that still do not exist.
-    fn attach_pending(&mut self) -> Vec<String>;
+    /// Checks every attachment the configuration asks for (uplinks and pod interfaces) and
+    /// makes the missing ones whose interface exists; returns what is still missing, one
+    /// readiness line per interface.
+    fn check_attachments(&mut self) -> Vec<String>;
 }
 
 /// The IPsec keys, as the planner sees them.
@@ -131,7 +132,7 @@ pub mod fake {
         pub applied: Vec<Op>,
         /// What [`Kernel::ipsec_keys`] answers.
         pub keys: Option<KeyRead>,
-        /// What [`Kernel::attach_pending`] answers.
+        /// What [`Kernel::check_attachments`] answers.
         pub pending: Vec<String>,
         /// What [`Kernel::route_nexthops`] answers.
         pub nexthops: bool,
@@ -275,7 +276,7 @@ pub mod fake {
             self.keys.clone()
         }
 
-        fn attach_pending(&mut self) -> Vec<String> {
+        fn check_attachments(&mut self) -> Vec<String> {
             self.pending.clone()
         }
 

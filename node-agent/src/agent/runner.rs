@@ -24,6 +24,7 @@ use super::report::{self, RunReport};
 use super::schedule::{HEARTBEAT, Reconciled, Schedule};
 use super::{AgentError, hold_file};
 use crate::backends::Backends;
+use crate::datapath::link_watch::LinkWatch;
 use crate::source::{SourceEvent, SourceRequest};
 use crate::telemetry::Telemetry;
 
@@ -301,7 +302,18 @@ pub async fn run(
     if ipsec {
         daemon.schedule.watch_keys(Instant::now(), KEY_FILE_POLL);
     }
-    daemon.look_for_pod_ifaces();
+    daemon.check_attachments();
+    // A device made or deleted wakes the attach check at once; the periodic check stays behind
+    // it (notifications can be lost).
+    let mut links = match LinkWatch::open() {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(
+                "link notifications unavailable ({e}): attachments are checked every second only"
+            );
+            None
+        }
+    };
     loop {
         daemon.turn(&relist).await;
         let wake = daemon.schedule.next_wake(Instant::now());
@@ -314,12 +326,27 @@ pub async fn run(
                 }
             },
             () = sleep_until(wake.into()) => {}
+            r = link_changed(&mut links) => {
+                if let Err(e) = r {
+                    tracing::warn!("link notifications failed ({e}): attachments are checked every second only");
+                    links = None;
+                }
+                daemon.schedule.links_changed(Instant::now());
+            }
             _ = signals.usr1.recv() => {}
             _ = signals.term.recv() => { tracing::info!("SIGTERM: writing the final checkpoint"); break; }
             _ = signals.int.recv() => { tracing::info!("SIGINT: writing the final checkpoint"); break; }
         }
     }
     daemon.shutdown()
+}
+
+/// The next link notification; never, without the watch.
+async fn link_changed(links: &mut Option<LinkWatch>) -> std::io::Result<()> {
+    match links {
+        Some(w) => w.changed().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The daemon's state between turns.
@@ -362,7 +389,7 @@ impl<K: Kernel> Daemon<K> {
             self.schedule.keys_checked(Instant::now(), changed);
         }
         if due.attach {
-            self.look_for_pod_ifaces();
+            self.check_attachments();
         }
         if self.schedule.due(Instant::now()).checkpoint {
             self.write_checkpoint();
@@ -371,14 +398,15 @@ impl<K: Kernel> Daemon<K> {
         self.telemetry.metrics.checkpoint_stale_seconds.set(stale);
     }
 
-    /// Attaches the pod classifier to pod interfaces that appeared; keeps looking (and says so
-    /// in readiness) while any is missing.
-    fn look_for_pod_ifaces(&mut self) {
-        let missing = self.rec.kernel().attach_pending();
-        let watched = !self.rec.config().datapath.pod_ifaces.is_empty();
+    /// Checks the attachments of every uplink and pod interface and makes the missing ones;
+    /// keeps checking (and says so in readiness) while any is missing.
+    fn check_attachments(&mut self) {
+        let missing = self.rec.kernel().check_attachments();
+        let dp = &self.rec.config().datapath;
+        let watched = !dp.ifaces.is_empty() || !dp.pod_ifaces.is_empty();
         self.schedule
-            .pod_ifaces_pending(Instant::now(), !missing.is_empty(), watched);
-        self.telemetry.set_pod_ifaces_missing(&missing);
+            .attachments_checked(Instant::now(), !missing.is_empty(), watched);
+        self.telemetry.set_attachments_missing(&missing);
     }
 
     fn take_confirmation(&mut self) {

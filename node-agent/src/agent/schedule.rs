@@ -94,7 +94,7 @@ pub struct Schedule {
     keys_at: Option<(Instant, Duration)>,
     /// When the IPsec key rotation moves on by itself (a switch, a retirement).
     rotation_at: Option<Instant>,
-    /// While a pod interface does not exist yet: when to look for it again.
+    /// When to check the attachments again (uplinks and pod interfaces).
     attach_at: Option<Instant>,
 }
 
@@ -120,21 +120,28 @@ impl Schedule {
         }
     }
 
-    /// How often a missing pod interface is looked for: its classifier must be attached before
-    /// pods send much through it.
+    /// How often a missing attachment is looked at: its classifier must be back before much
+    /// traffic passes the interface (a link notification usually comes first).
     pub const ATTACH_POLL: Duration = Duration::from_millis(200);
-    /// How often attached pod interfaces are looked at, for a device deleted or made again
-    /// (its classifier went with it): an `if_nametoindex` each.
+    /// How often the attachments are checked when none is missing, for a device deleted or
+    /// made again whose notification was lost: an `if_nametoindex` and a query each.
     pub const ATTACHED_POLL: Duration = Duration::from_secs(1);
 
-    /// Some pod interfaces do not exist yet (`pending`): look again soon; or some are attached
-    /// (`watched`): look again in a while; or there are none.
-    pub fn pod_ifaces_pending(&mut self, now: Instant, pending: bool, watched: bool) {
+    /// The attachments were checked: some are missing (`pending`): check again soon; or some
+    /// are asked for (`watched`): check again in a while; or there are none.
+    pub fn attachments_checked(&mut self, now: Instant, pending: bool, watched: bool) {
         self.attach_at = if pending {
             Some(now + Self::ATTACH_POLL)
         } else {
             watched.then(|| now + Self::ATTACHED_POLL)
         };
+    }
+
+    /// A link was made or deleted (or notifications were lost): check the attachments now.
+    pub fn links_changed(&mut self, now: Instant) {
+        if self.attach_at.is_some() {
+            self.attach_at = Some(now);
+        }
     }
 
     /// Look at the IPsec key file every `every`, starting `every` from `now`.
@@ -302,6 +309,25 @@ mod tests {
 
     fn schedule(t0: Instant) -> Schedule {
         Schedule::new(t0, Duration::from_millis(100), 300 * S, S)
+    }
+
+    #[test]
+    fn a_link_change_makes_the_attach_check_due_at_once_and_the_periodic_one_stays_behind() {
+        let t0 = Instant::now();
+        let mut s = schedule(t0);
+        s.reconciled(t0, Reconciled::Done, false, None);
+        s.links_changed(t0);
+        assert!(!s.due(t0).attach, "nothing to attach: no check");
+        s.attachments_checked(t0, false, true);
+        assert!(!s.due(t0).attach);
+        assert!(s.due(t0 + Schedule::ATTACHED_POLL).attach, "periodic");
+        s.links_changed(t0 + S / 10);
+        assert!(s.due(t0 + S / 10).attach, "at once on a link change");
+        s.attachments_checked(t0 + S / 10, true, true);
+        assert!(
+            s.due(t0 + S / 10 + Schedule::ATTACH_POLL).attach,
+            "sooner while missing"
+        );
     }
 
     #[test]

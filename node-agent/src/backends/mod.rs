@@ -598,10 +598,10 @@ impl Kernel for Backends {
         })
     }
 
-    fn attach_pending(&mut self) -> Vec<String> {
+    fn check_attachments(&mut self) -> Vec<String> {
         self.datapath
             .as_mut()
-            .map(|d| d.attach_pending().to_vec())
+            .map(|d| crate::datapath::attachments::describe(d.check_attachments()))
             .unwrap_or_default()
     }
 }

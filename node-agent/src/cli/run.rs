@@ -523,6 +523,12 @@ pub fn plan(args: &PlanArgs, out: &mut impl Write) -> anyhow::Result<u8> {
 mod tests {
     use super::*;
 
+    /// `node-agent run --node-name n FLAG VALUE`, parsed as the binary parses it.
+    fn cli(flag: &str, value: &str) -> Result<super::super::Cli, clap::Error> {
+        use clap::Parser;
+        super::super::Cli::try_parse_from(["node-agent", "run", "--node-name", "n", flag, value])
+    }
+
     #[test]
     fn durations_parse_with_units() {
         assert_eq!(parse_duration("100ms").unwrap(), Duration::from_millis(100));
@@ -556,17 +562,6 @@ mod tests {
         assert_eq!(parse_poll("50ms").unwrap(), Duration::from_millis(50));
         assert!(parse_window("0").unwrap_err().contains("mass deletion"));
         assert_eq!(parse_window("1s").unwrap(), Duration::from_secs(1));
-        use clap::Parser;
-        let cli = |flag: &str, value: &str| {
-            super::super::Cli::try_parse_from([
-                "node-agent",
-                "run",
-                "--node-name",
-                "n",
-                flag,
-                value,
-            ])
-        };
         for flag in [
             "--resync-interval",
             "--relist-interval",
@@ -597,17 +592,6 @@ mod tests {
     /// every number next to one is taken: the tables are the whole rule.
     #[test]
     fn the_flag_tables_refuse_exactly_their_numbers() {
-        use clap::Parser;
-        let cli = |flag: &str, value: &str| {
-            super::super::Cli::try_parse_from([
-                "node-agent",
-                "run",
-                "--node-name",
-                "n",
-                flag,
-                value,
-            ])
-        };
         let mut refused = 0;
         for (n, name) in ROUTE_TABLES_RESERVED {
             let e = cli("--route-table", &n.to_string())

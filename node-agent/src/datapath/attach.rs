@@ -99,7 +99,7 @@ pub(super) fn attach(
 }
 
 /// TCX links arrived in 6.6; before that tc programs attach through netlink.
-fn has_tcx() -> bool {
+pub(super) fn has_tcx() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
@@ -174,6 +174,16 @@ fn attach_tcx(
     let link = FdLink::try_from(prog.take_link(id)?)?;
     link.pin(&pin)?;
     Ok(Attachment::Created)
+}
+
+/// Whether our filter (a bpf filter running one of our programs) is at our place on interface
+/// `index`'s clsact hook `dir` (netlink-filter kernels).
+pub(super) fn ours_at(index: u32, dir: TcAttachType) -> io::Result<bool> {
+    let parent = tc_filter::clsact_parent(matches!(dir, TcAttachType::Ingress));
+    Ok(
+        tc_filter::at(index, parent, NETLINK_PRIORITY, NETLINK_HANDLE)?
+            .is_some_and(|f| f.is_ours()),
+    )
 }
 
 fn attach_netlink(

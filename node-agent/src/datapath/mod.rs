@@ -6,11 +6,14 @@
 //! detaching them first (see [`attach`]).
 
 pub mod attach;
+pub mod attachments;
 pub mod grow;
+pub mod link_watch;
 pub mod log_forward;
 pub mod object;
 pub mod pins;
 pub mod tc_filter;
+pub mod txn;
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -20,7 +23,8 @@ use aya::programs::{SchedClassifier, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
 use node_agent_common as abi;
 
-use self::attach::{Attachment, direction_name};
+use self::attach::Attachment;
+use self::attachments::{Attachments, Missing};
 use self::log_forward::LogForwarder;
 use self::pins::MapLayout;
 
@@ -41,13 +45,8 @@ pub enum DatapathError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error(
-        "finishing a map growth a crash cut short: renaming {path} over the node-ID map's pin: {source}"
-    )]
-    FinishGrowth {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Txn(Box<txn::TxnError>),
     #[error("reading the pinned map {pin}: {source}")]
     PinInfo {
         pin: PathBuf,
@@ -95,6 +94,12 @@ pub enum DatapathError {
         direction: &'static str,
         source: attach::AttachError,
     },
+}
+
+impl From<txn::TxnError> for DatapathError {
+    fn from(e: txn::TxnError) -> Self {
+        Self::Txn(Box::new(e))
+    }
 }
 
 /// What to load and where to attach it.
@@ -156,9 +161,11 @@ pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, Dat
 
 /// The capacity of the pinned node-ID map, if there is one.
 pub fn pinned_capacity(bpffs: &Path) -> Result<Option<u32>, DatapathError> {
-    // A growth cut between its renames: the staged node-ID map is the one the load puts in
-    // place, at the new capacity the pod-CIDR map has already.
-    let pin = grow::cut_growth(bpffs).unwrap_or_else(|| node_ids_pin(bpffs));
+    // A growth the next start finishes: the live maps will have its capacity.
+    if let Some(capacity) = txn::forward_capacity(bpffs)? {
+        return Ok(Some(capacity));
+    }
+    let pin = node_ids_pin(bpffs);
     Ok(MapLayout::of_pin(&pin)
         .map_err(|source| DatapathError::PinInfo {
             pin: pin.clone(),
@@ -211,13 +218,11 @@ pub struct Datapath {
     ebpf: Ebpf,
     config: DatapathConfig,
     _logs: Option<LogForwarder>,
-    attachments: Vec<(String, TcAttachType, Attachment)>,
-    /// Pod interfaces that did not exist yet, or went (see [`Datapath::attach_pending`]).
-    pending: Vec<String>,
-    /// Pod interfaces attached, with the index of the device attached to: one deleted and made
-    /// again under its name (a CNI reset: `ip link del cni0`) has another index, and none of
-    /// our classifier, so its pod traffic would go unmarked, unencrypted.
-    pod_links: Vec<(String, u32)>,
+    /// Every attachment the configuration asks for, uplinks and pod interfaces alike, and
+    /// where each is made (see [`attachments`]).
+    attach: Attachments,
+    /// What the last attach or check found missing.
+    missing: Vec<Missing>,
     link_dir: PathBuf,
 }
 
@@ -230,15 +235,17 @@ impl Datapath {
     }
 
     fn load_object(bytes: &[u8], config: &DatapathConfig) -> Result<Self, DatapathError> {
-        grow::finish_cut_growth(&config.bpffs)?;
-        let mut dp = Self::open(bytes, config, &Pins::of(&config.bpffs))?;
+        // A pin transaction a crash (or a failed step) cut short is finished or undone first.
+        txn::recover(&config.bpffs)?;
+        let mut dp = Self::open(bytes, config, false)?;
         dp.attach_all()?;
         Ok(dp)
     }
 
-    /// Checks `config` and the pins, and loads the object against the maps at `pins` (creating
-    /// those that do not exist) and its programs into the kernel, attaching nothing yet.
-    fn open(bytes: &[u8], config: &DatapathConfig, pins: &Pins) -> Result<Self, DatapathError> {
+    /// Checks `config` and the pins, and loads the object against the pinned maps (creating
+    /// those that do not exist) and its programs into the kernel, attaching nothing yet. With
+    /// `fresh`, the node-ID and pod-CIDR maps are new ones, not pinned (a growth pins them).
+    fn open(bytes: &[u8], config: &DatapathConfig, fresh: bool) -> Result<Self, DatapathError> {
         if config.node_map_max == 0 || config.node_map_max > abi::MAX_NODE_MAP_MAX {
             return Err(DatapathError::BadCapacity(config.node_map_max));
         }
@@ -270,19 +277,27 @@ impl Datapath {
                     source,
                 })?;
         }
-        check_pin(&pins.node_ids, node_ids_layout(config.node_map_max))?;
+        let pins = Pins::of(&config.bpffs);
+        if !fresh {
+            check_pin(&pins.node_ids, node_ids_layout(config.node_map_max))?;
+            check_pin(&pins.pod_cidrs, pod_cidrs_layout(config.node_map_max))?;
+        }
         check_pin(&pins.node_stats, node_stats_layout())?;
-        check_pin(&pins.pod_cidrs, pod_cidrs_layout(config.node_map_max))?;
         let ipsec = u32::from(config.ipsec);
 
         // No kernel BTF: the programs use no CO-RE relocations, and parsing vmlinux's BTF would
         // cost the agent tens of MiB of memory for nothing. The object's own BTF still goes to
         // the kernel with its maps, which is what bpftool needs to print field names.
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        loader
             .btf(None)
-            .map_pin_path(abi::NODE_IDS_MAP, pins.node_ids.as_path())
-            .map_pin_path(abi::NODE_STATS_MAP, pins.node_stats.as_path())
-            .map_pin_path(abi::POD_CIDRS_MAP, pins.pod_cidrs.as_path())
+            .map_pin_path(abi::NODE_STATS_MAP, pins.node_stats.as_path());
+        if !fresh {
+            loader
+                .map_pin_path(abi::NODE_IDS_MAP, pins.node_ids.as_path())
+                .map_pin_path(abi::POD_CIDRS_MAP, pins.pod_cidrs.as_path());
+        }
+        let mut ebpf = loader
             .map_max_entries(abi::NODE_IDS_MAP, config.node_map_max)
             .map_max_entries(abi::POD_CIDRS_MAP, config.node_map_max)
             .override_global(abi::MARK_MASK_GLOBAL, &mask, true)
@@ -315,158 +330,55 @@ impl Datapath {
             ebpf,
             config: config.clone(),
             _logs: logs,
-            attachments: Vec::new(),
-            pending: Vec::new(),
-            pod_links: Vec::new(),
+            attach: Attachments::new(config, &link_dir),
+            missing: Vec::new(),
             link_dir,
         })
     }
 
-    /// Attaches the loaded programs to every configured interface, taking over the attachments
-    /// that exist (an earlier agent's, or this one's before the maps grew).
+    /// Attaches the loaded programs to every configured interface that exists, taking over the
+    /// attachments that exist (an earlier agent's, or this one's before the maps grew); one
+    /// that does not exist yet is missing until a check finds it. Link pins of ours that no
+    /// configured attachment uses are unpinned.
     fn attach_all(&mut self) -> Result<(), DatapathError> {
-        self.attachments.clear();
-        self.pending.clear();
-        self.pod_links.clear();
-        let mut configured = Vec::new();
-        let roles = [
-            (
-                abi::INGRESS_PROG,
-                TcAttachType::Ingress,
-                &self.config.ifaces,
-            ),
-            (abi::EGRESS_PROG, TcAttachType::Egress, &self.config.ifaces),
-            (
-                abi::POD_PROG,
-                TcAttachType::Ingress,
-                &self.config.pod_ifaces,
-            ),
-        ];
-        for (name, dir, ifaces) in roles {
-            let prog: &mut SchedClassifier = self
-                .ebpf
-                .program_mut(name)
-                .and_then(|p| p.try_into().ok())
-                .ok_or(DatapathError::Program {
-                    name,
-                    source: Box::new(aya::programs::ProgramError::NotLoaded),
-                })?;
-            for iface in ifaces {
-                configured.push(attach::link_pin(&self.link_dir, name, iface, dir));
-                if name == abi::POD_PROG && !iface_exists(iface) {
-                    // The CNI creates its bridge with the node's first pod: until then no pod
-                    // traffic passes it, and it is attached the moment it appears.
-                    tracing::warn!(
-                        iface,
-                        "pod interface does not exist yet; its classifier is attached as soon \
-                         as it appears"
-                    );
-                    self.pending.push(iface.clone());
-                    continue;
-                }
-                let outcome = attach::attach(prog, name, iface, dir, &self.link_dir)?;
-                tracing::info!(
-                    iface,
-                    program = name,
-                    direction = direction_name(dir),
-                    ?outcome,
-                    "classifier attached"
-                );
-                self.attachments.push((iface.clone(), dir, outcome));
-                if name == abi::POD_PROG
-                    && let Ok(index) = attach::if_index(iface)
-                {
-                    self.pod_links.push((iface.clone(), index));
-                }
-            }
-        }
-        attach::unpin_unconfigured(&self.link_dir, &configured);
+        self.missing = self.attach.attach_all(&mut self.ebpf)?;
+        attach::unpin_unconfigured(&self.link_dir, &self.attach.pins());
         Ok(())
     }
 
-    /// Pod interfaces not attached yet because they did not exist.
-    pub fn pending(&self) -> &[String] {
-        &self.pending
-    }
-
-    /// Attaches the pod classifier to the pending interfaces that exist now; returns those
-    /// still pending. An interface that exists but refuses the attachment stays pending, and
-    /// the error is logged. A pod interface attached before whose device went, or was made
-    /// again under its name, is pending again first.
-    pub fn attach_pending(&mut self) -> &[String] {
-        self.recheck_pod_links();
-        let waiting = std::mem::take(&mut self.pending);
-        for iface in waiting {
-            match self.attach_pod(&iface) {
-                Ok(outcome) => {
-                    tracing::info!(
-                        iface,
-                        ?outcome,
-                        "pod interface appeared; classifier attached"
-                    );
-                    if let Ok(index) = attach::if_index(&iface) {
-                        self.pod_links.push((iface.clone(), index));
-                    }
-                    self.attachments
-                        .push((iface, TcAttachType::Ingress, outcome));
-                }
-                Err(e) => {
-                    if iface_exists(&iface) {
-                        tracing::warn!(iface, "attaching the pod classifier: {e}");
-                    }
-                    self.pending.push(iface);
-                }
+    /// The interfaces (uplinks and pod interfaces) with a desired attachment missing, as the
+    /// last attach or check found them.
+    pub fn pending(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for m in &self.missing {
+            if !names.contains(&m.iface) {
+                names.push(m.iface.clone());
             }
         }
-        &self.pending
+        names
     }
 
-    /// Moves the pod interfaces whose device is gone or another one now back to pending.
-    fn recheck_pod_links(&mut self) {
-        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pod_links)
-            .into_iter()
-            .partition(|(iface, index)| attach::if_index(iface).ok() != Some(*index));
-        self.pod_links = kept;
-        for (iface, _) in gone {
-            tracing::warn!(
-                iface,
-                "pod interface deleted or made again: its classifier went with the old device; \
-                 attached again as soon as it exists"
-            );
-            self.attachments
-                .retain(|(i, dir, _)| !(*i == iface && *dir == TcAttachType::Ingress));
-            self.pending.push(iface);
-        }
+    /// Every desired attachment missing, as the last attach or check found them.
+    pub fn missing(&self) -> &[Missing] {
+        &self.missing
     }
 
-    fn attach_pod(&mut self, iface: &str) -> Result<Attachment, DatapathError> {
-        if !iface_exists(iface) {
-            return Err(DatapathError::Attach {
-                iface: iface.to_owned(),
-                direction: "ingress",
-                source: attach::AttachError::Missing,
-            });
-        }
-        let prog: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(abi::POD_PROG)
-            .and_then(|p| p.try_into().ok())
-            .ok_or(DatapathError::Program {
-                name: abi::POD_PROG,
-                source: Box::new(aya::programs::ProgramError::NotLoaded),
-            })?;
-        attach::attach(
-            prog,
-            abi::POD_PROG,
-            iface,
-            TcAttachType::Ingress,
-            &self.link_dir,
-        )
+    /// Compares the desired attachments with the kernel and repairs them: one whose device
+    /// went, was made again under its name, or lost our classifier is attached again as soon
+    /// as its device exists. Returns those still missing.
+    pub fn check_attachments(&mut self) -> &[Missing] {
+        self.missing = self.attach.check(&mut self.ebpf);
+        &self.missing
+    }
+
+    /// Whether the configuration asks for any attachment (there is something to check).
+    pub fn attaches(&self) -> bool {
+        !self.attach.is_empty()
     }
 
     /// Each interface and direction we attached to, and whether we took it over.
-    pub fn attachments(&self) -> &[(String, TcAttachType, Attachment)] {
-        &self.attachments
+    pub fn attachments(&self) -> Vec<(String, TcAttachType, Attachment)> {
+        self.attach.made()
     }
 
     /// What the datapath was loaded with (its capacity as grown).
@@ -478,10 +390,6 @@ impl Datapath {
     pub fn ebpf(&self) -> &Ebpf {
         &self.ebpf
     }
-}
-
-fn iface_exists(name: &str) -> bool {
-    attach::if_index(name).is_ok()
 }
 
 fn check_bpffs(path: &Path) -> Result<(), DatapathError> {

@@ -34,8 +34,9 @@ struct Status {
     /// New nodes wait for a node ID: the programmed ones are right, so the agent stays ready
     /// and says so.
     ids: Option<String>,
-    /// Pod interfaces that do not exist yet (no pod traffic passes them): ready, and said.
-    pod_ifaces: Option<String>,
+    /// Classifiers missing on an uplink or pod interface (most often: it does not exist, yet
+    /// or any more; attached as soon as it does): ready, and each one named.
+    attachments: Option<String>,
 }
 
 #[derive(Debug)]
@@ -59,7 +60,7 @@ impl Telemetry {
                 checkpoint: None,
                 key_file: None,
                 ids: None,
-                pod_ifaces: None,
+                attachments: None,
             }),
             stall_after,
         }
@@ -100,13 +101,10 @@ impl Telemetry {
         self.status().checkpoint = why;
     }
 
-    pub fn set_pod_ifaces_missing(&self, missing: &[String]) {
-        self.status().pod_ifaces = (!missing.is_empty()).then(|| {
-            format!(
-                "pod interface {} does not exist yet; its classifier is attached when it appears",
-                missing.join(", ")
-            )
-        });
+    /// The attachments missing, one line per interface (see
+    /// [`crate::datapath::attachments::describe`]).
+    pub fn set_attachments_missing(&self, missing: &[String]) {
+        self.status().attachments = (!missing.is_empty()).then(|| missing.join("; "));
     }
 
     pub fn set_ids_exhausted(&self, why: Option<String>) {
@@ -161,7 +159,7 @@ impl Telemetry {
                 format!("IPsec key file unusable, the keys read before stay in use: {why}")
             }),
             s.ids.clone(),
-            s.pod_ifaces.clone(),
+            s.attachments.clone(),
         ]
         .into_iter()
         .flatten()

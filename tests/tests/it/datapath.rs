@@ -17,7 +17,7 @@ use node_agent::node_map::{NodeEntry, NodeMap, NodeStatsMap};
 use node_agent::recent_removals::{self, RecentRemovalsRecord};
 use node_agent_common::{NodeStats, NodeValue};
 use node_agent_tests::require_sandbox;
-use node_agent_tests::{VethPair, agent_bin, attached, ip, report, run, sandbox};
+use node_agent_tests::{VethPair, agent_bin, attached, ip, ip_batch, report, run, sandbox};
 use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::objects::NodeId;
@@ -816,6 +816,12 @@ fn pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it()
     });
 }
 
+/// The interfaces a check of the attachments finds missing.
+fn missing(dp: &mut Datapath) -> Vec<String> {
+    dp.check_attachments();
+    dp.pending()
+}
+
 #[test]
 fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
     require_sandbox!("a_pod_interface_that_appears_later_gets_its_classifier_then");
@@ -824,9 +830,9 @@ fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
         config.pod_ifaces = vec!["cni7".into()];
         let mut dp = Datapath::load(&config).expect("loads without the bridge");
         assert_eq!(dp.pending(), ["cni7"]);
-        assert_eq!(dp.attach_pending(), ["cni7"], "still missing");
+        assert_eq!(missing(&mut dp), ["cni7"], "still missing");
         ip(&["link", "add", "cni7", "type", "bridge"]);
-        assert!(dp.attach_pending().is_empty());
+        assert!(missing(&mut dp).is_empty());
         assert_eq!(attached("cni7", TcAttachType::Ingress), 1);
         assert!(
             dp.attachments()
@@ -851,19 +857,19 @@ fn a_pod_interface_deleted_and_made_again_gets_its_classifier_back() {
         assert!(dp.pending().is_empty());
         assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
         assert!(
-            dp.attach_pending().is_empty(),
+            missing(&mut dp).is_empty(),
             "the same device: nothing to do"
         );
         ip(&["link", "del", "cni8"]);
-        assert_eq!(dp.attach_pending(), ["cni8"], "gone: pending again");
+        assert_eq!(missing(&mut dp), ["cni8"], "gone: pending again");
         ip(&["link", "add", "cni8", "type", "bridge"]);
         assert_eq!(attached("cni8", TcAttachType::Ingress), 0, "a new device");
-        assert!(dp.attach_pending().is_empty());
+        assert!(missing(&mut dp).is_empty());
         assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
         // Made again between two looks: found by its new index.
         ip(&["link", "del", "cni8"]);
         ip(&["link", "add", "cni8", "type", "bridge"]);
-        assert!(dp.attach_pending().is_empty());
+        assert!(missing(&mut dp).is_empty());
         assert_eq!(attached("cni8", TcAttachType::Ingress), 1);
     });
 }
@@ -905,39 +911,367 @@ fn an_interface_no_longer_configured_loses_its_classifier() {
     });
 }
 
-/// A growth cut between its two renames (a crash after the pod-CIDR map's went in place,
-/// before the node-ID map's) is finished by the next start: the two maps' capacities differed,
-/// and every start stopped at the pin check, the complete new node-ID map left unused.
+/// The child process of [`every_cut_of_a_map_growth_is_recovered_by_the_next_start`] and
+/// [`every_cut_of_a_recovery_is_recovered_by_the_next_start`]: with `TXN_CHILD_BPFFS` set (in
+/// the sandbox's namespaces, which it inherits), it loads the datapath at 4 entries and grows
+/// it to 16 (`TXN_CHILD_ACTION=grow`) or starts as the agent does (`start`), under the cut
+/// `NODE_AGENT_TEST_PIN_TXN_CUT` names; alone it says so and passes.
 #[test]
-fn a_growth_cut_between_its_renames_is_finished_by_the_next_start() {
+fn child_cuts_a_pin_transaction() {
+    let Ok(bpffs) = std::env::var("TXN_CHILD_BPFFS") else {
+        eprintln!("a helper of the pin transaction tests; nothing to do alone");
+        return;
+    };
+    let bpffs = Path::new(&bpffs);
+    if std::env::var("TXN_CHILD_ACTION").as_deref() == Ok("start") {
+        let capacity = node_agent::datapath::resolve_capacity(None, bpffs).unwrap();
+        match Datapath::load(&txn_config(bpffs, capacity)) {
+            Ok(_) => println!("TXN-CHILD started"),
+            Err(e) => println!("TXN-CHILD failed: {e}"),
+        }
+        return;
+    }
+    let mut dp = Datapath::load(&txn_config(bpffs, 4)).unwrap();
+    match dp.grow(16) {
+        Ok(()) => println!("TXN-CHILD grown to {}", dp.capacity()),
+        Err(e) => println!("TXN-CHILD failed: {e}"),
+    }
+}
+
+fn txn_config(bpffs: &Path, capacity: u32) -> DatapathConfig {
+    let mut config = DatapathConfig::new(bpffs);
+    config.ifaces = vec!["tx0".into()];
+    config.pod_ifaces = vec!["tx1".into()];
+    config.node_map_max = capacity;
+    config
+}
+
+/// The nodes and pod CIDRs of the growth cases: the node-ID map full at 4.
+const TXN_NODES: [&str; 4] = ["10.77.0.1", "10.77.0.2", "fd00:77::3", "10.77.0.4"];
+const TXN_CIDRS: [&str; 2] = ["10.244.1.0/24", "fd00:244:2::/64"];
+
+/// The IDs of the maps each program attached to `iface` in `dir` reads.
+fn attached_map_ids(iface: &str, dir: TcAttachType) -> Vec<Vec<u32>> {
+    if let Ok((_, progs)) = aya::programs::SchedClassifier::query_tcx(iface, dir) {
+        return progs
+            .iter()
+            .map(|p| p.map_ids().unwrap().unwrap_or_default())
+            .collect();
+    }
+    // Netlink filters (kernels before TCX): their program IDs from bpftool.
+    let out = run(Command::new("bpftool").args(["-j", "net", "show", "dev", iface]));
+    let net: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kind = format!(
+        "clsact/{}",
+        if dir == TcAttachType::Ingress {
+            "ingress"
+        } else {
+            "egress"
+        }
+    );
+    net[0]["tc"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["kind"] == kind.as_str())
+        .map(|f| {
+            let id = f["id"].as_u64().unwrap().to_string();
+            let out = run(Command::new("bpftool").args(["-j", "prog", "show", "id", &id]));
+            let prog: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            prog["map_ids"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|m| m.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Checks that the pins under `bpffs` are consistent at `capacity` (no staging pin, no
+/// intent), hold every node and pod CIDR, and are what every attached program reads.
+fn check_converged(bpffs: &Path, capacity: u32, case: &str) {
+    use aya::maps::MapInfo;
     use node_agent::datapath::pins::MapLayout;
-    use node_agent::datapath::{pod_cidrs_pin, resolve_capacity};
-    require_sandbox!("a_growth_cut_between_its_renames_is_finished_by_the_next_start");
+    use node_agent::datapath::{pin_dir, pod_cidrs_pin};
+    use node_agent::pod_cidr_map::PodCidrMap;
+
+    let (ids, cidrs) = (node_ids_pin(bpffs), pod_cidrs_pin(bpffs));
+    for pin in [&ids, &cidrs] {
+        let layout = MapLayout::of_pin(pin).unwrap().unwrap();
+        assert_eq!(layout.max_entries, capacity, "{case}: {}", pin.display());
+    }
+    let mut names: Vec<String> = std::fs::read_dir(pin_dir(bpffs))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["links", "node_ids", "node_stats", "pod_cidrs"],
+        "{case}: no staging pin or intent left"
+    );
+    let mut nodes: Vec<String> = NodeMap::open(&ids)
+        .unwrap()
+        .dump()
+        .unwrap()
+        .entries
+        .iter()
+        .map(|n| n.ip.to_string())
+        .collect();
+    nodes.sort();
+    let mut want: Vec<String> = TXN_NODES.iter().map(|s| (*s).to_owned()).collect();
+    want.sort();
+    assert_eq!(nodes, want, "{case}: every node in the live map");
+    let n_cidrs = PodCidrMap::open(&cidrs)
+        .unwrap()
+        .dump()
+        .unwrap()
+        .entries
+        .len();
+    assert_eq!(
+        n_cidrs,
+        TXN_CIDRS.len(),
+        "{case}: every pod CIDR in the live map"
+    );
+    let live = |pin: &Path| MapInfo::from_pin(pin).unwrap().id();
+    let (live_ids, live_cidrs) = (live(&ids), live(&cidrs));
+    let mut read = (false, false);
+    for (iface, dir) in [
+        ("tx0", TcAttachType::Ingress),
+        ("tx0", TcAttachType::Egress),
+        ("tx1", TcAttachType::Ingress),
+    ] {
+        let progs = attached_map_ids(iface, dir);
+        assert_eq!(progs.len(), 1, "{case}: one classifier on {iface} {dir:?}");
+        for id in &progs[0] {
+            match MapInfo::from_id(*id).unwrap().name_as_str() {
+                Some("NODE_IDS") => {
+                    assert_eq!(
+                        *id, live_ids,
+                        "{case}: {iface} {dir:?} reads the live node-ID map"
+                    );
+                    read.0 = true;
+                }
+                Some("POD_CIDRS") => {
+                    assert_eq!(
+                        *id, live_cidrs,
+                        "{case}: {iface} {dir:?} reads the live pod-CIDR map"
+                    );
+                    read.1 = true;
+                }
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(read, (true, true), "{case}: the datapath reads both maps");
+}
+
+/// The maps at 4 entries with every node and pod CIDR, nothing else pinned but the links.
+fn txn_setup(bpffs: &Path) {
+    use node_agent::datapath::pin_dir;
+    use node_agent::pod_cidr_map::PodCidrMap;
+
+    // The maps of the last case go (the links stay, and the next load takes them over).
+    for e in std::fs::read_dir(pin_dir(bpffs)).into_iter().flatten() {
+        let e = e.unwrap();
+        if e.file_name() != "links" {
+            std::fs::remove_file(e.path()).unwrap();
+        }
+    }
+    let dp = Datapath::load(&txn_config(bpffs, 4)).unwrap();
+    let mut map = NodeMap::open(&node_ids_pin(bpffs)).unwrap();
+    for (i, n) in TXN_NODES.iter().enumerate() {
+        map.upsert(ipaddr(n), value(i as u16 + 1, 1)).unwrap();
+    }
+    let mut cidrs = PodCidrMap::open(&node_agent::datapath::pod_cidrs_pin(bpffs)).unwrap();
+    for (i, c) in TXN_CIDRS.iter().enumerate() {
+        cidrs
+            .upsert(c.parse().unwrap(), value(i as u16 + 1, 1))
+            .unwrap();
+    }
+    drop((dp, map, cidrs));
+}
+
+/// Runs [`child_cuts_a_pin_transaction`] doing `action` under the cut `what:step:how`, checks
+/// how it ended, and returns the name of the step cut (`None`: there is no such step, and the
+/// child did all of `action`) and the case's name.
+fn txn_child(
+    bpffs: &Path,
+    action: &str,
+    what: &str,
+    step: u32,
+    how: &str,
+) -> (Option<String>, String) {
+    use node_agent::datapath::txn::{CUT_ENV, CUT_EXIT};
+
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "datapath::child_cuts_a_pin_transaction",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("TXN_CHILD_BPFFS", bpffs)
+        .env("TXN_CHILD_ACTION", action)
+        .env(CUT_ENV, format!("{what}:{step}:{how}"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cut = text
+        .lines()
+        .find_map(|l| {
+            l.split_once(&format!("{CUT_ENV}: {what} step {step} ("))
+                .and_then(|(_, rest)| rest.split_once(')'))
+        })
+        .map(|(name, _)| name.to_owned());
+    let case = format!(
+        "{what} step {step} ({}) {how}",
+        cut.as_deref().unwrap_or("-")
+    );
+    match (&cut, how) {
+        (Some(_), "kill") => assert_eq!(out.status.code(), Some(CUT_EXIT), "{case}:\n{text}"),
+        // A failed step after the new maps were complete is finished at once by the recovery.
+        (Some(_), _) => assert!(
+            out.status.success()
+                && (text.contains("TXN-CHILD failed") || text.contains("TXN-CHILD grown to 16")),
+            "{case}:\n{text}"
+        ),
+        (None, _) => assert!(
+            out.status.success()
+                && (text.contains("TXN-CHILD grown to 16") || text.contains("TXN-CHILD started")),
+            "{case}:\n{text}"
+        ),
+    }
+    (cut, case)
+}
+
+/// The next start, as the agent's (the capacity the pins will have, then the load), must
+/// converge; the maps then grow from there, and the start after finds them grown. Returns the
+/// capacity the start found.
+fn txn_converges(bpffs: &Path, case: &str) -> u32 {
+    let capacity = node_agent::datapath::resolve_capacity(None, bpffs).unwrap();
+    let mut dp = Datapath::load(&txn_config(bpffs, capacity))
+        .unwrap_or_else(|e| panic!("{case}: the next start: {e}"));
+    check_converged(bpffs, capacity, case);
+    dp.grow(16)
+        .unwrap_or_else(|e| panic!("{case}: growing after the start: {e}"));
+    check_converged(bpffs, 16, case);
+    drop(dp);
+    drop(Datapath::load(&txn_config(bpffs, 16)).unwrap());
+    check_converged(bpffs, 16, case);
+    capacity
+}
+
+/// One case: a child process growing the maps from 4 to 16 killed (or failed) at step `step`,
+/// then a start. `None` when the growth has no such step.
+fn growth_case(bpffs: &Path, step: u32, how: &str) -> Option<(String, u32)> {
+    txn_setup(bpffs);
+    let (cut, case) = txn_child(bpffs, "grow", "growth", step, how);
+    let cut = cut?;
+    Some((cut, txn_converges(bpffs, &case)))
+}
+
+/// A map growth is a pin transaction (`datapath/txn.rs`): killed or failed at each of its
+/// steps in turn (a child process ends at once, or the step's syscall is refused), it is
+/// finished or undone by the next start, which converges: both maps at one capacity, no
+/// staging pin or intent left, every node in the live map, and every attached program reading
+/// the live pins. The steps are counted, not listed here: a growth that gains a step is
+/// covered by the same loop.
+#[test]
+fn every_cut_of_a_map_growth_is_recovered_by_the_next_start() {
+    require_sandbox!("every_cut_of_a_map_growth_is_recovered_by_the_next_start");
     sandbox(|sb| {
-        let mut config = DatapathConfig::new(&sb.bpffs);
-        config.node_map_max = 4;
-        drop(Datapath::load(&config).unwrap());
-        // The maps a growth to 16 made, loaded against another root of the same bpffs.
-        let other = sb.bpffs.join("growth");
-        std::fs::create_dir(&other).unwrap();
-        let mut bigger = DatapathConfig::new(&other);
-        bigger.node_map_max = 16;
-        drop(Datapath::load(&bigger).unwrap());
-        let live = node_ids_pin(&sb.bpffs);
-        let staged = live.with_file_name(format!(
-            "{}_grow",
-            live.file_name().unwrap().to_str().unwrap()
+        for d in ["tx0", "tx1"] {
+            ip(&["link", "add", d, "type", "bridge"]);
+        }
+        let since = std::time::Instant::now();
+        let mut covered = Vec::new();
+        for how in ["kill", "fail"] {
+            let mut step = 1;
+            while let Some((name, capacity)) = growth_case(&sb.bpffs, step, how) {
+                let way = if capacity == 16 { "forward" } else { "back" };
+                covered.push(format!("{step}:{how}:{way}"));
+                report(&format!(
+                    "growth step {step} ({name}) {how}: rolled {way}, converged"
+                ));
+                step += 1;
+            }
+        }
+        let steps = covered.len() / 2;
+        assert!(steps >= 8, "the growth has its steps: {covered:?}");
+        assert_eq!(
+            covered.iter().filter(|c| c.contains(":kill:")).count(),
+            steps,
+            "as many steps killed as failed: {covered:?}"
+        );
+        report(&format!(
+            "growth: {steps} step boundaries x {{kill, fail}} = {} cases, all converged ({:.1} s)",
+            covered.len(),
+            since.elapsed().as_secs_f64()
         ));
-        std::fs::rename(node_ids_pin(&other), &staged).unwrap();
-        std::fs::rename(pod_cidrs_pin(&other), pod_cidrs_pin(&sb.bpffs)).unwrap();
-        // The next start.
-        let capacity = resolve_capacity(None, &sb.bpffs).unwrap();
-        assert_eq!(capacity, 16, "the staged map's capacity");
-        config.node_map_max = capacity;
-        Datapath::load(&config).expect("the growth is finished");
-        let layout = MapLayout::of_pin(&live).unwrap().unwrap();
-        assert_eq!(layout.max_entries, 16);
-        assert!(!staged.exists());
+    });
+}
+
+/// The recovery of a pin transaction is cut too: a growth killed at `growth_step`, then a start
+/// killed (or failed) at each step of its recovery, then a start that must converge.
+fn recovery_case(bpffs: &Path, growth_step: u32, step: u32, how: &str) -> Option<(String, u32)> {
+    txn_setup(bpffs);
+    let (cut, _) = txn_child(bpffs, "grow", "growth", growth_step, "kill");
+    assert!(cut.is_some(), "the growth has a step {growth_step}");
+    let (cut, case) = txn_child(bpffs, "start", "recovery", step, how);
+    let cut = cut?;
+    let case = format!("growth step {growth_step} kill, {case}");
+    Some((cut, txn_converges(bpffs, &case)))
+}
+
+/// A recovery cut short (a crash, or a failed unpin or rename, at each of its steps) is
+/// finished by the start after, rolling back (a growth killed before its maps were recorded
+/// complete, both staging pins there) or forward (killed before its first rename).
+#[test]
+fn every_cut_of_a_recovery_is_recovered_by_the_next_start() {
+    require_sandbox!("every_cut_of_a_recovery_is_recovered_by_the_next_start");
+    sandbox(|sb| {
+        for d in ["tx0", "tx1"] {
+            ip(&["link", "add", d, "type", "bridge"]);
+        }
+        let since = std::time::Instant::now();
+        let mut cases = 0;
+        let mut ways = Vec::new();
+        // Step 6 attaches the new programs (both staging pins are there); step 8 renames first.
+        for (growth_step, want) in [(6, 4), (8, 16)] {
+            let mut steps = 0;
+            for how in ["kill", "fail"] {
+                let mut step = 1;
+                while let Some((name, capacity)) = recovery_case(&sb.bpffs, growth_step, step, how)
+                {
+                    assert_eq!(
+                        capacity, want,
+                        "growth step {growth_step}: rolled the wrong way"
+                    );
+                    report(&format!(
+                        "recovery after growth step {growth_step} kill, step {step} ({name}) {how}: converged"
+                    ));
+                    step += 1;
+                    cases += 1;
+                }
+                steps = step - 1;
+            }
+            ways.push(format!(
+                "{steps} steps rolling {}",
+                if want == 16 { "forward" } else { "back" }
+            ));
+        }
+        assert!(cases >= 12, "the recoveries have their steps");
+        report(&format!(
+            "recovery: ({}) x {{kill, fail}} = {cases} cases, all converged ({:.1} s)",
+            ways.join(" + "),
+            since.elapsed().as_secs_f64()
+        ));
     });
 }
 
@@ -1041,5 +1375,153 @@ fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
         drop(dp);
         config.node_map_max = 16;
         drop(Datapath::load(&config).unwrap());
+    });
+}
+
+/// Every kind of interface the agent attaches to (the uplink, a second uplink, a pod
+/// interface) is deleted under a running daemon, named in readiness while it is gone, made
+/// again under its name, and gets its classifiers back, on TCX kernels (links, whose stale
+/// pins go) and netlink-filter ones (clsact made again); then each is deleted and made again
+/// at once, between two checks, and found by its new index. Before the one attach reconciler
+/// an uplink made again never got its classifiers back until a restart.
+#[test]
+fn every_interface_kind_deleted_and_made_again_under_a_daemon_gets_its_classifiers_back() {
+    const NAME: &str =
+        "every_interface_kind_deleted_and_made_again_under_a_daemon_gets_its_classifiers_back";
+    require_sandbox!(NAME);
+    use node_agent_tests::agent::{AgentEnv, cluster, http_get, wait_for};
+    const ADDR: &str = "127.0.0.1:9965";
+    const WAIT: Duration = Duration::from_secs(30);
+    let readyz = || http_get(ADDR, "/readyz").unwrap_or((0, String::new()));
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        // The uplink gw0 is a veth with the nodes' gateways on-link (AgentEnv); make it again
+        // the same way.
+        let make_gw0 = || {
+            ip_batch(
+                &[],
+                "link add gw0 type veth peer name gw1\naddr add 10.88.0.1/16 dev gw0\n\
+                 link set gw0 up\nlink set gw1 up\n",
+            )
+        };
+        let make_bridge = |name: &str| ip(&["link", "add", name, "type", "bridge"]);
+        make_bridge("up2");
+        make_bridge("cni9");
+        env.write_nodes(&cluster(2));
+        let _daemon = env.spawn(&[
+            "--metrics-addr",
+            ADDR,
+            "--datapath-iface",
+            "up2",
+            "--pod-iface",
+            "cni9",
+        ]);
+        let settled = || {
+            let (code, body) = readyz();
+            code == 200 && !body.contains("has no classifier")
+        };
+        if std::panic::catch_unwind(|| {
+            wait_for(
+                "readiness naming no interface",
+                Duration::from_secs(90),
+                settled,
+            )
+        })
+        .is_err()
+        {
+            panic!(
+                "readiness: {:?}\nagent log:\n{}",
+                readyz(),
+                std::fs::read_to_string(env.log()).unwrap_or_default()
+            );
+        }
+        let both = [TcAttachType::Ingress, TcAttachType::Egress];
+        let pod = [TcAttachType::Ingress];
+        let kinds: [(&str, &str, &[TcAttachType]); 3] = [
+            ("uplink", "gw0", &both),
+            ("uplink", "up2", &both),
+            ("pod interface", "cni9", &pod),
+        ];
+        let make = |iface: &str| match iface {
+            "gw0" => make_gw0(),
+            bridge => {
+                make_bridge(bridge);
+            }
+        };
+        let tcx = has_tcx();
+        let links = node_agent::datapath::pin_dir(&sb.bpffs).join("links");
+        let pins = || {
+            let mut p: Vec<String> = std::fs::read_dir(&links)
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            p.sort();
+            p
+        };
+        let all_pins = [
+            "cni9-pod",
+            "gw0-egress",
+            "gw0-ingress",
+            "up2-egress",
+            "up2-ingress",
+        ];
+        let back = |iface: &str, dirs: &[TcAttachType]| {
+            wait_for(
+                &format!("{iface}'s classifiers back on the new device"),
+                WAIT,
+                || dirs.iter().all(|d| attached(iface, *d) == 1),
+            );
+        };
+        for (kind, iface, dirs) in kinds {
+            back(iface, dirs);
+            let line = format!("{kind} {iface} has no classifier: no such interface");
+            ip(&["link", "del", iface]);
+            wait_for(
+                &format!("readiness to name {kind} {iface} while it is gone"),
+                WAIT,
+                || readyz().1.contains(&line),
+            );
+            if tcx {
+                // The links went with the device: their pins too.
+                wait_for(&format!("{iface}'s stale link pins unpinned"), WAIT, || {
+                    !pins().iter().any(|p| p.starts_with(&format!("{iface}-")))
+                });
+            }
+            make(iface);
+            back(iface, dirs);
+            wait_for(&format!("readiness no longer naming {iface}"), WAIT, || {
+                !readyz()
+                    .1
+                    .contains(&format!("{kind} {iface} has no classifier"))
+            });
+            if tcx {
+                assert_eq!(pins(), all_pins, "one pin per attachment, none stale");
+            }
+            // Deleted and made again at once: the same name, another device, found by its index.
+            // By `ip`: /sys shows the namespace it was mounted in, not the sandbox's.
+            let ifindex = |iface: &str| {
+                let o = ip(&["-j", "link", "show", iface]);
+                let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+                v[0]["ifindex"].as_u64().unwrap()
+            };
+            let before = ifindex(iface);
+            ip(&["link", "del", iface]);
+            make(iface);
+            let after = ifindex(iface);
+            assert_ne!(before, after, "{iface} made again is another device");
+            back(iface, dirs);
+        }
+        wait_for("readiness naming no interface again", WAIT, settled);
+        if tcx {
+            assert_eq!(pins(), all_pins, "one pin per attachment, none stale");
+        }
+        report(&format!(
+            "attach: 3 interface kinds (uplink gw0, second uplink up2, pod interface cni9) x \
+             (delete, named in readiness, make again; delete and make again at once), {}",
+            if tcx { "tcx" } else { "netlink filters" }
+        ));
     });
 }

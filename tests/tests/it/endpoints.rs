@@ -151,7 +151,7 @@ fn a_missing_pod_interface_is_waited_for_named_in_readiness_and_attached_when_it
         env.wait("readiness", TIMEOUT, || get("/readyz").0 == 200);
         let body = get("/readyz").1;
         assert!(
-            body.contains("pod interface cni7 does not exist yet"),
+            body.contains("pod interface cni7 has no classifier: no such interface"),
             "{body}"
         );
         node_agent_tests::ip(&["link", "add", "cni7", "type", "bridge"]);

@@ -125,6 +125,17 @@ impl Agent {
     }
 }
 
+/// A stand-in holding two nodes, and an agent settled on it (its state directory kept with it).
+async fn settled_on_two_nodes() -> (ApiServer, tempfile::TempDir, Agent) {
+    let server = ApiServer::start().unwrap();
+    server.apply(node("n-0", 1));
+    server.apply(node("n-1", 2));
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = Agent::start(&server, dir.path()).await;
+    agent.settle(&server).await;
+    (server, dir, agent)
+}
+
 /// The nominal backoff periods (1 s doubling, capped) of the first `n` failures: what the
 /// source may wait through, at most, before its `n+1`-th attempt.
 fn backoff_periods(n: u32) -> Duration {
@@ -139,12 +150,7 @@ fn backoff_periods(n: u32) -> Duration {
 /// error was all, and the source stayed failing until the next node event: forever here.
 #[tokio::test]
 async fn a_quiet_recovery_is_found_by_the_agents_own_probes() {
-    let server = ApiServer::start().unwrap();
-    server.apply(node("n-0", 1));
-    server.apply(node("n-1", 2));
-    let dir = tempfile::tempdir().unwrap();
-    let mut agent = Agent::start(&server, dir.path()).await;
-    agent.settle(&server).await;
+    let (server, _dir, mut agent) = settled_on_two_nodes().await;
     let before = server.requests();
     let rv = server.resource_version();
 
@@ -215,12 +221,7 @@ async fn a_quiet_recovery_is_found_by_the_agents_own_probes() {
 /// failed. Checked after every event the source sends, so no flap goes unseen.
 #[tokio::test]
 async fn readiness_does_not_flap_on_list_attempts_that_fail() {
-    let server = ApiServer::start().unwrap();
-    server.apply(node("n-0", 1));
-    server.apply(node("n-1", 2));
-    let dir = tempfile::tempdir().unwrap();
-    let mut agent = Agent::start(&server, dir.path()).await;
-    agent.settle(&server).await;
+    let (server, _dir, mut agent) = settled_on_two_nodes().await;
     let before = server.requests();
 
     server.forbid_next(Kind::List, u64::MAX);
