@@ -2407,3 +2407,170 @@ fn a_nexthop_goes_in_only_with_a_route_through_it() {
         [map("10.0.0.1", 1)]
     );
 }
+
+/// One removal step of the brake-counting scenarios: plans without `gone` at `now`, applies every
+/// op but the deletes of the nodes in `failing` (their cleanup fails), and returns the plan and
+/// the checkpoint it implies.
+fn remove_step(
+    r: &mut Run,
+    record: &Checkpoint,
+    live: &[Node],
+    failing: bool,
+    k: &mut Kernel,
+) -> (Plan, Checkpoint) {
+    let p = r.plan(Some(record), live, k);
+    let stale: BTreeSet<ObjectId> = p
+        .deletes
+        .iter()
+        .filter(|d| failing && d.reason == DeleteReason::StaleNode)
+        .map(|d| d.object.id())
+        .collect();
+    let (failed, ok): (Vec<Op>, Vec<Op>) = p
+        .ops()
+        .into_iter()
+        .partition(|op| matches!(op, Op::Delete(o) if stale.contains(&o.id())));
+    k.apply(&ok);
+    let cp = p.checkpoint_after(&failed);
+    r.brake = p.brake_memory.clone();
+    (p, cp)
+}
+
+/// Where the removals of a scenario are recorded when the agent restarts.
+#[derive(Clone, Copy, Debug)]
+enum Recorded {
+    /// The kernel's ring only: the checkpoint is lost.
+    Ring,
+    /// The checkpoint's window only: the kernel kept no ring.
+    Checkpoint,
+    /// Both.
+    CheckpointAndRing,
+    /// The ring, and an older checkpoint that still lists the nodes (a crash between the
+    /// kernel writes and the checkpoint write).
+    RingAndOlderRecord,
+    /// The ring, and an older checkpoint that names them as held pending deletes, released
+    /// (by --force-prune) before the crash.
+    RingAndHeldPendingDelete,
+    /// The checkpoint's window and its pending deletes (cleanup failed); no ring.
+    PendingDeleteAndCheckpoint,
+    /// The checkpoint's window, its pending deletes, and the ring.
+    AllThree,
+}
+
+/// Seven nodes; two go (in one plan, or `split` over two), recorded as `recorded` says; then
+/// a restart, and a third goes. Returns the restarted plan's hold (every removal is held: the
+/// ratio allowed is 0) and the nodes its window counts.
+fn seven_two_gone_restarted(recorded: Recorded, split: bool) -> (BrakeHold, usize) {
+    use Recorded::*;
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let seven = numbered("n", 1, 7);
+    let (_, cp0) = r.reconcile(None, &seven, &mut k);
+    let failing = matches!(recorded, PendingDeleteAndCheckpoint | AllThree);
+    let mut before = cp0.clone();
+    if matches!(recorded, RingAndHeldPendingDelete) {
+        r.cfg.max_prune_ratio = 0.1;
+        r.now = NOW + Duration::from_secs(1);
+        let (p, cp) = remove_step(&mut r, &cp0, &seven[2..], false, &mut k);
+        assert_eq!(p.brake.map(|h| h.nodes.len()), Some(2));
+        before = cp;
+        r.cfg.max_prune_ratio = 0.5;
+        r.cfg.force_prune = true;
+    }
+    let mut ring = Vec::new();
+    let mut record = before.clone();
+    let mut freed = before.ids.clone();
+    let steps: &[&[Node]] = if split {
+        &[&seven[1..], &seven[2..]]
+    } else {
+        &[&seven[2..]]
+    };
+    for (i, live) in steps.iter().enumerate() {
+        r.now = NOW + Duration::from_secs(10 + i as u64);
+        let (p, cp) = remove_step(&mut r, &record, live, failing, &mut k);
+        assert!(p.brake.is_none(), "{:?}", p.brake);
+        ring.push(*p.brake_memory.window.last().unwrap());
+        freed = cp.ids.clone();
+        // Split in two, the crash cases' checkpoint is the one written between them.
+        if i == 0 && split || !matches!(recorded, RingAndOlderRecord | RingAndHeldPendingDelete) {
+            record = cp;
+        }
+    }
+    r.cfg.force_prune = false;
+    if failing {
+        assert_eq!(record.pending_deletes.len(), 2);
+    }
+    let (cp, kept) = match recorded {
+        Ring => (None, Some(ring)),
+        Checkpoint | PendingDeleteAndCheckpoint => (Some(record), None),
+        _ => (Some(record), Some(ring)),
+    };
+    r.now = NOW + Duration::from_secs(30);
+    r.brake = BrakeMemory::restored(cp.as_ref(), kept, &freed);
+    r.cfg.max_prune_ratio = 0.0;
+    let p = r.plan(cp.as_ref(), &seven[2..6], &k);
+    let window = p.brake_memory.window.iter().map(|w| w.nodes as usize).sum();
+    (p.brake.expect("a ratio of 0 holds every removal"), window)
+}
+
+#[test]
+fn a_restart_on_a_checkpoint_older_than_the_kernel_counts_each_removal_once() {
+    // Seven nodes, two removed just before a crash that cut the checkpoint write: the ring has
+    // them, the older checkpoint still lists them. The restarted plan must count 2 of 7, not
+    // 4 of 9, and hold nothing under a ratio of 2/7.
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let seven = numbered("n", 1, 7);
+    let (_, cp0) = r.reconcile(None, &seven, &mut k);
+    r.now = NOW + Duration::from_secs(5);
+    let (p1, cp1) = remove_step(&mut r, &cp0, &seven[2..], false, &mut k);
+    let ring = vec![*p1.brake_memory.window.last().unwrap()];
+    r.now = NOW + Duration::from_secs(10);
+    r.brake = BrakeMemory::restored(Some(&cp0), Some(ring), &cp1.ids);
+    r.cfg.max_prune_ratio = 0.3;
+    let p = r.plan(Some(&cp0), &seven[2..], &k);
+    assert!(p.brake.is_none(), "{:?}", p.brake.map(|h| h.to_string()));
+    let window: u32 = p.brake_memory.window.iter().map(|w| w.nodes).sum();
+    assert_eq!(window, 2, "{:?}", p.brake_memory.window);
+    assert!(
+        p.checkpoint
+            .nodes
+            .iter()
+            .all(|n| !["n0", "n1"].contains(&n.name.as_str()))
+    );
+    // The same restart asked for one more: 3 of 7 (43 %), held over 30 %.
+    let p = r.plan(Some(&cp0), &seven[2..6], &k);
+    let hold = p.brake.expect("3 of 7 is over 30 %");
+    assert_eq!((hold.removed_nodes, hold.known_nodes), (3, 7));
+    assert_eq!(hold.nodes, ["n6"]);
+}
+
+#[test]
+fn each_removal_is_counted_once_whatever_records_name_it() {
+    use Recorded::*;
+    let all = [
+        Ring,
+        Checkpoint,
+        CheckpointAndRing,
+        RingAndOlderRecord,
+        RingAndHeldPendingDelete,
+        PendingDeleteAndCheckpoint,
+        AllThree,
+    ];
+    for recorded in all {
+        for split in [false, true] {
+            let (hold, window) = seven_two_gone_restarted(recorded, split);
+            let case = format!("{recorded:?}, split {split}: {hold:?}");
+            assert_eq!((hold.removed_nodes, hold.known_nodes), (3, 7), "{case}");
+            // Without a record, n6's objects are orphans (its node counted by their ID).
+            match recorded {
+                Ring => assert_eq!((hold.nodes.len(), hold.orphans), (0, 2), "{case}"),
+                _ => assert_eq!(hold.nodes, ["n6"], "{case}"),
+            }
+            assert_eq!(window, 2, "{case}");
+        }
+    }
+    println!(
+        "brake: {} record combinations x 2 orders (one plan, two), each removal counted once",
+        all.len()
+    );
+}
