@@ -1249,7 +1249,10 @@ mod tests {
         let mut rec = reconciler_with(config(), kernel, &nodes[6..]);
         let o = rec.reconcile().await.unwrap();
         let hold = o.plan.brake.as_ref().expect("held");
-        assert_eq!((hold.removed_nodes, hold.known_nodes), (6, 10));
+        assert_eq!(
+            (hold.count.removed_nodes(), hold.count.known_nodes),
+            (6, 10)
+        );
         assert!(o.pruned.is_empty());
     }
 

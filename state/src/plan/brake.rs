@@ -224,13 +224,8 @@ pub struct BrakeHold {
     pub nodes: Vec<String>,
     /// How many orphan objects are held.
     pub orphans: usize,
-    /// Known remote nodes the plan would remove, with those removed within the window.
-    pub removed_nodes: usize,
-    /// Known remote nodes, with those removed within the window.
-    pub known_nodes: usize,
-    pub node_ratio: f64,
-    /// Orphans over our objects, with those removed within the window.
-    pub orphan_ratio: f64,
+    /// The numbers the brake decided by; the message prints these.
+    pub count: BrakeCount,
     pub max_ratio: f64,
     /// When the oldest held item's hold began (since the Unix epoch).
     pub since: Duration,
@@ -248,10 +243,7 @@ impl BrakeHold {
             id: local.to_string(),
             nodes: Vec::new(),
             orphans: 0,
-            removed_nodes: 0,
-            known_nodes: 0,
-            node_ratio: 0.0,
-            orphan_ratio: 0.0,
+            count: BrakeCount::default(),
             max_ratio: 0.0,
             since: Duration::ZERO,
             confirmable_at: None,
@@ -272,18 +264,25 @@ impl fmt::Display for BrakeHold {
                 self.id
             );
         }
+        let c = &self.count;
         write!(
             f,
-            "holding the removal of {} of {} known remote nodes ({:.0}%) and {} orphan objects \
-             ({:.0}% of ours) against {:.0}% allowed, {} objects in all; a partial node list, the \
-             wrong cluster or an RBAC error can look like this",
+            "holding the removal of {} remote nodes and {} orphan objects ({} objects in all): \
+             {} of {} known remote nodes ({:.0}%) and {} of {} of our objects ({:.0}%) counting \
+             what was removed within the window ({} nodes, {} objects), against {:.0}% allowed; \
+             a partial node list, the wrong cluster or an RBAC error can look like this",
             self.nodes.len(),
-            self.known_nodes,
-            self.node_ratio * 100.0,
             self.orphans,
-            self.orphan_ratio * 100.0,
-            self.max_ratio * 100.0,
             self.deletes.len(),
+            c.removed_nodes(),
+            c.known_nodes,
+            c.node_ratio() * 100.0,
+            c.removed_objects(),
+            c.objects,
+            c.orphan_ratio() * 100.0,
+            c.window_nodes,
+            c.window_objects,
+            self.max_ratio * 100.0,
         )?;
         match self.kind {
             HoldKind::Wipe => write!(
@@ -332,15 +331,46 @@ pub(super) struct Decision {
     pub released: BTreeSet<Removal>,
     pub memory: BrakeMemory,
     /// When something stays held: its kind and ratios.
-    pub hold: Option<(HoldKind, Ratios)>,
+    pub hold: Option<(HoldKind, BrakeCount)>,
 }
 
+/// What the brake counted: [`decide`] fills it and decides by it, and a hold's message prints
+/// it, so the two cannot tell different numbers. Each removal is counted once (a removal the
+/// window counts is not counted again as asked for now).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(super) struct Ratios {
-    pub removed_nodes: usize,
+pub struct BrakeCount {
+    /// Known remote nodes the plan asks to remove now (those a sweep removes by ID included).
+    pub asked_nodes: usize,
+    /// Known remote nodes removed within the window.
+    pub window_nodes: usize,
+    /// Known remote nodes: the record's (or the map's), with those removed within the window.
     pub known_nodes: usize,
-    pub nodes: f64,
-    pub orphans: f64,
+    /// Orphan objects the plan asks to remove now.
+    pub asked_orphans: usize,
+    /// Orphan objects removed within the window.
+    pub window_objects: usize,
+    /// Our objects, with those removed within the window.
+    pub objects: usize,
+}
+
+impl BrakeCount {
+    /// Known remote nodes removed now and within the window.
+    pub fn removed_nodes(&self) -> usize {
+        self.asked_nodes + self.window_nodes
+    }
+
+    /// Orphan objects removed now and within the window.
+    pub fn removed_objects(&self) -> usize {
+        self.asked_orphans + self.window_objects
+    }
+
+    pub fn node_ratio(&self) -> f64 {
+        ratio(self.removed_nodes(), self.known_nodes)
+    }
+
+    pub fn orphan_ratio(&self) -> f64 {
+        ratio(self.removed_objects(), self.objects)
+    }
 }
 
 fn ratio(part: usize, whole: usize) -> f64 {
@@ -407,19 +437,19 @@ pub(super) fn decide(
     let asked_orphans = asked.len() - done - asked_nodes;
     let removed_nodes = asked_nodes + counts.orphan_nodes;
     let known_nodes = counts.known_nodes - done;
-    let ratios = Ratios {
-        removed_nodes: removed_nodes + window_nodes,
+    let count = BrakeCount {
+        asked_nodes: removed_nodes,
+        window_nodes,
         known_nodes: known_nodes + window_nodes,
-        nodes: ratio(removed_nodes + window_nodes, known_nodes + window_nodes),
-        orphans: ratio(
-            asked_orphans + window_objects,
-            counts.our_objects + window_objects,
-        ),
+        asked_orphans,
+        window_objects,
+        objects: counts.our_objects + window_objects,
     };
-    let over = ratios.nodes > cfg.max_prune_ratio || ratios.orphans > cfg.max_prune_ratio;
+    let ratios = (count.node_ratio(), count.orphan_ratio());
+    let over = ratios.0 > cfg.max_prune_ratio || ratios.1 > cfg.max_prune_ratio;
     let wipe = over
-        && ((removed_nodes > 0 && ratios.nodes >= cfg.wipe_ratio)
-            || (asked_orphans > 0 && ratios.orphans >= cfg.wipe_ratio));
+        && ((removed_nodes > 0 && ratios.0 >= cfg.wipe_ratio)
+            || (asked_orphans > 0 && ratios.1 >= cfg.wipe_ratio));
     // What was held before and is still asked for: only a confirmation releases it, never a
     // ratio that has since dropped (newcomers in the record, or time, would dilute it).
     let held_before: BTreeSet<&Removal> = asked
@@ -511,7 +541,7 @@ pub(super) fn decide(
         } else {
             HoldKind::Ratio
         };
-        (kind, ratios)
+        (kind, count)
     });
     Decision {
         released,
@@ -638,7 +668,7 @@ impl Brake {
     /// The hold to report (with the objects it keeps) and the memory for the next plan.
     pub fn finish(self, kept: Vec<Delete>) -> (Option<BrakeHold>, BrakeMemory) {
         let memory = self.decision.memory;
-        let hold = self.decision.hold.map(|(kind, ratios)| {
+        let hold = self.decision.hold.map(|(kind, count)| {
             let since = memory.held.values().map(|s| s.at).min().unwrap_or_default();
             BrakeHold {
                 kind,
@@ -656,10 +686,7 @@ impl Brake {
                     .keys()
                     .filter(|r| matches!(r, Removal::Orphan(_)))
                     .count(),
-                removed_nodes: ratios.removed_nodes,
-                known_nodes: ratios.known_nodes,
-                node_ratio: ratios.nodes,
-                orphan_ratio: ratios.orphans,
+                count,
                 max_ratio: self.max_ratio,
                 since,
                 confirmable_at: (kind == HoldKind::Ratio && self.confirm_by_relist)

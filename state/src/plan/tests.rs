@@ -1364,7 +1364,7 @@ fn brake_holds_mass_stale_deletion_and_keeps_the_nodes_pending() {
     let p = r.plan(Some(&cp), &[a()], &k);
     let hold = p.brake.as_ref().expect("brake");
     assert_eq!(hold.kind, HoldKind::Ratio);
-    assert_eq!((hold.removed_nodes, hold.known_nodes), (3, 4));
+    assert_eq!((hold.count.removed_nodes(), hold.count.known_nodes), (3, 4));
     assert_eq!(hold.nodes, ["b", "c", "d"]);
     assert_eq!(hold.deletes.len(), 6);
     assert!(hold.to_string().contains("75%"), "{hold}");
@@ -1542,7 +1542,10 @@ fn a_wrong_cluster_with_more_nodes_than_before_is_held() {
     let p = r.plan(Some(&cp), &other, &k);
     let hold = p.brake.as_ref().expect("held");
     assert_eq!(hold.kind, HoldKind::Wipe, "all 4 known nodes would go");
-    assert_eq!(hold.known_nodes, 4, "counted against what the agent knows");
+    assert_eq!(
+        hold.count.known_nodes, 4,
+        "counted against what the agent knows"
+    );
     assert!(p.deletes.is_empty());
 }
 
@@ -1683,8 +1686,11 @@ fn nodes_a_lost_checkpoint_forgot_count_as_nodes_when_a_record_exists_again() {
         .brake
         .as_ref()
         .expect("four of seven nodes, by the IDs their entries carry");
-    assert_eq!((hold.removed_nodes, hold.known_nodes), (4, 7));
-    assert!(hold.orphan_ratio < 0.5, "as objects they pass: {hold:?}");
+    assert_eq!((hold.count.removed_nodes(), hold.count.known_nodes), (4, 7));
+    assert!(
+        hold.count.orphan_ratio() < 0.5,
+        "as objects they pass: {hold:?}"
+    );
     assert!(p.deletes.is_empty(), "{:?}", p.deletes);
     // Two of them are within the ratio, and the window remembers them as nodes.
     let p = r.plan(Some(&forgot), &[&nodes[..3], &nodes[5..]].concat(), &k);
@@ -1828,7 +1834,10 @@ fn a_lost_checkpoint_does_not_forget_the_removals_just_made() {
         config: &r.cfg,
     });
     let hold = p.brake.as_ref().expect("six of ten within the window");
-    assert_eq!((hold.removed_nodes, hold.known_nodes), (6, 10));
+    assert_eq!(
+        (hold.count.removed_nodes(), hold.count.known_nodes),
+        (6, 10)
+    );
     assert!(p.deletes.is_empty(), "{:?}", p.deletes);
 }
 
@@ -2540,7 +2549,7 @@ fn a_restart_on_a_checkpoint_older_than_the_kernel_counts_each_removal_once() {
     // The same restart asked for one more: 3 of 7 (43 %), held over 30 %.
     let p = r.plan(Some(&cp0), &seven[2..6], &k);
     let hold = p.brake.expect("3 of 7 is over 30 %");
-    assert_eq!((hold.removed_nodes, hold.known_nodes), (3, 7));
+    assert_eq!((hold.count.removed_nodes(), hold.count.known_nodes), (3, 7));
     assert_eq!(hold.nodes, ["n6"]);
 }
 
@@ -2560,7 +2569,11 @@ fn each_removal_is_counted_once_whatever_records_name_it() {
         for split in [false, true] {
             let (hold, window) = seven_two_gone_restarted(recorded, split);
             let case = format!("{recorded:?}, split {split}: {hold:?}");
-            assert_eq!((hold.removed_nodes, hold.known_nodes), (3, 7), "{case}");
+            assert_eq!(
+                (hold.count.removed_nodes(), hold.count.known_nodes),
+                (3, 7),
+                "{case}"
+            );
             // Without a record, n6's objects are orphans (its node counted by their ID).
             match recorded {
                 Ring => assert_eq!((hold.nodes.len(), hold.orphans), (0, 2), "{case}"),
@@ -2573,4 +2586,59 @@ fn each_removal_is_counted_once_whatever_records_name_it() {
         "brake: {} record combinations x 2 orders (one plan, two), each removal counted once",
         all.len()
     );
+}
+
+/// The numbers in a hold's message, in order.
+fn numbers_in(message: &str) -> Vec<usize> {
+    message
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty())
+        .map(|w| w.parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_holds_message_prints_the_numbers_the_decision_used() {
+    // Ten nodes; three go (30 %), then three more within the window: 6 of 10, held. The message
+    // printed the three held "of 10 (60 %)" before, the held count without the window and the
+    // known count and ratio with it.
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let ten = numbered("n", 1, 10);
+    let (_, cp) = r.reconcile(None, &ten, &mut k);
+    let (_, cp) = remove_step(&mut r, &cp, &ten[3..], false, &mut k);
+    r.now = NOW + Duration::from_secs(1);
+    let p = r.plan(Some(&cp), &ten[6..], &k);
+    let hold = p.brake.expect("6 of 10 within the window");
+    let c = hold.count;
+    assert_eq!(
+        (
+            c.asked_nodes,
+            c.window_nodes,
+            c.known_nodes,
+            c.removed_nodes()
+        ),
+        (3, 3, 10, 6)
+    );
+    let message = hold.to_string();
+    let pct = |r: f64| (r * 100.0).round() as usize;
+    assert_eq!(
+        numbers_in(&message)[..12],
+        [
+            hold.nodes.len(),
+            hold.orphans,
+            hold.deletes.len(),
+            c.removed_nodes(),
+            c.known_nodes,
+            pct(c.node_ratio()),
+            c.removed_objects(),
+            c.objects,
+            pct(c.orphan_ratio()),
+            c.window_nodes,
+            c.window_objects,
+            pct(hold.max_ratio),
+        ],
+        "{message}"
+    );
+    println!("brake message: {message}");
 }
