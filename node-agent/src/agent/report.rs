@@ -35,9 +35,11 @@ pub struct BrakeReport {
     pub stale_nodes: usize,
     /// Held orphan objects.
     pub orphans: usize,
-    /// Removals counted: the held nodes and those removed within the window.
+    /// Node removals counted: those asked for now and those removed within the window.
     pub removed_nodes: usize,
     pub known_nodes: usize,
+    /// Of `removed_nodes` and `known_nodes`: the nodes removed within the window.
+    pub window_nodes: usize,
     /// The larger of `node_ratio` and `orphan_ratio`: what went over `max_ratio`.
     pub ratio: f64,
     pub node_ratio: f64,
@@ -121,11 +123,12 @@ pub fn brake(plan: &Plan) -> Option<BrakeReport> {
         nodes: b.nodes.clone(),
         stale_nodes: b.nodes.len(),
         orphans: b.orphans,
-        removed_nodes: b.removed_nodes,
-        known_nodes: b.known_nodes,
-        ratio: b.node_ratio.max(b.orphan_ratio),
-        node_ratio: b.node_ratio,
-        orphan_ratio: b.orphan_ratio,
+        removed_nodes: b.count.removed_nodes(),
+        known_nodes: b.count.known_nodes,
+        window_nodes: b.count.window_nodes,
+        ratio: b.count.node_ratio().max(b.count.orphan_ratio()),
+        node_ratio: b.count.node_ratio(),
+        orphan_ratio: b.count.orphan_ratio(),
         max_ratio: b.max_ratio,
         held_deletes: b.deletes.len(),
         confirmable_at_unix: b.confirmable_at.map(|t| t.as_secs()),

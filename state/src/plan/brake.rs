@@ -56,6 +56,12 @@ pub struct BrakeMemory {
     /// Restored from a checkpoint whose orphans were held (which orphans, the record does not
     /// say): every orphan the first plan after the restart finds counts as held since then.
     pub orphans_held: Option<HeldSince>,
+    /// Restored from a checkpoint older than the kernel's record of recent removals (a crash
+    /// between the kernel writes and the checkpoint write): removals the checkpoint still names
+    /// that were made after it was written (their node IDs freed since), which the window's
+    /// entries from the kernel already count. The first plan that asks for them releases them
+    /// without counting them again.
+    pub done: BTreeSet<Removal>,
 }
 
 impl BrakeMemory {
@@ -84,30 +90,33 @@ impl BrakeMemory {
 
     /// The memory a restarted agent begins with: the window and the holds from its checkpoint
     /// (a restart never releases a hold: what was held stays held until a confirmation, however
-    /// the ratio looks after it). The window is the checkpoint's together with the kernel's own
-    /// record of recent removals (`kept`), which also has what a stale checkpoint (one that
-    /// could not be written lately) lacks; without a checkpoint, `kept` alone. Where
-    /// the kernel has none from before this start either (an agent that did not keep one), the
-    /// IDs it remembers freeing (`freed`, merged into the allocator state) stand in, each one a
-    /// node removed at that time. Entries older than the window fall away at the first plan.
+    /// the ratio looks after it). Without a checkpoint, the window is the kernel's own record of
+    /// recent removals (`kept`); where the kernel has none from before this start either (an
+    /// agent that did not keep one), the IDs it remembers freeing (`freed`, merged into the
+    /// allocator state) stand in, each one a node removed at that time. With both, each removal
+    /// is counted once, as [`counted_once`] says. Entries older than the window fall away at
+    /// the first plan.
     pub fn restored(
         cp: Option<&Checkpoint>,
         kept: Option<Vec<RecentRemovals>>,
         freed: &AllocatorState,
     ) -> Self {
-        let window = match (cp, kept) {
-            (Some(c), Some(kept)) => merged_window(&c.removals, kept),
-            (Some(c), None) => c.removals.clone(),
-            (None, Some(kept)) => kept,
-            (None, None) => freed
-                .freed
-                .iter()
-                .map(|f| RecentRemovals {
-                    at: f.freed_at,
-                    nodes: 1,
-                    objects: 0,
-                })
-                .collect(),
+        let (window, done) = match (cp, kept) {
+            (Some(c), Some(kept)) => counted_once(c, kept, freed),
+            (Some(c), None) => (c.removals.clone(), BTreeSet::new()),
+            (None, Some(kept)) => (kept, BTreeSet::new()),
+            (None, None) => (
+                freed
+                    .freed
+                    .iter()
+                    .map(|f| RecentRemovals {
+                        at: f.freed_at,
+                        nodes: 1,
+                        objects: 0,
+                    })
+                    .collect(),
+                BTreeSet::new(),
+            ),
         };
         let restored = |h: Held| HeldSince {
             at: h.at,
@@ -124,32 +133,63 @@ impl BrakeMemory {
                 };
                 Some((item, restored(p.held?)))
             })
+            .filter(|(item, _)| !done.contains(item))
             .collect();
         Self {
             held,
             window,
             orphans_held: cp.and_then(|c| c.orphans_held).map(restored),
+            done,
         }
     }
 }
 
-/// The checkpoint's window and the kernel's, each entry once: a checkpoint that could not be
-/// written for a while (a full disk) lacks the removals made since, which the kernel's record
-/// has; one entry in both (the same time) counts once, with the larger counts. An entry the
-/// kernel's full ring merged into a newer one then counts twice, which only holds more.
-fn merged_window(record: &[RecentRemovals], kept: Vec<RecentRemovals>) -> Vec<RecentRemovals> {
-    let mut by_time: BTreeMap<Duration, RecentRemovals> =
-        record.iter().map(|r| (r.at, *r)).collect();
-    for k in kept {
-        by_time
-            .entry(k.at)
-            .and_modify(|r| {
-                r.nodes = r.nodes.max(k.nodes);
-                r.objects = r.objects.max(k.objects);
-            })
-            .or_insert(k);
-    }
-    by_time.into_values().collect()
+/// The window from the checkpoint and the kernel's record together, each removal once, and the
+/// removals of the checkpoint's records that the window already counts.
+///
+/// Both are times on the agent's clock (one clock across a restart on the same boot), and the
+/// checkpoint's window is complete up to its `written_at`: it is the brake's memory as of the
+/// last plan before that write. So the kernel's entries up to then are the checkpoint's own (or
+/// a full ring's merge of them, which the checkpoint has unmerged) and are skipped; its entries
+/// after then are removals the checkpoint could not record (a crash between the kernel writes
+/// and the checkpoint write, or checkpoint writes that failed). Such a removal is of a node the
+/// checkpoint may still list, which the first plan would ask for again and count a second
+/// time. Those are told by identity, from what the kernel remembers: a record (listed, or a
+/// pending delete not released before) whose node ID the kernel freed after `written_at` was
+/// removed after the checkpoint was written, by the agent that wrote those entries; at most as
+/// many are taken as those entries count. A removal the kernel freed no ID for (its cleanup
+/// failed, or its ID is still in use) is counted by both, which only holds more; so is what a
+/// full ring merged from before `written_at` into an entry after it.
+fn counted_once(
+    cp: &Checkpoint,
+    kept: Vec<RecentRemovals>,
+    freed: &AllocatorState,
+) -> (Vec<RecentRemovals>, BTreeSet<Removal>) {
+    let after: Vec<RecentRemovals> = kept.into_iter().filter(|k| k.at > cp.written_at).collect();
+    let unrecorded: usize = after.iter().map(|k| k.nodes as usize).sum();
+    let freed_since: HashSet<NodeId> = freed
+        .freed
+        .iter()
+        .filter(|f| f.freed_at > cp.written_at)
+        .map(|f| f.id)
+        .collect();
+    let unreleased = cp.pending_deletes.iter().filter(|p| p.attempts == 0);
+    let done = cp
+        .nodes
+        .iter()
+        .chain(unreleased.map(|p| &p.node))
+        .filter(|n| n.name != cp.local_node)
+        .filter(|n| n.node_id.is_some_and(|id| freed_since.contains(&id)))
+        .map(|n| Removal::Node {
+            name: n.name.clone(),
+            uid: n.uid.to_string(),
+        })
+        .take(unrecorded)
+        .collect();
+    let mut window = cp.removals.clone();
+    window.extend(after);
+    window.sort_by_key(|r| r.at);
+    (window, done)
 }
 
 impl HeldSince {
@@ -184,13 +224,8 @@ pub struct BrakeHold {
     pub nodes: Vec<String>,
     /// How many orphan objects are held.
     pub orphans: usize,
-    /// Known remote nodes the plan would remove, with those removed within the window.
-    pub removed_nodes: usize,
-    /// Known remote nodes, with those removed within the window.
-    pub known_nodes: usize,
-    pub node_ratio: f64,
-    /// Orphans over our objects, with those removed within the window.
-    pub orphan_ratio: f64,
+    /// The numbers the brake decided by; the message prints these.
+    pub count: BrakeCount,
     pub max_ratio: f64,
     /// When the oldest held item's hold began (since the Unix epoch).
     pub since: Duration,
@@ -208,10 +243,7 @@ impl BrakeHold {
             id: local.to_string(),
             nodes: Vec::new(),
             orphans: 0,
-            removed_nodes: 0,
-            known_nodes: 0,
-            node_ratio: 0.0,
-            orphan_ratio: 0.0,
+            count: BrakeCount::default(),
             max_ratio: 0.0,
             since: Duration::ZERO,
             confirmable_at: None,
@@ -232,18 +264,25 @@ impl fmt::Display for BrakeHold {
                 self.id
             );
         }
+        let c = &self.count;
         write!(
             f,
-            "holding the removal of {} of {} known remote nodes ({:.0}%) and {} orphan objects \
-             ({:.0}% of ours) against {:.0}% allowed, {} objects in all; a partial node list, the \
-             wrong cluster or an RBAC error can look like this",
+            "holding the removal of {} remote nodes and {} orphan objects ({} objects in all): \
+             {} of {} known remote nodes ({:.0}%) and {} of {} of our objects ({:.0}%) counting \
+             what was removed within the window ({} nodes, {} objects), against {:.0}% allowed; \
+             a partial node list, the wrong cluster or an RBAC error can look like this",
             self.nodes.len(),
-            self.known_nodes,
-            self.node_ratio * 100.0,
             self.orphans,
-            self.orphan_ratio * 100.0,
-            self.max_ratio * 100.0,
             self.deletes.len(),
+            c.removed_nodes(),
+            c.known_nodes,
+            c.node_ratio() * 100.0,
+            c.removed_objects(),
+            c.objects,
+            c.orphan_ratio() * 100.0,
+            c.window_nodes,
+            c.window_objects,
+            self.max_ratio * 100.0,
         )?;
         match self.kind {
             HoldKind::Wipe => write!(
@@ -292,15 +331,46 @@ pub(super) struct Decision {
     pub released: BTreeSet<Removal>,
     pub memory: BrakeMemory,
     /// When something stays held: its kind and ratios.
-    pub hold: Option<(HoldKind, Ratios)>,
+    pub hold: Option<(HoldKind, BrakeCount)>,
 }
 
+/// What the brake counted: [`decide`] fills it and decides by it, and a hold's message prints
+/// it, so the two cannot tell different numbers. Each removal is counted once (a removal the
+/// window counts is not counted again as asked for now).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(super) struct Ratios {
-    pub removed_nodes: usize,
+pub struct BrakeCount {
+    /// Known remote nodes the plan asks to remove now (those a sweep removes by ID included).
+    pub asked_nodes: usize,
+    /// Known remote nodes removed within the window.
+    pub window_nodes: usize,
+    /// Known remote nodes: the record's (or the map's), with those removed within the window.
     pub known_nodes: usize,
-    pub nodes: f64,
-    pub orphans: f64,
+    /// Orphan objects the plan asks to remove now.
+    pub asked_orphans: usize,
+    /// Orphan objects removed within the window.
+    pub window_objects: usize,
+    /// Our objects, with those removed within the window.
+    pub objects: usize,
+}
+
+impl BrakeCount {
+    /// Known remote nodes removed now and within the window.
+    pub fn removed_nodes(&self) -> usize {
+        self.asked_nodes + self.window_nodes
+    }
+
+    /// Orphan objects removed now and within the window.
+    pub fn removed_objects(&self) -> usize {
+        self.asked_orphans + self.window_objects
+    }
+
+    pub fn node_ratio(&self) -> f64 {
+        ratio(self.removed_nodes(), self.known_nodes)
+    }
+
+    pub fn orphan_ratio(&self) -> f64 {
+        ratio(self.removed_objects(), self.objects)
+    }
 }
 
 fn ratio(part: usize, whole: usize) -> f64 {
@@ -356,28 +426,30 @@ pub(super) fn decide(
         .collect();
     let window_nodes: usize = window.iter().map(|w| w.nodes as usize).sum();
     let window_objects: usize = window.iter().map(|w| w.objects as usize).sum();
+    // Removals made before a restart that the window's entries from the kernel count already
+    // (the checkpoint, older, still names them): counted there, and not again here.
+    let done = asked.iter().filter(|r| memory.done.contains(*r)).count();
     let asked_nodes = asked
         .iter()
         .filter(|r| matches!(r, Removal::Node { .. }))
-        .count();
-    let asked_orphans = asked.len() - asked_nodes;
+        .count()
+        - done;
+    let asked_orphans = asked.len() - done - asked_nodes;
     let removed_nodes = asked_nodes + counts.orphan_nodes;
-    let ratios = Ratios {
-        removed_nodes: removed_nodes + window_nodes,
-        known_nodes: counts.known_nodes + window_nodes,
-        nodes: ratio(
-            removed_nodes + window_nodes,
-            counts.known_nodes + window_nodes,
-        ),
-        orphans: ratio(
-            asked_orphans + window_objects,
-            counts.our_objects + window_objects,
-        ),
+    let known_nodes = counts.known_nodes - done;
+    let count = BrakeCount {
+        asked_nodes: removed_nodes,
+        window_nodes,
+        known_nodes: known_nodes + window_nodes,
+        asked_orphans,
+        window_objects,
+        objects: counts.our_objects + window_objects,
     };
-    let over = ratios.nodes > cfg.max_prune_ratio || ratios.orphans > cfg.max_prune_ratio;
+    let ratios = (count.node_ratio(), count.orphan_ratio());
+    let over = ratios.0 > cfg.max_prune_ratio || ratios.1 > cfg.max_prune_ratio;
     let wipe = over
-        && ((removed_nodes > 0 && ratios.nodes >= cfg.wipe_ratio)
-            || (asked_orphans > 0 && ratios.orphans >= cfg.wipe_ratio));
+        && ((removed_nodes > 0 && ratios.0 >= cfg.wipe_ratio)
+            || (asked_orphans > 0 && ratios.1 >= cfg.wipe_ratio));
     // What was held before and is still asked for: only a confirmation releases it, never a
     // ratio that has since dropped (newcomers in the record, or time, would dilute it).
     let held_before: BTreeSet<&Removal> = asked
@@ -403,6 +475,10 @@ pub(super) fn decide(
         (None, Removal::Node { .. }) => None,
     };
     for item in asked {
+        if memory.done.contains(item) {
+            released.insert(item.clone());
+            continue;
+        }
         match held_before_as(item).as_ref() {
             Some(since) => {
                 // A list that is itself a near-total wipe confirms nothing: it is the likeliest
@@ -437,12 +513,14 @@ pub(super) fn decide(
             }
         }
     }
-    if !released.is_empty() {
+    let newly_released = released.len() - done;
+    if newly_released > 0 {
         let nodes = released
             .iter()
             .filter(|r| matches!(r, Removal::Node { .. }))
-            .count();
-        let orphans = released.len() - nodes;
+            .count()
+            - done;
+        let orphans = newly_released - nodes;
         // Orphans swept without a record were counted as nodes too, by the IDs their map entries
         // carry; the window remembers them as nodes, so that a later plan with a record counts
         // them with its own removals (rounded up where only some of them went).
@@ -463,7 +541,7 @@ pub(super) fn decide(
         } else {
             HoldKind::Ratio
         };
-        (kind, ratios)
+        (kind, count)
     });
     Decision {
         released,
@@ -471,6 +549,7 @@ pub(super) fn decide(
             held,
             window,
             orphans_held: None,
+            done: BTreeSet::new(),
         },
         hold,
     }
@@ -589,7 +668,7 @@ impl Brake {
     /// The hold to report (with the objects it keeps) and the memory for the next plan.
     pub fn finish(self, kept: Vec<Delete>) -> (Option<BrakeHold>, BrakeMemory) {
         let memory = self.decision.memory;
-        let hold = self.decision.hold.map(|(kind, ratios)| {
+        let hold = self.decision.hold.map(|(kind, count)| {
             let since = memory.held.values().map(|s| s.at).min().unwrap_or_default();
             BrakeHold {
                 kind,
@@ -607,10 +686,7 @@ impl Brake {
                     .keys()
                     .filter(|r| matches!(r, Removal::Orphan(_)))
                     .count(),
-                removed_nodes: ratios.removed_nodes,
-                known_nodes: ratios.known_nodes,
-                node_ratio: ratios.nodes,
-                orphan_ratio: ratios.orphans,
+                count,
                 max_ratio: self.max_ratio,
                 since,
                 confirmable_at: (kind == HoldKind::Ratio && self.confirm_by_relist)
@@ -1039,6 +1115,7 @@ mod tests {
         // Twenty nodes. The checkpoint was last written after the first two removals; the
         // kernel saw the three after them too.
         let stale = Checkpoint {
+            written_at: Duration::from_secs(101),
             removals: vec![at(100, 2)],
             ..Checkpoint::default()
         };

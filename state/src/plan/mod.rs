@@ -46,7 +46,7 @@ use crate::inventory::{Inventory, Marks};
 use crate::node::{AddressKind, Family, Node};
 use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
 
-pub use brake::{BrakeHold, BrakeMemory, HoldKind, Removal};
+pub use brake::{BrakeCount, BrakeHold, BrakeMemory, HoldKind, Removal};
 pub use claim_index::ClaimIndex;
 pub use claims::{ConflictWhy, Resource};
 pub use scope::plan_scoped;

@@ -54,6 +54,7 @@ pub fn plan_scoped(
         && record.pending_deletes.is_empty()
         && input.brake.held.is_empty()
         && input.brake.orphans_held.is_none()
+        && input.brake.done.is_empty()
         && input.confirmed_hold.is_none()
         && !touched.contains(&cfg.local_node)
         && index.counts(record)

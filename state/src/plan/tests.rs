@@ -1364,7 +1364,7 @@ fn brake_holds_mass_stale_deletion_and_keeps_the_nodes_pending() {
     let p = r.plan(Some(&cp), &[a()], &k);
     let hold = p.brake.as_ref().expect("brake");
     assert_eq!(hold.kind, HoldKind::Ratio);
-    assert_eq!((hold.removed_nodes, hold.known_nodes), (3, 4));
+    assert_eq!((hold.count.removed_nodes(), hold.count.known_nodes), (3, 4));
     assert_eq!(hold.nodes, ["b", "c", "d"]);
     assert_eq!(hold.deletes.len(), 6);
     assert!(hold.to_string().contains("75%"), "{hold}");
@@ -1542,7 +1542,10 @@ fn a_wrong_cluster_with_more_nodes_than_before_is_held() {
     let p = r.plan(Some(&cp), &other, &k);
     let hold = p.brake.as_ref().expect("held");
     assert_eq!(hold.kind, HoldKind::Wipe, "all 4 known nodes would go");
-    assert_eq!(hold.known_nodes, 4, "counted against what the agent knows");
+    assert_eq!(
+        hold.count.known_nodes, 4,
+        "counted against what the agent knows"
+    );
     assert!(p.deletes.is_empty());
 }
 
@@ -1683,8 +1686,11 @@ fn nodes_a_lost_checkpoint_forgot_count_as_nodes_when_a_record_exists_again() {
         .brake
         .as_ref()
         .expect("four of seven nodes, by the IDs their entries carry");
-    assert_eq!((hold.removed_nodes, hold.known_nodes), (4, 7));
-    assert!(hold.orphan_ratio < 0.5, "as objects they pass: {hold:?}");
+    assert_eq!((hold.count.removed_nodes(), hold.count.known_nodes), (4, 7));
+    assert!(
+        hold.count.orphan_ratio() < 0.5,
+        "as objects they pass: {hold:?}"
+    );
     assert!(p.deletes.is_empty(), "{:?}", p.deletes);
     // Two of them are within the ratio, and the window remembers them as nodes.
     let p = r.plan(Some(&forgot), &[&nodes[..3], &nodes[5..]].concat(), &k);
@@ -1828,7 +1834,10 @@ fn a_lost_checkpoint_does_not_forget_the_removals_just_made() {
         config: &r.cfg,
     });
     let hold = p.brake.as_ref().expect("six of ten within the window");
-    assert_eq!((hold.removed_nodes, hold.known_nodes), (6, 10));
+    assert_eq!(
+        (hold.count.removed_nodes(), hold.count.known_nodes),
+        (6, 10)
+    );
     assert!(p.deletes.is_empty(), "{:?}", p.deletes);
 }
 
@@ -2406,4 +2415,230 @@ fn a_nexthop_goes_in_only_with_a_route_through_it() {
         k.ours.values().cloned().collect::<Vec<_>>(),
         [map("10.0.0.1", 1)]
     );
+}
+
+/// One removal step of the brake-counting scenarios: plans without `gone` at `now`, applies every
+/// op but the deletes of the nodes in `failing` (their cleanup fails), and returns the plan and
+/// the checkpoint it implies.
+fn remove_step(
+    r: &mut Run,
+    record: &Checkpoint,
+    live: &[Node],
+    failing: bool,
+    k: &mut Kernel,
+) -> (Plan, Checkpoint) {
+    let p = r.plan(Some(record), live, k);
+    let stale: BTreeSet<ObjectId> = p
+        .deletes
+        .iter()
+        .filter(|d| failing && d.reason == DeleteReason::StaleNode)
+        .map(|d| d.object.id())
+        .collect();
+    let (failed, ok): (Vec<Op>, Vec<Op>) = p
+        .ops()
+        .into_iter()
+        .partition(|op| matches!(op, Op::Delete(o) if stale.contains(&o.id())));
+    k.apply(&ok);
+    let cp = p.checkpoint_after(&failed);
+    r.brake = p.brake_memory.clone();
+    (p, cp)
+}
+
+/// Where the removals of a scenario are recorded when the agent restarts.
+#[derive(Clone, Copy, Debug)]
+enum Recorded {
+    /// The kernel's ring only: the checkpoint is lost.
+    Ring,
+    /// The checkpoint's window only: the kernel kept no ring.
+    Checkpoint,
+    /// Both.
+    CheckpointAndRing,
+    /// The ring, and an older checkpoint that still lists the nodes (a crash between the
+    /// kernel writes and the checkpoint write).
+    RingAndOlderRecord,
+    /// The ring, and an older checkpoint that names them as held pending deletes, released
+    /// (by --force-prune) before the crash.
+    RingAndHeldPendingDelete,
+    /// The checkpoint's window and its pending deletes (cleanup failed); no ring.
+    PendingDeleteAndCheckpoint,
+    /// The checkpoint's window, its pending deletes, and the ring.
+    AllThree,
+}
+
+/// Seven nodes; two go (in one plan, or `split` over two), recorded as `recorded` says; then
+/// a restart, and a third goes. Returns the restarted plan's hold (every removal is held: the
+/// ratio allowed is 0) and the nodes its window counts.
+fn seven_two_gone_restarted(recorded: Recorded, split: bool) -> (BrakeHold, usize) {
+    use Recorded::*;
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let seven = numbered("n", 1, 7);
+    let (_, cp0) = r.reconcile(None, &seven, &mut k);
+    let failing = matches!(recorded, PendingDeleteAndCheckpoint | AllThree);
+    let mut before = cp0.clone();
+    if matches!(recorded, RingAndHeldPendingDelete) {
+        r.cfg.max_prune_ratio = 0.1;
+        r.now = NOW + Duration::from_secs(1);
+        let (p, cp) = remove_step(&mut r, &cp0, &seven[2..], false, &mut k);
+        assert_eq!(p.brake.map(|h| h.nodes.len()), Some(2));
+        before = cp;
+        r.cfg.max_prune_ratio = 0.5;
+        r.cfg.force_prune = true;
+    }
+    let mut ring = Vec::new();
+    let mut record = before.clone();
+    let mut freed = before.ids.clone();
+    let steps: &[&[Node]] = if split {
+        &[&seven[1..], &seven[2..]]
+    } else {
+        &[&seven[2..]]
+    };
+    for (i, live) in steps.iter().enumerate() {
+        r.now = NOW + Duration::from_secs(10 + i as u64);
+        let (p, cp) = remove_step(&mut r, &record, live, failing, &mut k);
+        assert!(p.brake.is_none(), "{:?}", p.brake);
+        ring.push(*p.brake_memory.window.last().unwrap());
+        freed = cp.ids.clone();
+        // Split in two, the crash cases' checkpoint is the one written between them.
+        if i == 0 && split || !matches!(recorded, RingAndOlderRecord | RingAndHeldPendingDelete) {
+            record = cp;
+        }
+    }
+    r.cfg.force_prune = false;
+    if failing {
+        assert_eq!(record.pending_deletes.len(), 2);
+    }
+    let (cp, kept) = match recorded {
+        Ring => (None, Some(ring)),
+        Checkpoint | PendingDeleteAndCheckpoint => (Some(record), None),
+        _ => (Some(record), Some(ring)),
+    };
+    r.now = NOW + Duration::from_secs(30);
+    r.brake = BrakeMemory::restored(cp.as_ref(), kept, &freed);
+    r.cfg.max_prune_ratio = 0.0;
+    let p = r.plan(cp.as_ref(), &seven[2..6], &k);
+    let window = p.brake_memory.window.iter().map(|w| w.nodes as usize).sum();
+    (p.brake.expect("a ratio of 0 holds every removal"), window)
+}
+
+#[test]
+fn a_restart_on_a_checkpoint_older_than_the_kernel_counts_each_removal_once() {
+    // Seven nodes, two removed just before a crash that cut the checkpoint write: the ring has
+    // them, the older checkpoint still lists them. The restarted plan must count 2 of 7, not
+    // 4 of 9, and hold nothing under a ratio of 2/7.
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let seven = numbered("n", 1, 7);
+    let (_, cp0) = r.reconcile(None, &seven, &mut k);
+    r.now = NOW + Duration::from_secs(5);
+    let (p1, cp1) = remove_step(&mut r, &cp0, &seven[2..], false, &mut k);
+    let ring = vec![*p1.brake_memory.window.last().unwrap()];
+    r.now = NOW + Duration::from_secs(10);
+    r.brake = BrakeMemory::restored(Some(&cp0), Some(ring), &cp1.ids);
+    r.cfg.max_prune_ratio = 0.3;
+    let p = r.plan(Some(&cp0), &seven[2..], &k);
+    assert!(p.brake.is_none(), "{:?}", p.brake.map(|h| h.to_string()));
+    let window: u32 = p.brake_memory.window.iter().map(|w| w.nodes).sum();
+    assert_eq!(window, 2, "{:?}", p.brake_memory.window);
+    assert!(
+        p.checkpoint
+            .nodes
+            .iter()
+            .all(|n| !["n0", "n1"].contains(&n.name.as_str()))
+    );
+    // The same restart asked for one more: 3 of 7 (43 %), held over 30 %.
+    let p = r.plan(Some(&cp0), &seven[2..6], &k);
+    let hold = p.brake.expect("3 of 7 is over 30 %");
+    assert_eq!((hold.count.removed_nodes(), hold.count.known_nodes), (3, 7));
+    assert_eq!(hold.nodes, ["n6"]);
+}
+
+#[test]
+fn each_removal_is_counted_once_whatever_records_name_it() {
+    use Recorded::*;
+    let all = [
+        Ring,
+        Checkpoint,
+        CheckpointAndRing,
+        RingAndOlderRecord,
+        RingAndHeldPendingDelete,
+        PendingDeleteAndCheckpoint,
+        AllThree,
+    ];
+    for recorded in all {
+        for split in [false, true] {
+            let (hold, window) = seven_two_gone_restarted(recorded, split);
+            let case = format!("{recorded:?}, split {split}: {hold:?}");
+            assert_eq!(
+                (hold.count.removed_nodes(), hold.count.known_nodes),
+                (3, 7),
+                "{case}"
+            );
+            // Without a record, n6's objects are orphans (its node counted by their ID).
+            match recorded {
+                Ring => assert_eq!((hold.nodes.len(), hold.orphans), (0, 2), "{case}"),
+                _ => assert_eq!(hold.nodes, ["n6"], "{case}"),
+            }
+            assert_eq!(window, 2, "{case}");
+        }
+    }
+    println!(
+        "brake: {} record combinations x 2 orders (one plan, two), each removal counted once",
+        all.len()
+    );
+}
+
+/// The numbers in a hold's message, in order.
+fn numbers_in(message: &str) -> Vec<usize> {
+    message
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty())
+        .map(|w| w.parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_holds_message_prints_the_numbers_the_decision_used() {
+    // Ten nodes; three go (30 %), then three more within the window: 6 of 10, held. The message
+    // printed the three held "of 10 (60 %)" before, the held count without the window and the
+    // known count and ratio with it.
+    let mut r = Run::new();
+    let mut k = Kernel::default();
+    let ten = numbered("n", 1, 10);
+    let (_, cp) = r.reconcile(None, &ten, &mut k);
+    let (_, cp) = remove_step(&mut r, &cp, &ten[3..], false, &mut k);
+    r.now = NOW + Duration::from_secs(1);
+    let p = r.plan(Some(&cp), &ten[6..], &k);
+    let hold = p.brake.expect("6 of 10 within the window");
+    let c = hold.count;
+    assert_eq!(
+        (
+            c.asked_nodes,
+            c.window_nodes,
+            c.known_nodes,
+            c.removed_nodes()
+        ),
+        (3, 3, 10, 6)
+    );
+    let message = hold.to_string();
+    let pct = |r: f64| (r * 100.0).round() as usize;
+    assert_eq!(
+        numbers_in(&message)[..12],
+        [
+            hold.nodes.len(),
+            hold.orphans,
+            hold.deletes.len(),
+            c.removed_nodes(),
+            c.known_nodes,
+            pct(c.node_ratio()),
+            c.removed_objects(),
+            c.objects,
+            pct(c.orphan_ratio()),
+            c.window_nodes,
+            c.window_objects,
+            pct(hold.max_ratio),
+        ],
+        "{message}"
+    );
+    println!("brake message: {message}");
 }
