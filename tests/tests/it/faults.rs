@@ -229,6 +229,7 @@ fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let mut covered = 0;
+        let mut phases = Vec::new();
         for (case, fresh_file) in [("no nodes file", false), ("a fresh file settling", true)] {
             let _ = std::fs::remove_file(&env.nodes_file);
             if fresh_file {
@@ -237,7 +238,7 @@ fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
             for cmd in [&["run", "--once"][..], &["plan"][..]] {
                 let mut c = std::process::Command::new(node_agent_tests::agent_bin());
                 let args: Vec<String> = env
-                    .command(&["--sync-timeout", "2s", "--nodes-file-settle", "10m"])
+                    .command(&["--sync-timeout", "10s", "--nodes-file-settle", "10m"])
                     .get_args()
                     .skip(1)
                     .map(|a| a.to_string_lossy().into_owned())
@@ -259,10 +260,21 @@ fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
                 let out = child.wait_with_output().unwrap();
                 let err = String::from_utf8_lossy(&out.stderr);
                 assert_eq!(out.status.code(), Some(1), "{case}, {cmd:?}: {err}");
-                assert!(
-                    err.contains("gave up after 2s (--sync-timeout) waiting for the node source's first full list"),
-                    "{case}, {cmd:?}: {err}"
-                );
+                // What it names depends on how far the run got: on a slow guest the deadline
+                // can fall while the datapath still loads. Every phase is a wait it may end.
+                let phase = [
+                    "the node source's first full list",
+                    "the kernel's objects",
+                    "the lock and checkpoint",
+                ]
+                .into_iter()
+                .find(|p| {
+                    err.contains(&format!(
+                        "gave up after 10s (--sync-timeout) waiting for {p}"
+                    ))
+                })
+                .unwrap_or_else(|| panic!("{case}, {cmd:?}: {err}"));
+                phases.push(phase);
                 assert!(
                     !env.state_dir.join("nodes.ckpt").exists(),
                     "{case}, {cmd:?}: a checkpoint was written"
@@ -271,7 +283,7 @@ fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
             }
         }
         node_agent_tests::report(&format!(
-            "sync timeout: {covered} waits (2 sources x run --once, plan) ended at the deadline"
+            "sync timeout: {covered} waits (2 sources x run --once, plan) ended at the deadline, waiting for: {phases:?}"
         ));
     });
 }
