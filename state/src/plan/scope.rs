@@ -167,8 +167,12 @@ pub fn plan_scoped(
     Some(plan)
 }
 
-/// Everything the touched nodes claim, now and as recorded, sorted.
-fn claimed_by(touched: &BTreeSet<String>, live: &LiveView, record: &Checkpoint) -> Vec<Resource> {
+/// The touched nodes, as the live view has them and as the record does.
+fn touched_nodes<'a>(
+    touched: &'a BTreeSet<String>,
+    live: &'a LiveView,
+    record: &'a Checkpoint,
+) -> impl Iterator<Item = &'a Node> {
     let live = live
         .nodes
         .iter()
@@ -177,7 +181,14 @@ fn claimed_by(touched: &BTreeSet<String>, live: &LiveView, record: &Checkpoint) 
     let recorded = touched
         .iter()
         .flat_map(|t| &record.nodes[name_range(&record.nodes, t)]);
-    let mut claims: Vec<Resource> = live.chain(recorded).flat_map(resources_of).collect();
+    live.chain(recorded)
+}
+
+/// Everything the touched nodes claim, now and as recorded, sorted.
+fn claimed_by(touched: &BTreeSet<String>, live: &LiveView, record: &Checkpoint) -> Vec<Resource> {
+    let mut claims: Vec<Resource> = touched_nodes(touched, live, record)
+        .flat_map(resources_of)
+        .collect();
     claims.sort_unstable();
     claims.dedup();
     claims
@@ -189,16 +200,8 @@ fn addresses_and_cidrs(
     live: &LiveView,
     record: &Checkpoint,
 ) -> (Vec<IpAddr>, Vec<IpNet>) {
-    let live = live
-        .nodes
-        .iter()
-        .map(|n| &**n)
-        .filter(|n| touched.contains(&n.name));
-    let recorded = touched
-        .iter()
-        .flat_map(|t| &record.nodes[name_range(&record.nodes, t)]);
     let (mut ips, mut cidrs) = (Vec::new(), Vec::new());
-    for n in live.chain(recorded) {
+    for n in touched_nodes(touched, live, record) {
         ips.extend(n.ips());
         cidrs.extend(n.pod_cidrs.iter().copied());
     }
