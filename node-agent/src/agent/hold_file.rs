@@ -171,6 +171,16 @@ mod tests {
         assert_eq!(read(dir.path()).unwrap(), None);
     }
 
+    /// `prune status` after an upgrade reads the hold the previous agent published.
+    #[test]
+    fn a_hold_published_before_the_window_count_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = r#"{"kind":"ratio","id":"h1","nodes":["n2"],"stale_nodes":1,"orphans":0,"removed_nodes":1,"known_nodes":2,"ratio":0.5,"node_ratio":0.5,"orphan_ratio":0.0,"max_ratio":0.3,"held_deletes":3,"confirmable_at_unix":null,"message":"held"}"#;
+        std::fs::write(dir.path().join(HOLD_FILE), old).unwrap();
+        let hold = read(dir.path()).unwrap().unwrap();
+        assert_eq!((hold.id.as_str(), hold.window_nodes), ("h1", 0));
+    }
+
     #[test]
     fn a_confirmation_is_taken_once() {
         let dir = tempfile::tempdir().unwrap();

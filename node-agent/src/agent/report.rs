@@ -38,7 +38,10 @@ pub struct BrakeReport {
     /// Node removals counted: those asked for now and those removed within the window.
     pub removed_nodes: usize,
     pub known_nodes: usize,
-    /// Of `removed_nodes` and `known_nodes`: the nodes removed within the window.
+    /// Of `removed_nodes` and `known_nodes`: the nodes removed within the window. A hold file
+    /// written by an agent that did not count the window yet reads as 0, which is what that
+    /// agent's counts meant.
+    #[serde(default)]
     pub window_nodes: usize,
     /// The larger of `node_ratio` and `orphan_ratio`: what went over `max_ratio`.
     pub ratio: f64,

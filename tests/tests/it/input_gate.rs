@@ -79,6 +79,7 @@ fn path_of(what: Input, dir: &Path) -> PathBuf {
 const NODES: &str = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Node\n  metadata: {name: n1}\n  status:\n    addresses: [{type: InternalIP, address: 10.0.0.1}]\n";
 const KUBECONFIG: &str = "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'http://127.0.0.1:1'}\nusers:\n- name: u\n  user: {token: t}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n";
 const KEY: &str = "# the key\n1 rfc4106(gcm(aes)) 00112233445566778899aabbccddeeff01020304 128\n";
+/// A hold as an agent before the window count published it (still read: see `hold_file`).
 const HOLD: &str = r#"{"kind":"ratio","id":"h1","nodes":["n2"],"stale_nodes":1,"orphans":0,"removed_nodes":1,"known_nodes":2,"ratio":0.5,"node_ratio":0.5,"orphan_ratio":0.0,"max_ratio":0.3,"held_deletes":3,"confirmable_at_unix":null,"message":"held"}"#;
 
 /// The valid content of each input.
