@@ -81,7 +81,55 @@ const LOCAL: usize = 0;
 /// nodes, which the brake's default `--max-prune-ratio` of 0.5 lets through.
 const GONE: [&str; 2] = ["worker-b", "worker-d"];
 
-pub fn run() -> anyhow::Result<()> {
+/// The named parts of what the demo printed, in order: `cargo xtask docs` puts them in the
+/// docs' recorded outputs. Every part's name is in [`PARTS`].
+#[derive(Debug, Default)]
+pub struct Transcript {
+    parts: Vec<(&'static str, String)>,
+}
+
+/// Every part the demo records, in the order it prints them.
+pub const PARTS: &[&str] = &[
+    "nodes",
+    "pods",
+    "first-start-log",
+    "bpftool-dump",
+    "programmed",
+    "pings",
+    "stop-log",
+    "still-routed",
+    "plan",
+    "run-once",
+    "clean-result",
+    "pings-after",
+    "teardown",
+];
+
+impl Transcript {
+    /// What the demo printed under `part`, if it printed anything.
+    pub fn part(&self, part: &str) -> Option<&str> {
+        self.parts
+            .iter()
+            .find(|(p, _)| *p == part)
+            .map(|(_, t)| t.as_str())
+    }
+
+    /// Prints `text` and keeps it under `part`.
+    fn say(&mut self, part: &'static str, text: &str) {
+        debug_assert!(PARTS.contains(&part), "{part} is not in PARTS");
+        let mut text = text.to_owned();
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        print!("{text}");
+        match self.parts.iter_mut().find(|(p, _)| *p == part) {
+            Some((_, t)) => t.push_str(&text),
+            None => self.parts.push((part, text)),
+        }
+    }
+}
+
+pub fn run() -> anyhow::Result<Transcript> {
     if !cmd::is_root() {
         bail!(
             "the demo needs root (network and mount namespaces, bpffs): run `sudo cargo xtask demo`"
@@ -103,12 +151,12 @@ pub fn run() -> anyhow::Result<()> {
     let start = Instant::now();
     let result = in_sandbox(&dir, &agent);
     let _ = std::fs::remove_dir_all(&dir);
-    result?;
+    let transcript = result?;
     step(&format!(
         "demo: done in {:.1} s (after the build); the host's network namespace was never touched",
         start.elapsed().as_secs_f64()
     ));
-    Ok(())
+    Ok(transcript)
 }
 
 /// Cargo's target directory: `CARGO_TARGET_DIR` when set (relative to the workspace root, where
@@ -120,7 +168,7 @@ fn target_dir() -> PathBuf {
     }
 }
 
-fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<()> {
+fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<Transcript> {
     step(
         "demo: 1. a sandbox: every node of examples/nodes.yaml is a network namespace on one wire",
     );
@@ -137,7 +185,7 @@ fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<()> {
     let left = s.teardown();
     result?;
     left?;
-    Ok(())
+    Ok(std::mem::take(&mut s.transcript))
 }
 
 /// The sandbox and what lives in it. Dropping it tears down whatever is still up, so a failed
@@ -157,6 +205,9 @@ struct Sandbox {
     /// Those whose bpffs is mounted.
     mounts: Vec<usize>,
     agents: Vec<(usize, Child)>,
+    transcript: Transcript,
+    /// How much of the local agent's log has been printed.
+    local_log_shown: usize,
 }
 
 impl Sandbox {
@@ -175,6 +226,8 @@ impl Sandbox {
             pods: Vec::new(),
             mounts: Vec::new(),
             agents: Vec::new(),
+            transcript: Transcript::default(),
+            local_log_shown: 0,
         };
         // Names under /run/netns are this mount namespace's alone.
         quiet(&[
@@ -210,33 +263,36 @@ impl Sandbox {
     /// The whole story; teardown is the caller's.
     fn act(&mut self) -> anyhow::Result<()> {
         std::fs::copy(root().join("examples/nodes.yaml"), &self.nodes_file)?;
-        println!("NODE         UPLINK (eth0)                 POD_CIDR");
+        let mut table = String::from("NODE         UPLINK (eth0)                 POD_CIDR\n");
         for (i, n) in NODES.iter().enumerate() {
             self.add_node(i)?;
             let ips = [Some(n.ip4), n.ip6].into_iter().flatten();
-            println!(
-                "{:<12} {:<29} {}",
+            table += &format!(
+                "{:<12} {:<29} {}\n",
                 n.name,
                 ips.collect::<Vec<_>>().join(","),
                 n.pod_cidr
             );
         }
+        self.transcript.say("nodes", &table);
 
         step(
             "demo: 2. a pod on every node, made by the reference CNI plugins (bridge, host-local, loopback)",
         );
-        println!(
+        let conf = format!(
             "bridge config of {} (CNI_COMMAND=ADD, run in the node's namespace):\n{}",
             NODES[LOCAL].name,
-            self.bridge_conf(LOCAL)
+            shown(&self.bridge_conf(LOCAL))
         );
+        self.transcript.say("pods", &conf);
         let mut pod_ips = Vec::new();
         for (i, n) in NODES.iter().enumerate() {
             let ip = self.add_pod(i)?;
-            println!(
+            let line = format!(
                 "{:<10} on {:<11} eth0 {ip}/24 via cni0, leased by host-local",
                 n.pod, n.name
             );
+            self.transcript.say("pods", &line);
             pod_ips.push(ip);
         }
 
@@ -250,23 +306,29 @@ impl Sandbox {
         for i in 0..NODES.len() {
             self.wait_ready(i)?;
         }
+        let log = self.local_log()?;
+        self.transcript.say("first-start-log", &log);
 
         step(&format!(
             "demo: 4. what {}'s agent programmed",
             NODES[LOCAL].name
         ));
-        show(&[
+        let dump = show(&[
             "bpftool",
             "map",
             "dump",
             "pinned",
             &format!("{}/node-agent/node_ids", self.bpffs(LOCAL).display()),
         ])?;
-        self.show_programmed(LOCAL)?;
+        self.transcript.say("bpftool-dump", &dump);
+        let programmed = self.show_programmed(LOCAL)?;
+        self.transcript.say("programmed", &programmed);
 
         step("demo: 5. pods on different nodes ping each other through the agents' routes");
         let all: Vec<usize> = (0..NODES.len()).collect();
-        self.ping_mesh(&all, &pod_ips)?;
+        let pings = self.ping_mesh(&all, &pod_ips);
+        self.transcript.say("pings", &pings.text);
+        pings.result?;
 
         step(&format!(
             "demo: 6. {}'s agent stops; while it is down, {} are deleted (their pods, agents and \
@@ -275,6 +337,8 @@ impl Sandbox {
             GONE.join(" and ")
         ));
         self.stop_agent(LOCAL)?;
+        let log = self.local_log()?;
+        self.transcript.say("stop-log", &log);
         let text = std::fs::read_to_string(&self.nodes_file)?;
         let tmp = self.nodes_file.with_extension("tmp");
         std::fs::write(&tmp, drop_nodes(&text, &GONE))?;
@@ -288,19 +352,18 @@ impl Sandbox {
         for &i in &running {
             self.wait_routes_gone(i)?;
         }
-        println!(
-            "{}: their agents ran and removed their routes to them as the deletes came in",
+        let still = format!(
+            "{}: their agents ran and removed their routes to them as the deletes came in\n\
+             {} still routes to them; nothing told its agent:\n{}",
             running
                 .iter()
                 .map(|&i| NODES[i].name)
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            NODES[LOCAL].name,
+            self.show_routes(LOCAL)?
         );
-        println!(
-            "{} still routes to them; nothing told its agent:",
-            NODES[LOCAL].name
-        );
-        self.show_routes(LOCAL)?;
+        self.transcript.say("still-routed", &still);
 
         step("demo: 7. on restart it synthesizes the deletes the watch never delivered");
         let local = NODES[LOCAL].name;
@@ -319,12 +382,12 @@ impl Sandbox {
             "--bpffs",
             &bpffs,
         ]);
-        show(&plan)?;
+        let plan = show(&plan)?;
+        self.transcript.say("plan", &plan);
         let out = self
             .agent_cmd(LOCAL, &["--once"])
             .output()
             .context("running node-agent --once")?;
-        print!("{}", String::from_utf8_lossy(&out.stdout));
         if !out.status.success() {
             bail!(
                 "node-agent --once failed: {}\n{}",
@@ -332,25 +395,31 @@ impl Sandbox {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
+        let mut once = String::from_utf8_lossy(&out.stdout).into_owned();
         for line in String::from_utf8_lossy(&out.stderr)
             .lines()
             .filter(|l| l.contains("deleted"))
         {
-            println!("{line}");
+            once += &format!("{}\n", shown(line));
         }
+        self.transcript.say("run-once", &once);
         step("demo: the clean result");
-        self.show_programmed(LOCAL)?;
-        show(&[
+        let programmed = self.show_programmed(LOCAL)?;
+        let state_show = show(&[
             self.agent.to_str().unwrap(),
             "state",
             "show",
             "--state-dir",
             &state,
         ])?;
+        self.transcript
+            .say("clean-result", &(programmed + &state_show));
 
         step("demo: 8. the remaining pods still talk");
         let left: Vec<usize> = (0..NODES.len()).filter(|i| !gone().contains(i)).collect();
-        self.ping_mesh(&left, &pod_ips)?;
+        let pings = self.ping_mesh(&left, &pod_ips);
+        self.transcript.say("pings-after", &pings.text);
+        pings.result?;
         step("demo: 9. CNI DEL for every pod, agents stopped, namespaces deleted, bpffs unmounted");
         Ok(())
     }
@@ -493,19 +562,25 @@ impl Sandbox {
         c
     }
 
-    /// Starts node `i`'s agent as a daemon (`ip netns exec` becomes the agent): the local one
-    /// logs to the terminal, the others to `<node>/agent.log`.
+    /// Starts node `i`'s agent as a daemon (`ip netns exec` becomes the agent), logging to
+    /// `<node>/agent.log`; the demo prints the local one's at each step ([`Self::local_log`]).
     fn start_agent(&mut self, i: usize, extra: &[&str]) -> anyhow::Result<()> {
         let mut c = self.agent_cmd(i, extra);
-        if i != LOCAL {
-            let log = std::fs::File::create(self.log(i))?;
-            c.stdout(Stdio::null()).stderr(log);
-        }
+        let log = std::fs::File::create(self.log(i))?;
+        c.stdout(Stdio::null()).stderr(log);
         let child = c
             .spawn()
             .with_context(|| format!("starting {}'s agent", NODES[i].name))?;
         self.agents.push((i, child));
         Ok(())
+    }
+
+    /// The local agent's log lines since the last call, paths as a reader sees them.
+    fn local_log(&mut self) -> anyhow::Result<String> {
+        let log = std::fs::read_to_string(self.log(LOCAL))?;
+        let new = log.get(self.local_log_shown..).unwrap_or_default();
+        self.local_log_shown = log.len();
+        Ok(shown(new))
     }
 
     /// Waits for node `i`'s agent's first checkpoint: it has reconciled.
@@ -607,12 +682,23 @@ impl Sandbox {
         result
     }
 
-    /// Pings from every pod of `nodes` to every other one's, all at once (3 each), and fails
-    /// unless every ping is answered.
-    fn ping_mesh(&self, nodes: &[usize], pod_ips: &[String]) -> anyhow::Result<()> {
+    /// Pings from every pod of `nodes` to every other one's, all at once (3 each): the summary,
+    /// and a failure unless every ping is answered.
+    fn ping_mesh(&self, nodes: &[usize], pod_ips: &[String]) -> Pings {
+        let mut text = String::new();
+        let result = self.ping_mesh_into(nodes, pod_ips, &mut text);
+        Pings { text, result }
+    }
+
+    fn ping_mesh_into(
+        &self,
+        nodes: &[usize],
+        pod_ips: &[String],
+        text: &mut String,
+    ) -> anyhow::Result<()> {
         let (from, to) = (nodes[0], nodes[1]);
-        println!(
-            "$ ip netns exec {} ping -c 3 -W 1 -i 0.2 {}   # {} -> {}, and so on for each pair",
+        *text += &format!(
+            "$ ip netns exec {} ping -c 3 -W 1 -i 0.2 {}   # {} -> {}, and so on for each pair\n",
             NODES[from].pod, pod_ips[to], NODES[from].name, NODES[to].name
         );
         let mut pings = Vec::new();
@@ -644,43 +730,42 @@ impl Sandbox {
             }
         }
         for l in lines {
-            println!("{l}");
+            *text += &format!("{l}\n");
         }
-        println!("pods: {sent} pings sent, {answered} answered");
+        *text += &format!("pods: {sent} pings sent, {answered} answered\n");
         if sent == 0 || answered != sent {
             bail!("pods: {} pings were not answered", sent - answered);
         }
         Ok(())
     }
 
-    fn show_routes(&self, i: usize) -> anyhow::Result<()> {
+    fn show_routes(&self, i: usize) -> anyhow::Result<String> {
         show(&["ip", "-n", NODES[i].name, "route", "show", "proto", "201"])
     }
 
     /// The node-ID map, our nexthops and routes, as an operator would look at them.
-    fn show_programmed(&self, i: usize) -> anyhow::Result<()> {
-        show(&[
+    fn show_programmed(&self, i: usize) -> anyhow::Result<String> {
+        let ns = NODES[i].name;
+        Ok(show(&[
             self.agent.to_str().unwrap(),
             "map",
             "dump",
             "--bpffs",
             self.bpffs(i).to_str().unwrap(),
-        ])?;
-        let ns = NODES[i].name;
-        show(&["ip", "-n", ns, "nexthop", "list", "protocol", "201"])?;
-        self.show_routes(i)?;
-        show(&["ip", "-n", ns, "-6", "route", "show", "proto", "201"])
+        ])? + &show(&["ip", "-n", ns, "nexthop", "list", "protocol", "201"])?
+            + &self.show_routes(i)?
+            + &show(&["ip", "-n", ns, "-6", "route", "show", "proto", "201"])?)
     }
 
     /// The tail of every agent's log, after a failure.
     fn print_logs(&self) {
-        for i in (0..NODES.len()).filter(|&i| i != LOCAL) {
+        for (i, node) in NODES.iter().enumerate() {
             let log = std::fs::read_to_string(self.log(i)).unwrap_or_default();
             let lines: Vec<&str> = log.lines().collect();
             if lines.is_empty() {
                 continue;
             }
-            eprintln!("--- {}'s agent log, last lines:", NODES[i].name);
+            eprintln!("--- {}'s agent log, last lines:", node.name);
             for l in &lines[lines.len().saturating_sub(15)..] {
                 eprintln!("{l}");
             }
@@ -737,11 +822,12 @@ impl Sandbox {
                 on_host.join(" ")
             );
         }
-        println!(
+        let done = format!(
             "demo: nothing left: 0 namespaces (ip netns list), 0 interfaces, 0 bpffs mounts, \
              0 IPAM leases (CNI DEL released them all), {} removed",
             shown_path(&self.dir)
         );
+        self.transcript.say("teardown", &done);
         Ok(())
     }
 }
@@ -831,9 +917,15 @@ fn shown(text: &str) -> String {
     text.replace(&format!("{}/", std::env::temp_dir().display()), "/tmp/")
 }
 
-/// Runs and prints a command the way a reader would type it: the agent by its name (it is on the
-/// `PATH` of a node's pod), the sandbox's directories under `/tmp`.
-fn show(args: &[&str]) -> anyhow::Result<()> {
+/// What [`Sandbox::ping_mesh`] printed, and whether every ping was answered.
+struct Pings {
+    text: String,
+    result: anyhow::Result<()>,
+}
+
+/// Runs a command and returns it and its output the way a reader would type and see it: the agent
+/// by its name (it is on the `PATH` of a node's pod), the sandbox's directories under `/tmp`.
+fn show(args: &[&str]) -> anyhow::Result<String> {
     let words: Vec<&str> = args
         .iter()
         .map(|a| match Path::new(a).file_name() {
@@ -841,12 +933,10 @@ fn show(args: &[&str]) -> anyhow::Result<()> {
             _ => a,
         })
         .collect();
-    println!("$ {}", shown(&words.join(" ")));
     let out = Command::new(args[0])
         .args(&args[1..])
         .output()
         .with_context(|| format!("running {}", args[0]))?;
-    print!("{}", String::from_utf8_lossy(&out.stdout));
     if !out.status.success() {
         bail!(
             "{} failed: {}",
@@ -854,7 +944,11 @@ fn show(args: &[&str]) -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    Ok(())
+    Ok(format!(
+        "$ {}\n{}",
+        shown(&words.join(" ")),
+        shown(&String::from_utf8_lossy(&out.stdout))
+    ))
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ mod bench;
 mod build_ebpf;
 mod cmd;
 mod demo;
+mod docs;
 mod image;
 mod setup;
 mod test;
@@ -30,6 +31,10 @@ enum Command {
     /// pod made by the reference CNI plugins per node), ping pods across nodes, restart one agent
     /// after nodes went away, show the deletes it synthesizes, ping again (as root).
     Demo,
+    /// Run the demo and write every recorded output in README.md and docs/ (a ```text block
+    /// after `<!-- recorded: PARTS -->`) from what it printed; `--check` changes nothing and
+    /// fails on a stale one (as root).
+    Docs(docs::Args),
     /// Set up, build the eBPF object, and run every test tier: unit, kernel, end to end, and the
     /// VM tier on Debian 6.1 and 6.12 (as root).
     Test(test::Args),
@@ -52,7 +57,8 @@ fn main() -> anyhow::Result<()> {
             build_ebpf::run(&args)
         }
         Command::Test(args) => test::run(&args),
-        Command::Demo => demo::run(),
+        Command::Demo => demo::run().map(drop),
+        Command::Docs(args) => docs::run(&args),
         Command::Image(args) => image::run(&args),
         Command::Bench => bench::run(),
         Command::VmTest(args) => match vm::run(&args)? {

@@ -7,7 +7,7 @@ use std::process::Command;
 use anyhow::bail;
 
 use crate::cmd::{self, root, step};
-use crate::{apt, build_ebpf, image, setup, vm};
+use crate::{apt, build_ebpf, docs, image, setup, vm};
 
 /// What the image and alert tests need beyond `setup`: podman to build the image and debootstrap
 /// for its stand-in base (tests/tests/it/image.rs), promtool from `prometheus` to check and unit-test
@@ -65,6 +65,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .args(["test", "--workspace", "--"])
             .args(&args.rest),
     )?;
+    // The demo, the README's first command, is a test too: its run must still print what the
+    // docs show it printing.
+    if args.rest.is_empty() {
+        step("test: the docs' recorded outputs against a fresh demo run");
+        docs::run(&docs::Args { check: true })?;
+    } else {
+        step("test: the docs' recorded outputs not checked (a test filter was given)");
+    }
     if args.host_only {
         step("test: VM tier skipped (--host-only)");
         return Ok(());

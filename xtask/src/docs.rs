@@ -1,0 +1,340 @@
+//! `cargo xtask docs`: the recorded outputs in README.md and docs/ come from a real run.
+//!
+//! A recorded output is a ```` ```text ```` block right after a marker line naming the parts of
+//! the demo's transcript it shows, in order:
+//!
+//! ```text
+//! <!-- recorded: plan run-once -->
+//! ```
+//!
+//! `cargo xtask docs` runs the demo (a sandbox; see `demo.rs`) and writes each marked block anew
+//! from what it printed. `cargo xtask docs --check`, a step of `cargo xtask test`, runs it and
+//! fails naming every block that differs from the run in more than what changes from run to run
+//! ([`normalize`]).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+
+use crate::cmd::{root, step};
+use crate::demo::{self, PARTS, Transcript};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Change nothing; fail if a recorded output is stale.
+    #[arg(long)]
+    pub check: bool,
+}
+
+const MARKER: &str = "<!-- recorded: ";
+
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let files = documents()?;
+    // Before the run: a marker that names no part fails at once.
+    for f in &files {
+        let text = std::fs::read_to_string(f)?;
+        blocks(&text).with_context(|| shown(f))?;
+    }
+    let transcript = demo::run()?;
+    let lookup = |part: &str| transcript_part(&transcript, part);
+    let mut stale = Vec::new();
+    let mut count = 0;
+    for f in &files {
+        let text = std::fs::read_to_string(f)?;
+        let filled = fill(&text, &lookup).with_context(|| shown(f))?;
+        count += blocks(&text)?.len();
+        for (parts, old, new) in differences(&text, &filled)? {
+            stale.push(format!("{} `{parts}`:\n{}", shown(f), diff(&old, &new)));
+        }
+        if !args.check && filled != text {
+            std::fs::write(f, &filled)?;
+        }
+    }
+    match (args.check, stale.is_empty()) {
+        (true, false) => bail!(
+            "{} of {count} recorded outputs are stale; `cargo xtask docs` writes them from a \
+             fresh run:\n{}",
+            stale.len(),
+            stale.join("\n")
+        ),
+        (true, true) => step(&format!(
+            "docs: {count} recorded outputs in {} files match a fresh demo run",
+            files.len()
+        )),
+        (false, _) => step(&format!(
+            "docs: {count} recorded outputs written from a fresh demo run ({} had changed)",
+            stale.len()
+        )),
+    }
+    Ok(())
+}
+
+fn transcript_part(t: &Transcript, part: &str) -> Option<String> {
+    t.part(part).map(str::to_owned)
+}
+
+/// README.md and every `docs/*.md`.
+fn documents() -> anyhow::Result<Vec<PathBuf>> {
+    let mut files = vec![root().join("README.md")];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    docs.retain(|p| p.extension().is_some_and(|e| e == "md"));
+    docs.sort();
+    files.extend(docs);
+    Ok(files)
+}
+
+fn shown(p: &Path) -> String {
+    p.strip_prefix(root()).unwrap_or(p).display().to_string()
+}
+
+/// A marked block: the parts it shows and the line range of its content (after the opening
+/// fence, before the closing one).
+#[derive(Debug, PartialEq)]
+struct Block {
+    parts: Vec<String>,
+    content: std::ops::Range<usize>,
+}
+
+/// Every marked block of a document, checked: each marker names known parts and is followed by
+/// a ```` ```text ```` block.
+fn blocks(text: &str) -> anyhow::Result<Vec<Block>> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(rest) = line.trim().strip_prefix(MARKER) else {
+            continue;
+        };
+        let Some(list) = rest.strip_suffix("-->") else {
+            bail!("line {}: a marker ends with `-->`", i + 1);
+        };
+        let parts: Vec<String> = list.split_whitespace().map(str::to_owned).collect();
+        if parts.is_empty() {
+            bail!("line {}: the marker names no part", i + 1);
+        }
+        if let Some(p) = parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
+            bail!(
+                "line {}: the demo records no part `{p}` (it records {})",
+                i + 1,
+                PARTS.join(", ")
+            );
+        }
+        if lines.get(i + 1).map(|l| l.trim()) != Some("```text") {
+            bail!(
+                "line {}: a marker must be followed by a ```text block",
+                i + 1
+            );
+        }
+        let Some(end) = lines[i + 2..].iter().position(|l| l.trim() == "```") else {
+            bail!("line {}: the ```text block is never closed", i + 2);
+        };
+        out.push(Block {
+            parts,
+            content: i + 2..i + 2 + end,
+        });
+    }
+    Ok(out)
+}
+
+/// `text` with every marked block's content replaced by its parts, as `lookup` gives them.
+fn fill(text: &str, lookup: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = String::new();
+    let mut at = 0;
+    for b in blocks(text)? {
+        for l in &lines[at..b.content.start] {
+            out += l;
+            out.push('\n');
+        }
+        for p in &b.parts {
+            let part = lookup(p).with_context(|| format!("the demo printed nothing for `{p}`"))?;
+            out += &part;
+        }
+        at = b.content.end;
+    }
+    for l in &lines[at..] {
+        out += l;
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// The blocks of `old` whose content differs from `new`'s beyond [`normalize`]: (parts, old,
+/// new).
+fn differences(old: &str, new: &str) -> anyhow::Result<Vec<(String, String, String)>> {
+    let content = |text: &str, b: &Block| -> String {
+        text.lines().collect::<Vec<_>>()[b.content.clone()].join("\n")
+    };
+    let (a, b) = (blocks(old)?, blocks(new)?);
+    Ok(a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x.parts.join(" "), content(old, x), content(new, y)))
+        .filter(|(_, x, y)| normalize(x) != normalize(y))
+        .collect())
+}
+
+/// What stays the same from one run to the next: the lines, sorted (a hash map's dump comes in
+/// the order of its buckets, which a map's random seed sets), with times, durations, the
+/// sandbox's process ID and moved-aside suffixes masked.
+fn normalize(text: &str) -> Vec<String> {
+    let mut lines: Vec<String> = text.lines().map(mask).collect();
+    lines.sort();
+    lines
+}
+
+/// One line with what varies between runs masked: `2026-11-28T08:00:35.555083Z`, the digits
+/// after `node-agent-demo-`, `elapsed_ms=`, `corrupt-`, and `(12s ago)`.
+fn mask(line: &str) -> String {
+    let mut out = String::new();
+    let b = line.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if let Some(n) = timestamp_len(&b[i..]) {
+            out += "<time>";
+            i += n;
+            continue;
+        }
+        let after = ["node-agent-demo-", "elapsed_ms=", "corrupt-", "("]
+            .iter()
+            .find(|p| b[i..].starts_with(p.as_bytes()));
+        if let Some(p) = after {
+            let digits = b[i + p.len()..]
+                .iter()
+                .take_while(|c| c.is_ascii_digit() || **c == b'.')
+                .count();
+            let ago = *p == "(" && b[i + 1 + digits..].starts_with(b"s ago)");
+            if digits > 0 && (*p != "(" || ago) {
+                out += p;
+                out += "N";
+                i += p.len() + digits;
+                continue;
+            }
+        }
+        let c = line[i..].chars().next().expect("in bounds");
+        out.push(c);
+        i += c.len_utf8();
+    }
+    out
+}
+
+/// The length of an RFC 3339 UTC time at the start of `b` (`YYYY-MM-DDTHH:MM:SS[.frac]Z`).
+fn timestamp_len(b: &[u8]) -> Option<usize> {
+    let shape = b"dddd-dd-ddTdd:dd:dd";
+    if b.len() < shape.len() {
+        return None;
+    }
+    for (c, s) in b.iter().zip(shape) {
+        let ok = match s {
+            b'd' => c.is_ascii_digit(),
+            s => c == s,
+        };
+        if !ok {
+            return None;
+        }
+    }
+    let mut n = shape.len();
+    if b.get(n) == Some(&b'.') {
+        n += 1 + b[n + 1..].iter().take_while(|c| c.is_ascii_digit()).count();
+    }
+    (b.get(n) == Some(&b'Z')).then_some(n + 1)
+}
+
+/// The lines only one side has, for the error.
+fn diff(old: &str, new: &str) -> String {
+    let (a, b) = (normalize(old), normalize(new));
+    let gone = a
+        .iter()
+        .filter(|l| !b.contains(l))
+        .map(|l| format!("- {l}"));
+    let came = b
+        .iter()
+        .filter(|l| !a.contains(l))
+        .map(|l| format!("+ {l}"));
+    gone.chain(came).collect::<Vec<_>>().join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DOC: &str = "# t\n\n<!-- recorded: plan -->\n```text\nold\n```\n\nprose\n\n<!-- recorded: pings pings-after -->\n```text\n```\nend\n";
+
+    fn lookup(part: &str) -> Option<String> {
+        Some(format!(
+            "{part} at 2026-11-28T08:00:35.555083Z elapsed_ms=3\n"
+        ))
+    }
+
+    #[test]
+    fn filling_replaces_only_the_marked_blocks() {
+        let filled = fill(DOC, &lookup).unwrap();
+        assert_eq!(
+            filled,
+            "# t\n\n<!-- recorded: plan -->\n```text\nplan at 2026-11-28T08:00:35.555083Z elapsed_ms=3\n```\n\nprose\n\n<!-- recorded: pings pings-after -->\n```text\npings at 2026-11-28T08:00:35.555083Z elapsed_ms=3\npings-after at 2026-11-28T08:00:35.555083Z elapsed_ms=3\n```\nend\n"
+        );
+        assert_eq!(fill(&filled, &lookup).unwrap(), filled, "idempotent");
+        assert_eq!(differences(DOC, &filled).unwrap().len(), 2);
+        assert!(differences(&filled, &filled).unwrap().is_empty());
+    }
+
+    #[test]
+    fn what_varies_between_runs_is_not_a_difference_and_the_rest_is() {
+        let a = "2026-11-28T08:00:35.555083Z INFO x elapsed_ms=2 path=/tmp/node-agent-demo-28052/s\nwritten 2026-11-28T08:00:41Z (0s ago)\nnodes.ckpt.corrupt-1795515559.196071215\n";
+        let b = "written 2026-11-29T09:10:11Z (12s ago)\n2026-11-29T10:00:00.1Z INFO x elapsed_ms=58 path=/tmp/node-agent-demo-7/s\nnodes.ckpt.corrupt-1.2\n";
+        assert_eq!(normalize(a), normalize(b));
+        for changed in [
+            "format v3",
+            "node_agent::datapath: attached",
+            "(3 nodes)",
+            "elapsed_ms=x",
+        ] {
+            assert_ne!(
+                normalize(&format!("{a}{changed}\n")),
+                normalize(&format!("{a}{}\n", changed.replace(['3', 'd', 'x'], "4"))),
+                "{changed}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_markers_are_refused_naming_their_line() {
+        for (doc, why) in [
+            (
+                "<!-- recorded: nothing-like-it -->\n```text\n```\n",
+                "no part",
+            ),
+            ("<!-- recorded: plan -->\nprose\n", "followed by"),
+            ("<!-- recorded: plan -->\n```text\nx\n", "never closed"),
+            ("<!-- recorded: -->\n```text\n```\n", "names no part"),
+        ] {
+            let e = format!("{:#}", blocks(doc).unwrap_err());
+            assert!(e.contains(why) && e.contains("line "), "{doc}: {e}");
+        }
+    }
+
+    /// Every marker in the repository's documents is well formed and names parts the demo
+    /// records.
+    #[test]
+    fn every_marker_in_the_docs_names_what_the_demo_records() {
+        let mut shown_parts = Vec::new();
+        let mut count = 0;
+        for f in documents().unwrap() {
+            let text = std::fs::read_to_string(&f).unwrap();
+            for b in blocks(&text).unwrap_or_else(|e| panic!("{}: {e:#}", shown(&f))) {
+                count += 1;
+                shown_parts.extend(b.parts);
+            }
+        }
+        let unshown: Vec<&&str> = PARTS
+            .iter()
+            .filter(|p| !shown_parts.iter().any(|s| s == *p))
+            .collect();
+        assert!(count > 0, "no recorded block in the docs");
+        println!(
+            "docs: {count} recorded blocks show {} of the demo's {} parts (not shown: {unshown:?})",
+            PARTS.len() - unshown.len(),
+            PARTS.len()
+        );
+    }
+}
