@@ -86,6 +86,8 @@ const GONE: [&str; 2] = ["worker-b", "worker-d"];
 #[derive(Debug, Default)]
 pub struct Transcript {
     parts: Vec<(&'static str, String)>,
+    /// Scripts run on the local node for the docs, and what they printed.
+    on_node: Vec<(String, String)>,
 }
 
 /// Every part the demo records, in the order it prints them.
@@ -114,6 +116,14 @@ impl Transcript {
             .map(|(_, t)| t.as_str())
     }
 
+    /// What `script`, given to [`run`], printed on the local node.
+    pub fn on_node(&self, script: &str) -> Option<&str> {
+        self.on_node
+            .iter()
+            .find(|(s, _)| s == script)
+            .map(|(_, t)| t.as_str())
+    }
+
     /// Prints `text` and keeps it under `part`.
     fn say(&mut self, part: &'static str, text: &str) {
         debug_assert!(PARTS.contains(&part), "{part} is not in PARTS");
@@ -129,7 +139,10 @@ impl Transcript {
     }
 }
 
-pub fn run() -> anyhow::Result<Transcript> {
+/// Runs the demo. Each of `scripts` (shell commands, one per line) also runs on the local node
+/// once its agent has programmed the cluster, as in the agent's pod ([`Sandbox::on_node`]); what
+/// they print is kept in the transcript, not printed.
+pub fn run(scripts: &[String]) -> anyhow::Result<Transcript> {
     if !cmd::is_root() {
         bail!(
             "the demo needs root (network and mount namespaces, bpffs): run `sudo cargo xtask demo`"
@@ -149,7 +162,7 @@ pub fn run() -> anyhow::Result<Transcript> {
     let dir = std::env::temp_dir().join(format!("node-agent-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let start = Instant::now();
-    let result = in_sandbox(&dir, &agent);
+    let result = in_sandbox(&dir, &agent, scripts);
     let _ = std::fs::remove_dir_all(&dir);
     let transcript = result?;
     step(&format!(
@@ -168,7 +181,7 @@ fn target_dir() -> PathBuf {
     }
 }
 
-fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<Transcript> {
+fn in_sandbox(dir: &Path, agent: &Path, scripts: &[String]) -> anyhow::Result<Transcript> {
     step(
         "demo: 1. a sandbox: every node of examples/nodes.yaml is a network namespace on one wire",
     );
@@ -178,7 +191,7 @@ fn in_sandbox(dir: &Path, agent: &Path) -> anyhow::Result<Transcript> {
     }
     quiet(&["mount", "--make-rprivate", "/"])?;
     let mut s = Sandbox::new(dir, agent)?;
-    let result = s.act();
+    let result = s.act(scripts);
     if result.is_err() {
         s.print_logs();
     }
@@ -261,7 +274,7 @@ impl Sandbox {
     }
 
     /// The whole story; teardown is the caller's.
-    fn act(&mut self) -> anyhow::Result<()> {
+    fn act(&mut self, scripts: &[String]) -> anyhow::Result<()> {
         std::fs::copy(root().join("examples/nodes.yaml"), &self.nodes_file)?;
         let mut table = String::from("NODE         UPLINK (eth0)                 POD_CIDR\n");
         for (i, n) in NODES.iter().enumerate() {
@@ -323,6 +336,10 @@ impl Sandbox {
         self.transcript.say("bpftool-dump", &dump);
         let programmed = self.show_programmed(LOCAL)?;
         self.transcript.say("programmed", &programmed);
+        for script in scripts {
+            let out = self.on_node(LOCAL, script)?;
+            self.transcript.on_node.push((script.clone(), out));
+        }
 
         step("demo: 5. pods on different nodes ping each other through the agents' routes");
         let all: Vec<usize> = (0..NODES.len()).collect();
@@ -573,6 +590,43 @@ impl Sandbox {
             .with_context(|| format!("starting {}'s agent", NODES[i].name))?;
         self.agents.push((i, child));
         Ok(())
+    }
+
+    /// Runs `script` on node `i` as in the agent's pod: in the node's network namespace and a
+    /// mount namespace of its own, with the node's bpffs at `/sys/fs/bpf`, its state directory
+    /// at `/run/node-agent`, a private `/etc/iproute2/rt_protos.d`, the agent on the `PATH`.
+    /// Returns what it printed; fails on the first command that fails.
+    fn on_node(&self, i: usize, script: &str) -> anyhow::Result<String> {
+        let setup = format!(
+            "mount --bind {} /sys/fs/bpf\n\
+             mount -t tmpfs tmpfs /run\n\
+             mkdir /run/node-agent\n\
+             mount --bind {} /run/node-agent\n\
+             mount -t tmpfs tmpfs /etc/iproute2/rt_protos.d\n",
+            self.bpffs(i).display(),
+            self.state(i).display()
+        );
+        let path = format!(
+            "{}:{}",
+            self.agent.parent().expect("a file").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", NODES[i].name))
+            .args(["unshare", "--mount", "sh", "-ec"])
+            .arg(setup + script)
+            .env("PATH", path)
+            .output()
+            .context("running nsenter")?;
+        if !out.status.success() {
+            bail!(
+                "on {}: `{script}` failed: {}\n{}",
+                NODES[i].name,
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// The local agent's log lines since the last call, paths as a reader sees them.

@@ -7,6 +7,11 @@
 //! <!-- recorded: plan run-once -->
 //! ```
 //!
+//! The part `on-node` stands for the output of the ```` ```sh ```` block just above: its
+//! commands (without their `kubectl exec` prefix) run in one shell on the demo's `demo-local`
+//! node once its agent is ready, with that node's bpffs at `/sys/fs/bpf` and its state at
+//! `/run/node-agent`, where a DaemonSet's pod sees them.
+//!
 //! `cargo xtask docs` runs the demo (a sandbox; see `demo.rs`) and writes each marked block anew
 //! from what it printed. `cargo xtask docs --check`, a step of `cargo xtask test`, runs it and
 //! fails naming every block that differs from the run in more than what changes from run to run
@@ -27,6 +32,10 @@ pub struct Args {
 }
 
 const MARKER: &str = "<!-- recorded: ";
+/// The part that is the output of the commands of the `sh` block above the marker.
+const ON_NODE: &str = "on-node";
+/// What the docs put before a command that runs in the agent's pod.
+const EXEC: &str = "kubectl -n node-agent exec ds/node-agent -- ";
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let files = documents()?;
@@ -35,8 +44,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(f)?;
         blocks(&text).with_context(|| shown(f))?;
     }
-    let transcript = demo::run()?;
-    let lookup = |part: &str| transcript_part(&transcript, part);
+    let mut scripts = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f)?;
+        scripts.extend(blocks(&text)?.into_iter().filter_map(|b| b.script));
+    }
+    let transcript = demo::run(&scripts)?;
+    let lookup = |b: &Block| content(&transcript, b);
     let mut stale = Vec::new();
     let mut count = 0;
     for f in &files {
@@ -69,8 +83,22 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn transcript_part(t: &Transcript, part: &str) -> Option<String> {
-    t.part(part).map(str::to_owned)
+/// What the demo printed for a block's parts.
+fn content(t: &Transcript, b: &Block) -> anyhow::Result<String> {
+    if let Some(script) = &b.script {
+        return t
+            .on_node(script)
+            .map(str::to_owned)
+            .with_context(|| format!("the demo did not run `{script}`"));
+    }
+    b.parts
+        .iter()
+        .map(|p| {
+            t.part(p)
+                .map(str::to_owned)
+                .with_context(|| format!("the demo printed nothing for `{p}`"))
+        })
+        .collect()
 }
 
 /// README.md and every `docs/*.md`.
@@ -94,6 +122,8 @@ fn shown(p: &Path) -> String {
 #[derive(Debug, PartialEq)]
 struct Block {
     parts: Vec<String>,
+    /// For `on-node`: the commands of the `sh` block above, one per line.
+    script: Option<String>,
     content: std::ops::Range<usize>,
 }
 
@@ -113,13 +143,24 @@ fn blocks(text: &str) -> anyhow::Result<Vec<Block>> {
         if parts.is_empty() {
             bail!("line {}: the marker names no part", i + 1);
         }
-        if let Some(p) = parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
+        if let Some(p) = parts
+            .iter()
+            .find(|p| !PARTS.contains(&p.as_str()) && *p != ON_NODE)
+        {
             bail!(
-                "line {}: the demo records no part `{p}` (it records {})",
+                "line {}: the demo records no part `{p}` (it records {} and {ON_NODE})",
                 i + 1,
                 PARTS.join(", ")
             );
         }
+        let script = if parts.iter().any(|p| p == ON_NODE) {
+            if parts.len() > 1 {
+                bail!("line {}: `{ON_NODE}` is a block's only part", i + 1);
+            }
+            Some(script_above(&lines[..i]).with_context(|| format!("line {}", i + 1))?)
+        } else {
+            None
+        };
         if lines.get(i + 1).map(|l| l.trim()) != Some("```text") {
             bail!(
                 "line {}: a marker must be followed by a ```text block",
@@ -131,14 +172,39 @@ fn blocks(text: &str) -> anyhow::Result<Vec<Block>> {
         };
         out.push(Block {
             parts,
+            script,
             content: i + 2..i + 2 + end,
         });
     }
     Ok(out)
 }
 
-/// `text` with every marked block's content replaced by its parts, as `lookup` gives them.
-fn fill(text: &str, lookup: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<String> {
+/// The commands of the ```` ```sh ```` block that ends right above (blank lines between), the
+/// `kubectl exec` prefix taken off.
+fn script_above(lines: &[&str]) -> anyhow::Result<String> {
+    let mut end = lines.len();
+    while end > 0 && lines[end - 1].trim().is_empty() {
+        end -= 1;
+    }
+    if end == 0 || lines[end - 1].trim() != "```" {
+        bail!("`{ON_NODE}` needs a ```sh block right above it");
+    }
+    let Some(start) = lines[..end - 1].iter().rposition(|l| l.trim() == "```sh") else {
+        bail!("`{ON_NODE}` needs a ```sh block right above it");
+    };
+    let commands: Vec<&str> = lines[start + 1..end - 1]
+        .iter()
+        .filter_map(|l| l.strip_prefix("$ "))
+        .map(|c| c.strip_prefix(EXEC).unwrap_or(c))
+        .collect();
+    if commands.is_empty() {
+        bail!("the ```sh block above has no `$ ` command");
+    }
+    Ok(commands.join("\n"))
+}
+
+/// `text` with every marked block's content replaced by what `lookup` gives for it.
+fn fill(text: &str, lookup: &dyn Fn(&Block) -> anyhow::Result<String>) -> anyhow::Result<String> {
     let lines: Vec<&str> = text.lines().collect();
     let mut out = String::new();
     let mut at = 0;
@@ -147,10 +213,7 @@ fn fill(text: &str, lookup: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<S
             out += l;
             out.push('\n');
         }
-        for p in &b.parts {
-            let part = lookup(p).with_context(|| format!("the demo printed nothing for `{p}`"))?;
-            out += &part;
-        }
+        out += &lookup(&b)?;
         at = b.content.end;
     }
     for l in &lines[at..] {
@@ -184,8 +247,13 @@ fn normalize(text: &str) -> Vec<String> {
 }
 
 /// One line with what varies between runs masked: `2026-11-28T08:00:35.555083Z`, the digits
-/// after `node-agent-demo-`, `elapsed_ms=`, `corrupt-`, and `(12s ago)`.
+/// after `node-agent-demo-`, `elapsed_ms=`, `corrupt-`, `btf_id `, `memlock ` (kernels differ),
+/// `(12s ago)`, and a kernel object ID that starts a line (`42780: hash ...`).
 fn mask(line: &str) -> String {
+    let id = line.bytes().take_while(u8::is_ascii_digit).count();
+    if id > 0 && line[id..].starts_with(": ") {
+        return format!("N{}", mask(&line[id..]));
+    }
     let mut out = String::new();
     let b = line.as_bytes();
     let mut i = 0;
@@ -195,9 +263,16 @@ fn mask(line: &str) -> String {
             i += n;
             continue;
         }
-        let after = ["node-agent-demo-", "elapsed_ms=", "corrupt-", "("]
-            .iter()
-            .find(|p| b[i..].starts_with(p.as_bytes()));
+        let after = [
+            "node-agent-demo-",
+            "elapsed_ms=",
+            "corrupt-",
+            "btf_id ",
+            "memlock ",
+            "(",
+        ]
+        .iter()
+        .find(|p| b[i..].starts_with(p.as_bytes()));
         if let Some(p) = after {
             let digits = b[i + p.len()..]
                 .iter()
@@ -260,10 +335,11 @@ mod tests {
 
     const DOC: &str = "# t\n\n<!-- recorded: plan -->\n```text\nold\n```\n\nprose\n\n<!-- recorded: pings pings-after -->\n```text\n```\nend\n";
 
-    fn lookup(part: &str) -> Option<String> {
-        Some(format!(
-            "{part} at 2026-11-28T08:00:35.555083Z elapsed_ms=3\n"
-        ))
+    fn lookup(b: &Block) -> anyhow::Result<String> {
+        Ok(b.parts
+            .iter()
+            .map(|part| format!("{part} at 2026-11-28T08:00:35.555083Z elapsed_ms=3\n"))
+            .collect())
     }
 
     #[test]
@@ -282,6 +358,16 @@ mod tests {
     fn what_varies_between_runs_is_not_a_difference_and_the_rest_is() {
         let a = "2026-11-28T08:00:35.555083Z INFO x elapsed_ms=2 path=/tmp/node-agent-demo-28052/s\nwritten 2026-11-28T08:00:41Z (0s ago)\nnodes.ckpt.corrupt-1795515559.196071215\n";
         let b = "written 2026-11-29T09:10:11Z (12s ago)\n2026-11-29T10:00:00.1Z INFO x elapsed_ms=58 path=/tmp/node-agent-demo-7/s\nnodes.ckpt.corrupt-1.2\n";
+        let show = |id: u32, btf: u32| {
+            format!(
+                "{id}: hash  name NODE_IDS  flags 0x1\n\tkey 20B  memlock {btf}B\n\tbtf_id {btf}\n"
+            )
+        };
+        assert_eq!(normalize(&show(42780, 7)), normalize(&show(3, 73748)));
+        assert_ne!(
+            normalize(&show(3, 7)),
+            normalize(&show(3, 7).replace("NODE_IDS", "POD_CIDRS"))
+        );
         assert_eq!(normalize(a), normalize(b));
         for changed in [
             "format v3",
@@ -307,10 +393,28 @@ mod tests {
             ("<!-- recorded: plan -->\nprose\n", "followed by"),
             ("<!-- recorded: plan -->\n```text\nx\n", "never closed"),
             ("<!-- recorded: -->\n```text\n```\n", "names no part"),
+            (
+                "prose\n<!-- recorded: on-node -->\n```text\n```\n",
+                "sh block",
+            ),
+            (
+                "```sh\n$ ls\n```\n<!-- recorded: on-node plan -->\n```text\n```\n",
+                "only part",
+            ),
         ] {
             let e = format!("{:#}", blocks(doc).unwrap_err());
             assert!(e.contains(why) && e.contains("line "), "{doc}: {e}");
         }
+    }
+
+    #[test]
+    fn on_node_runs_the_commands_above_without_their_exec_prefix() {
+        let doc = "```sh\n$ kubectl -n node-agent exec ds/node-agent -- ls /run/node-agent\n$ ip route show proto 201\n```\n\n<!-- recorded: on-node -->\n```text\nold\n```\n";
+        let b = blocks(doc).unwrap();
+        assert_eq!(
+            b[0].script.as_deref(),
+            Some("ls /run/node-agent\nip route show proto 201")
+        );
     }
 
     /// Every marker in the repository's documents is well formed and names parts the demo

@@ -57,7 +57,7 @@ fn main() -> anyhow::Result<()> {
             build_ebpf::run(&args)
         }
         Command::Test(args) => test::run(&args),
-        Command::Demo => demo::run().map(drop),
+        Command::Demo => demo::run(&[]).map(drop),
         Command::Docs(args) => docs::run(&args),
         Command::Image(args) => image::run(&args),
         Command::Bench => bench::run(),
