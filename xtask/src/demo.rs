@@ -159,7 +159,8 @@ pub fn run(scripts: &[String]) -> anyhow::Result<Transcript> {
     )?;
     let agent = target_dir().join("debug/node-agent");
 
-    let dir = std::env::temp_dir().join(format!("node-agent-demo-{}", std::process::id()));
+    sweep_dead_demos();
+    let dir = std::env::temp_dir().join(format!("{DIR_PREFIX}{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let start = Instant::now();
     let result = in_sandbox(&dir, &agent, scripts);
@@ -170,6 +171,36 @@ pub fn run(scripts: &[String]) -> anyhow::Result<Transcript> {
         start.elapsed().as_secs_f64()
     ));
     Ok(transcript)
+}
+
+/// The demo's directory is this and its PID.
+const DIR_PREFIX: &str = "node-agent-demo-";
+
+/// Removes the directories of demos whose process is gone. A demo removes its own, but one that
+/// was interrupted (Ctrl-C, kill -9, a crash) cannot; its namespaces and mounts went with it.
+fn sweep_dead_demos() {
+    let tmp = std::env::temp_dir();
+    for entry in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(DIR_PREFIX)
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            match std::fs::remove_dir_all(entry.path()) {
+                Ok(()) => step(&format!(
+                    "demo: removed {} (left by an interrupted demo)",
+                    shown_path(&entry.path())
+                )),
+                Err(e) => step(&format!(
+                    "demo: cannot remove {} (left by an interrupted demo): {e}",
+                    shown_path(&entry.path())
+                )),
+            }
+        }
+    }
 }
 
 /// Cargo's target directory: `CARGO_TARGET_DIR` when set (relative to the workspace root, where
@@ -275,6 +306,16 @@ impl Sandbox {
 
     /// The whole story; teardown is the caller's.
     fn act(&mut self, scripts: &[String]) -> anyhow::Result<()> {
+        let pod_ips = self.build_cluster()?;
+        self.show_the_job(scripts, &pod_ips)?;
+        self.lose_nodes_while_down()?;
+        self.restart(&pod_ips)?;
+        step("demo: 9. CNI DEL for every pod, agents stopped, namespaces deleted, bpffs unmounted");
+        Ok(())
+    }
+
+    /// Steps 1 to 3: the nodes, a pod on each, an agent on each. Returns the pods' addresses.
+    fn build_cluster(&mut self) -> anyhow::Result<Vec<String>> {
         std::fs::copy(root().join("examples/nodes.yaml"), &self.nodes_file)?;
         let mut table = String::from("NODE         UPLINK (eth0)                 POD_CIDR\n");
         for (i, n) in NODES.iter().enumerate() {
@@ -321,7 +362,11 @@ impl Sandbox {
         }
         let log = self.local_log()?;
         self.transcript.say("first-start-log", &log);
+        Ok(pod_ips)
+    }
 
+    /// Steps 4 and 5: what the local agent programmed, the docs' scripts, and the pods talking.
+    fn show_the_job(&mut self, scripts: &[String], pod_ips: &[String]) -> anyhow::Result<()> {
         step(&format!(
             "demo: 4. what {}'s agent programmed",
             NODES[LOCAL].name
@@ -343,10 +388,14 @@ impl Sandbox {
 
         step("demo: 5. pods on different nodes ping each other through the agents' routes");
         let all: Vec<usize> = (0..NODES.len()).collect();
-        let pings = self.ping_mesh(&all, &pod_ips);
+        let pings = self.ping_mesh(&all, pod_ips);
         self.transcript.say("pings", &pings.text);
-        pings.result?;
+        pings.result
+    }
 
+    /// Step 6: the local agent stops and [`GONE`] nodes go; the running agents follow, the local
+    /// node still routes to them.
+    fn lose_nodes_while_down(&mut self) -> anyhow::Result<()> {
         step(&format!(
             "demo: 6. {}'s agent stops; while it is down, {} are deleted (their pods, agents and \
              namespaces go with them)",
@@ -381,7 +430,12 @@ impl Sandbox {
             self.show_routes(LOCAL)?
         );
         self.transcript.say("still-routed", &still);
+        Ok(())
+    }
 
+    /// Steps 7 and 8: the plan, the one-shot run that synthesizes the deletes, the clean result,
+    /// the remaining pods still talking.
+    fn restart(&mut self, pod_ips: &[String]) -> anyhow::Result<()> {
         step("demo: 7. on restart it synthesizes the deletes the watch never delivered");
         let local = NODES[LOCAL].name;
         let mut plan = vec!["ip", "netns", "exec", local, self.agent.to_str().unwrap()];
@@ -434,11 +488,9 @@ impl Sandbox {
 
         step("demo: 8. the remaining pods still talk");
         let left: Vec<usize> = (0..NODES.len()).filter(|i| !gone().contains(i)).collect();
-        let pings = self.ping_mesh(&left, &pod_ips);
+        let pings = self.ping_mesh(&left, pod_ips);
         self.transcript.say("pings-after", &pings.text);
-        pings.result?;
-        step("demo: 9. CNI DEL for every pod, agents stopped, namespaces deleted, bpffs unmounted");
-        Ok(())
+        pings.result
     }
 
     /// The node's namespace, its uplink on the wire, forwarding on, its bpffs mounted.
