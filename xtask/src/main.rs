@@ -28,8 +28,9 @@ enum Command {
     /// Build the eBPF object (runs `setup` first) into target/ebpf/node-agent.bpf.o.
     BuildEbpf(build_ebpf::Args),
     /// Set up, then run examples/nodes.yaml as a cluster in a sandbox (a namespace, an agent and a
-    /// pod made by the reference CNI plugins per node), ping and TCP between pods across nodes, restart one agent
-    /// after nodes went away, show the deletes it synthesizes, ping again (as root).
+    /// pod made by the reference CNI plugins per node), ping and TCP between pods across nodes,
+    /// restart one agent after nodes went away, show the deletes it synthesizes, check the
+    /// traffic again (as root).
     Demo,
     /// Run the demo and write every recorded output in README.md and docs/ (a ```text block
     /// after `<!-- recorded: PARTS -->`) from what it printed; `--check` changes nothing and
