@@ -87,7 +87,17 @@ const GONE: [&str; 2] = ["worker-b", "worker-d"];
 pub struct Transcript {
     parts: Vec<(&'static str, String)>,
     /// Scripts run on the local node for the docs, and what they printed.
-    on_node: Vec<(String, String)>,
+    on_node: Vec<(OnNode, String)>,
+}
+
+/// Commands to run on the local node as in the agent's pod, against the cluster's node list
+/// less some nodes (what the agent would see if they went away).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OnNode {
+    /// Shell commands, one per line.
+    pub commands: String,
+    /// Nodes of `examples/nodes.yaml` left out of the list the commands see.
+    pub without: Vec<String>,
 }
 
 /// Every part the demo records, in the order it prints them.
@@ -117,7 +127,7 @@ impl Transcript {
     }
 
     /// What `script`, given to [`run`], printed on the local node.
-    pub fn on_node(&self, script: &str) -> Option<&str> {
+    pub fn on_node(&self, script: &OnNode) -> Option<&str> {
         self.on_node
             .iter()
             .find(|(s, _)| s == script)
@@ -139,10 +149,10 @@ impl Transcript {
     }
 }
 
-/// Runs the demo. Each of `scripts` (shell commands, one per line) also runs on the local node
-/// once its agent has programmed the cluster, as in the agent's pod ([`Sandbox::on_node`]); what
-/// they print is kept in the transcript, not printed.
-pub fn run(scripts: &[String]) -> anyhow::Result<Transcript> {
+/// Runs the demo. Each of `scripts` also runs on the local node once its agent has programmed
+/// the cluster, as in the agent's pod ([`Sandbox::on_node`]); what they print is kept in the
+/// transcript, not printed.
+pub fn run(scripts: &[OnNode]) -> anyhow::Result<Transcript> {
     if !cmd::is_root() {
         bail!(
             "the demo needs root (network and mount namespaces, bpffs): run `sudo cargo xtask demo`"
@@ -212,7 +222,7 @@ fn target_dir() -> PathBuf {
     }
 }
 
-fn in_sandbox(dir: &Path, agent: &Path, scripts: &[String]) -> anyhow::Result<Transcript> {
+fn in_sandbox(dir: &Path, agent: &Path, scripts: &[OnNode]) -> anyhow::Result<Transcript> {
     step(
         "demo: 1. a sandbox: every node of examples/nodes.yaml is a network namespace on one wire",
     );
@@ -305,7 +315,7 @@ impl Sandbox {
     }
 
     /// The whole story; teardown is the caller's.
-    fn act(&mut self, scripts: &[String]) -> anyhow::Result<()> {
+    fn act(&mut self, scripts: &[OnNode]) -> anyhow::Result<()> {
         let pod_ips = self.build_cluster()?;
         self.show_the_job(scripts, &pod_ips)?;
         self.lose_nodes_while_down()?;
@@ -366,7 +376,7 @@ impl Sandbox {
     }
 
     /// Steps 4 and 5: what the local agent programmed, the docs' scripts, and the pods talking.
-    fn show_the_job(&mut self, scripts: &[String], pod_ips: &[String]) -> anyhow::Result<()> {
+    fn show_the_job(&mut self, scripts: &[OnNode], pod_ips: &[String]) -> anyhow::Result<()> {
         step(&format!(
             "demo: 4. what {}'s agent programmed",
             NODES[LOCAL].name
@@ -381,8 +391,8 @@ impl Sandbox {
         self.transcript.say("bpftool-dump", &dump);
         let programmed = self.show_programmed(LOCAL)?;
         self.transcript.say("programmed", &programmed);
-        for script in scripts {
-            let out = self.on_node(LOCAL, script)?;
+        for (n, script) in scripts.iter().enumerate() {
+            let out = self.on_node(LOCAL, script, n)?;
             self.transcript.on_node.push((script.clone(), out));
         }
 
@@ -646,15 +656,26 @@ impl Sandbox {
 
     /// Runs `script` on node `i` as in the agent's pod: in the node's network namespace and a
     /// mount namespace of its own, with the node's bpffs at `/sys/fs/bpf`, its state directory
-    /// at `/run/node-agent`, a private `/etc/iproute2/rt_protos.d`, the agent on the `PATH`.
-    /// Returns what it printed; fails on the first command that fails.
-    fn on_node(&self, i: usize, script: &str) -> anyhow::Result<String> {
+    /// at `/run/node-agent`, a private `/etc/iproute2/rt_protos.d`, the agent on the `PATH` and
+    /// the pod's settings in the environment (its node, its uplink, and the node list less
+    /// `script.without`, as a file: `n` names it). Returns what the commands printed to stdout,
+    /// whatever their exit status (`node-agent plan` exits 3 while the brake holds); the setup
+    /// must succeed.
+    fn on_node(&self, i: usize, script: &OnNode, n: usize) -> anyhow::Result<String> {
+        let nodes = self.dir.join(format!("on-node-{n}.yaml"));
+        let without: Vec<&str> = script.without.iter().map(String::as_str).collect();
+        std::fs::write(
+            &nodes,
+            drop_nodes(&std::fs::read_to_string(&self.nodes_file)?, &without),
+        )?;
         let setup = format!(
-            "mount --bind {} /sys/fs/bpf\n\
+            "set -e\n\
+             mount --bind {} /sys/fs/bpf\n\
              mount -t tmpfs tmpfs /run\n\
              mkdir /run/node-agent\n\
              mount --bind {} /run/node-agent\n\
-             mount -t tmpfs tmpfs /etc/iproute2/rt_protos.d\n",
+             mount -t tmpfs tmpfs /etc/iproute2/rt_protos.d\n\
+             set +e\n",
             self.bpffs(i).display(),
             self.state(i).display()
         );
@@ -665,20 +686,26 @@ impl Sandbox {
         );
         let out = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{}", NODES[i].name))
-            .args(["unshare", "--mount", "sh", "-ec"])
-            .arg(setup + script)
+            .args(["unshare", "--mount", "sh", "-c"])
+            .arg(format!("{setup}{}\n", script.commands))
             .env("PATH", path)
+            .env("NODE_AGENT_NODE_NAME", NODES[i].name)
+            .env("NODE_AGENT_DATAPATH_IFACE", "eth0")
+            .env("NODE_AGENT_NODES_FILE", &nodes)
+            .env("NODE_AGENT_NODES_FILE_SETTLE", "200ms")
             .output()
             .context("running nsenter")?;
-        if !out.status.success() {
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if stdout.is_empty() {
             bail!(
-                "on {}: `{script}` failed: {}\n{}",
+                "on {}: `{}` printed nothing: {}\n{}",
                 NODES[i].name,
+                script.commands,
                 out.status,
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        Ok(stdout)
     }
 
     /// The local agent's log lines since the last call, paths as a reader sees them.

@@ -10,7 +10,9 @@
 //! The part `on-node` stands for the output of the ```` ```sh ```` block just above: its
 //! commands (without their `kubectl exec` prefix) run in one shell on the demo's `demo-local`
 //! node once its agent is ready, with that node's bpffs at `/sys/fs/bpf` and its state at
-//! `/run/node-agent`, where a DaemonSet's pod sees them.
+//! `/run/node-agent`, where a DaemonSet's pod sees them. `on-node without=worker-b,worker-c`
+//! runs them against the node list less those nodes (`node-agent plan` then shows what the agent
+//! would do if they went away).
 //!
 //! `cargo xtask docs` runs the demo (a sandbox; see `demo.rs`) and writes each marked block anew
 //! from what it printed. `cargo xtask docs --check`, a step of `cargo xtask test`, runs it and
@@ -22,7 +24,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 
 use crate::cmd::{root, step};
-use crate::demo::{self, PARTS, Transcript};
+use crate::demo::{self, OnNode, PARTS, Transcript};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -89,7 +91,7 @@ fn content(t: &Transcript, b: &Block) -> anyhow::Result<String> {
         return t
             .on_node(script)
             .map(str::to_owned)
-            .with_context(|| format!("the demo did not run `{script}`"));
+            .with_context(|| format!("the demo did not run `{}`", script.commands));
     }
     b.parts
         .iter()
@@ -122,8 +124,8 @@ fn shown(p: &Path) -> String {
 #[derive(Debug, PartialEq)]
 struct Block {
     parts: Vec<String>,
-    /// For `on-node`: the commands of the `sh` block above, one per line.
-    script: Option<String>,
+    /// For `on-node`: the commands of the `sh` block above, and the list they see.
+    script: Option<OnNode>,
     content: std::ops::Range<usize>,
 }
 
@@ -143,22 +145,28 @@ fn blocks(text: &str) -> anyhow::Result<Vec<Block>> {
         if parts.is_empty() {
             bail!("line {}: the marker names no part", i + 1);
         }
-        if let Some(p) = parts
-            .iter()
-            .find(|p| !PARTS.contains(&p.as_str()) && *p != ON_NODE)
-        {
-            bail!(
-                "line {}: the demo records no part `{p}` (it records {} and {ON_NODE})",
-                i + 1,
-                PARTS.join(", ")
-            );
-        }
-        let script = if parts.iter().any(|p| p == ON_NODE) {
-            if parts.len() > 1 {
-                bail!("line {}: `{ON_NODE}` is a block's only part", i + 1);
+        let script = if parts[0] == ON_NODE {
+            let mut without = Vec::new();
+            for option in &parts[1..] {
+                match option.strip_prefix("without=") {
+                    Some(nodes) => without.extend(nodes.split(',').map(str::to_owned)),
+                    None => bail!(
+                        "line {}: `{ON_NODE}` takes only `without=NODE,...`, not `{option}`",
+                        i + 1
+                    ),
+                }
             }
-            Some(script_above(&lines[..i]).with_context(|| format!("line {}", i + 1))?)
+            let commands = script_above(&lines[..i]).with_context(|| format!("line {}", i + 1))?;
+            Some(OnNode { commands, without })
         } else {
+            if let Some(p) = parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
+                bail!(
+                    "line {}: the demo records no part `{p}` (it records {}, and `{ON_NODE}` \
+                     first runs the sh block above)",
+                    i + 1,
+                    PARTS.join(", ")
+                );
+            }
             None
         };
         if lines.get(i + 1).map(|l| l.trim()) != Some("```text") {
@@ -248,7 +256,8 @@ fn normalize(text: &str) -> Vec<String> {
 
 /// One line with what varies between runs masked: `2026-11-28T08:00:35.555083Z`, the digits
 /// after `node-agent-demo-`, `elapsed_ms=`, `corrupt-`, `btf_id `, `memlock ` (kernels differ),
-/// `(12s ago)`, and a kernel object ID that starts a line (`42780: hash ...`).
+/// `"confirmable_at_unix": `, `(12s ago)`, and a kernel object ID that starts a line
+/// (`42780: hash ...`).
 fn mask(line: &str) -> String {
     let id = line.bytes().take_while(u8::is_ascii_digit).count();
     if id > 0 && line[id..].starts_with(": ") {
@@ -269,6 +278,7 @@ fn mask(line: &str) -> String {
             "corrupt-",
             "btf_id ",
             "memlock ",
+            "\"confirmable_at_unix\": ",
             "(",
         ]
         .iter()
@@ -399,7 +409,11 @@ mod tests {
             ),
             (
                 "```sh\n$ ls\n```\n<!-- recorded: on-node plan -->\n```text\n```\n",
-                "only part",
+                "only `without=",
+            ),
+            (
+                "```sh\n$ ls\n```\n<!-- recorded: plan on-node -->\n```text\n```\n",
+                "no part `on-node`",
             ),
         ] {
             let e = format!("{:#}", blocks(doc).unwrap_err());
@@ -412,8 +426,16 @@ mod tests {
         let doc = "```sh\n$ kubectl -n node-agent exec ds/node-agent -- ls /run/node-agent\n$ ip route show proto 201\n```\n\n<!-- recorded: on-node -->\n```text\nold\n```\n";
         let b = blocks(doc).unwrap();
         assert_eq!(
-            b[0].script.as_deref(),
-            Some("ls /run/node-agent\nip route show proto 201")
+            b[0].script,
+            Some(OnNode {
+                commands: "ls /run/node-agent\nip route show proto 201".into(),
+                without: vec![]
+            })
+        );
+        let doc = doc.replace("on-node", "on-node without=worker-b,worker-d");
+        assert_eq!(
+            blocks(&doc).unwrap()[0].script.as_ref().unwrap().without,
+            ["worker-b", "worker-d"]
         );
     }
 
