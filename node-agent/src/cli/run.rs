@@ -74,8 +74,9 @@ pub struct AgentArgs {
     )]
     pub pod_ifaces: Vec<String>,
     /// Capacity of the node-ID and pod-CIDR maps, in entries (one per mapped address or pod
-    /// CIDR), when they are first created; an existing pin must match it. Default: the
-    /// existing map's capacity, or 131072 (a dual-stack cluster of 65,536 nodes) for a new one.
+    /// CIDR). Over existing pins the larger wins: a larger value grows the maps online at start,
+    /// a smaller one never shrinks them. Default: the existing maps' capacity, or 131072 (a
+    /// dual-stack cluster of 65,536 nodes) for new ones.
     #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX")]
     pub node_map_max: Option<u32>,
     /// Grow the node-ID and pod-CIDR maps online, doubling them, when they would be more than

@@ -47,8 +47,11 @@
 //!    the fixture tests decode every `checkpoint-v*.bin` and check its content, and the newest
 //!    one is also compared byte for byte with what the encoder writes.
 //!
-//! A file newer than this code is refused with [`DecodeError::VersionTooNew`] and moved aside;
-//! a downgraded agent then relies on the kernel sweep, which loses nothing (invariant 6).
+//! A file newer than this code is refused with [`DecodeError::VersionTooNew`] and moved aside.
+//! A downgraded agent therefore loses the record, and the brake's holds with it: which removals
+//! were held, since when, and whether as a wipe's. It continues on the kernel sweep, which leaks
+//! nothing (invariant 6) but judges the held removals afresh under its own rules for a lost
+//! checkpoint. Settle the brake before a rollback (docs/install.md).
 
 use crate::checkpoint::{Checkpoint, payload};
 
