@@ -9,6 +9,7 @@ pub mod caps;
 pub mod cli;
 pub mod datapath;
 pub mod freed_ids;
+pub mod kernel;
 pub mod map_batch;
 pub mod memory;
 pub mod node_map;

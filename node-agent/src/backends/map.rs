@@ -11,7 +11,8 @@ use node_agent_common::NodeValue;
 use state::inventory::Inventory;
 use state::objects::{KernelObject, MapEntry, NodeId, Op};
 
-use super::{Backend, DumpError, OpError};
+use super::Backend;
+use crate::kernel::{DumpError, OpError};
 use crate::node_map::{BadEntry, NodeMap, NodeMapError};
 
 pub struct MapBackend {

@@ -8,7 +8,7 @@ use std::io;
 use netlink_packet_core::{NLM_F_ACK_TLVS, NLM_F_CAPPED, NlasIterator};
 use state::objects::Op;
 
-use super::OpError;
+use crate::kernel::OpError;
 
 /// An error the kernel (or the netlink connection) returned for one request, with the
 /// kernel's extended-ack message when it gave one.

@@ -11,7 +11,8 @@ use node_agent_common::NodeValue;
 use state::inventory::Inventory;
 use state::objects::{KernelObject, NodeId, ObjectKind, Op, PodCidrEntry};
 
-use super::{Backend, DumpError, OpError, map::op_is_full};
+use super::{Backend, map::op_is_full};
+use crate::kernel::{DumpError, OpError};
 use crate::node_map::NodeMapError;
 use crate::pod_cidr_map::{BadCidrEntry, PodCidrMap, encode};
 

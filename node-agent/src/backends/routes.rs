@@ -30,9 +30,10 @@ use rtnetlink::{Handle, RouteMessageBuilder};
 use state::inventory::Inventory;
 use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op, Route, Via};
 
+use super::Backend;
 use super::batch::{BATCH, Batcher, Request, unanswered};
 use super::netlink::{KernelError, outcome};
-use super::{Backend, DumpError, OpError};
+use crate::kernel::{DumpError, OpError};
 
 /// Route protocol number marking our routes unless configured otherwise.
 pub const DEFAULT_ROUTE_PROTOCOL: u8 = 201;
