@@ -8,7 +8,6 @@
 
 pub mod apply;
 pub mod checkpointer;
-pub mod clock;
 pub mod config;
 pub mod deadline;
 pub mod drift;

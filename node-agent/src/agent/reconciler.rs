@@ -24,12 +24,12 @@ use state::plan::{
 use state::rotation::rotation;
 
 use super::apply::{OpResult, apply_plan, routes_now};
-use super::clock::AgentClock;
 use super::config::AgentConfig;
 use super::drift::{Drift, Found};
 use super::intake::Intake;
 use super::{AgentError, report};
 use crate::kernel::{Kernel, RoutesSinceDump};
+use crate::runtime::AgentClock;
 use crate::source::SourceEvent;
 use crate::source::live::{Changes, LiveState};
 use crate::telemetry::Telemetry;
@@ -556,7 +556,7 @@ impl<K: Kernel> Reconciler<K> {
         if plan.scope.is_none() {
             // A full plan's working tables are freed by now: hand their pages back before the
             // apply builds the new view (at scale, the two would add up in the peak RSS).
-            crate::memory::give_back();
+            crate::runtime::memory::give_back();
         }
         let reasons: HashMap<ObjectId, DeleteReason> = plan
             .deletes

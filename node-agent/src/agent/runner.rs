@@ -159,7 +159,7 @@ pub async fn run_once(
     };
     sync_and_dump(&mut rec, &mut rx, wait).await?;
     deadline.met();
-    crate::memory::give_back();
+    crate::runtime::memory::give_back();
     if dry_run {
         let plan = rec.plan().await?;
         let plan_report = report::plan_report(&plan, rec.live());
@@ -180,7 +180,7 @@ pub async fn run_once(
         // The last pass's plan goes before the next is made: at scale, two at once would be
         // the run's peak memory.
         drop(last.take());
-        crate::memory::give_back();
+        crate::runtime::memory::give_back();
         // A pass after one that applied without a failure (nodes that waited for an ID that
         // pass freed) plans against the view it left: its dump plus its writes, milliseconds
         // old. That is what the daemon's event reconciles trust too, and at 65,000 nodes a
