@@ -15,7 +15,6 @@ pub mod map;
 pub mod netlink;
 pub mod nexthops;
 mod open;
-pub mod pod_cidrs;
 pub mod request;
 pub mod routes;
 pub mod users_watch;
@@ -34,12 +33,11 @@ use state::objects::{KernelObject, NexthopId, ObjectKind, Op};
 pub use self::open::{BackendsConfig, OpenError};
 use self::users_watch::UsersWatch;
 use self::xfrm::KeyFileState;
+use crate::datapath::maps::NodeMapError;
 use crate::datapath::pins::RecordError;
+use crate::datapath::records::{FreedIds, RecentRemovalsRecord};
 use crate::datapath::{Datapath, node_ids_pin, pod_cidrs_pin};
-use crate::freed_ids::FreedIds;
 use crate::kernel::{DumpError, Kernel, KeyRead, OpError, RoutesSinceDump};
-use crate::node_map::NodeMapError;
-use crate::recent_removals::RecentRemovalsRecord;
 
 /// One kind of kernel state.
 pub trait Backend {
@@ -71,7 +69,7 @@ pub struct Backends {
     pub map: Option<map::MapBackend>,
     /// The pod-CIDR map: with IPsec, and without it where a run with IPsec left it, so that
     /// its marks are removed.
-    pub pod_cidrs: Option<pod_cidrs::PodCidrBackend>,
+    pub pod_cidrs: Option<map::PodCidrBackend>,
     pub routes: Option<routes::RouteBackend>,
     /// `None` where the kernel has no nexthop objects. Open also with `--route-nexthops false`,
     /// so that the nexthops an earlier run made are dumped and removed.
@@ -79,7 +77,7 @@ pub struct Backends {
     /// Routes go through nexthops: the kernel has them and they are not turned off.
     route_nexthops: bool,
     /// Owns the xfrm kinds: states, policies and guards. Open without IPsec too where a run
-    /// with IPsec left some ([`leftover_xfrm`]), so that they are dumped and removed: its
+    /// with IPsec left some ([`open::leftover_xfrm`]), so that they are dumped and removed: its
     /// marks, policies and guards would go on encrypting toward peers, or dropping, with no
     /// agent keeping them.
     pub xfrm: Option<xfrm::XfrmBackend>,
@@ -287,7 +285,7 @@ impl Kernel for Backends {
         self.map = Some(map::MapBackend::open(&node_ids_pin(&bpffs), now).map_err(reopen)?);
         if self.pod_cidrs.is_some() {
             self.pod_cidrs =
-                Some(pod_cidrs::PodCidrBackend::open(&pod_cidrs_pin(&bpffs), now).map_err(reopen)?);
+                Some(map::PodCidrBackend::open(&pod_cidrs_pin(&bpffs), now).map_err(reopen)?);
         }
         result.map_err(|e| OpError::Kernel {
             what: format!("growing the maps to {capacity} entries"),

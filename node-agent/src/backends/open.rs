@@ -6,12 +6,11 @@ use std::path::PathBuf;
 use super::users_watch::UsersWatch;
 use super::xfrm::KeyFileState;
 use super::xfrm::keys::{KeyBook, KeyError, KeyFile};
-use super::{Backend, Backends, map, nexthops, pod_cidrs, routes, xfrm};
+use super::{Backend, Backends, map, nexthops, routes, xfrm};
+use crate::datapath::maps::NodeMapError;
 use crate::datapath::pins::RecordError;
+use crate::datapath::records::{FreedIds, RecentRemovalsRecord, freed_ids, recent_removals};
 use crate::datapath::{Datapath, DatapathConfig, DatapathError, node_ids_pin, pod_cidrs_pin};
-use crate::freed_ids::{self, FreedIds};
-use crate::node_map::NodeMapError;
-use crate::recent_removals::{self, RecentRemovalsRecord};
 use state::inventory::Inventory;
 
 /// What the backends need to know to open: the part of the agent's configuration that is about
@@ -104,7 +103,7 @@ impl Backends {
             false => None,
         };
         let pod_cidrs = match (ipsec && exists(&cidr_pin)) || cidr_pin.exists() {
-            true => Some(pod_cidrs::PodCidrBackend::open(&cidr_pin, capacity)?),
+            true => Some(map::PodCidrBackend::open(&cidr_pin, capacity)?),
             false => None,
         };
         let freed = match (dry_run, freed_pin.exists()) {
@@ -169,7 +168,7 @@ fn load_datapath(config: &DatapathConfig) -> Result<Datapath, OpenError> {
 /// anything is removed, the kernel must match policy marks exactly (the probe IPsec runs at
 /// start): on one that does not, a delete of our policy would take someone else's unmarked
 /// policy at its selector, and the leftovers are left, reported.
-async fn leftover_xfrm(dry_run: bool) -> Option<xfrm::XfrmBackend> {
+pub(super) async fn leftover_xfrm(dry_run: bool) -> Option<xfrm::XfrmBackend> {
     let mut backend = xfrm::XfrmBackend::new(KeyBook::default())
         .inspect_err(|e| tracing::debug!("no xfrm netlink ({e}): no IPsec objects to look for"))
         .ok()?;

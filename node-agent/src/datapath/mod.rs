@@ -10,8 +10,10 @@ pub mod attachments;
 pub mod grow;
 pub mod link_watch;
 pub mod log_forward;
+pub mod maps;
 pub mod object;
 pub mod pins;
+pub mod records;
 pub mod tc_filter;
 pub mod txn;
 
