@@ -10,12 +10,10 @@
 //! [`Backends`] puts them behind the reconciler's one seam, [`crate::kernel::Kernel`], and
 //! [`Backends::open`] opens them from their own [`BackendsConfig`].
 
-pub mod batch;
 pub mod map;
 pub mod netlink;
 pub mod nexthops;
 mod open;
-pub mod request;
 pub mod routes;
 pub mod users_watch;
 pub mod xfrm;

@@ -8,8 +8,8 @@ use std::process::Command;
 
 use ipnet::IpNet;
 use node_agent::backends::Backend;
-use node_agent::backends::batch::{BATCH, Batcher};
 use node_agent::backends::map::MapBackend;
+use node_agent::backends::netlink::batch::{BATCH, Batcher};
 use node_agent::backends::nexthops::fibmatch;
 use node_agent::backends::nexthops::message::NexthopMessage;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};

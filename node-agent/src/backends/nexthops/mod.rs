@@ -41,9 +41,9 @@ use state::objects::{KernelObject, Nexthop, NexthopId, ObjectId, ObjectKind, Op}
 use self::message::NexthopMessage;
 pub use self::users::{apply_nexthops, users_of};
 use super::Backend;
-use super::batch::{BATCH, Batcher, Request, unanswered};
+use super::netlink::batch::{BATCH, Batcher, Request, unanswered};
+use super::netlink::request::{self, request};
 use super::netlink::{KernelError, outcome};
-use super::request::{self, request};
 use crate::kernel::{DumpError, OpError};
 
 pub struct NexthopBackend {

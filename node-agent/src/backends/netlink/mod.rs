@@ -1,6 +1,11 @@
-//! What the kernel's netlink answers mean for an operation, shared by the route and xfrm
-//! backends: one error type carrying the errno and the kernel's own words, and one mapping from
-//! an answer to the operation's outcome.
+//! The netlink transport the backends of routes, nexthops and xfrm objects share, apart from
+//! those object kinds: [`batch`] many rtnetlink requests to a system call, [`request`] one
+//! request over a connection whose codec never logs, and here what the kernel's answers mean
+//! for an operation: one error type carrying the errno and the kernel's own words, and one
+//! mapping from an answer to the operation's outcome.
+
+pub mod batch;
+pub mod request;
 
 use std::fmt;
 use std::io;
