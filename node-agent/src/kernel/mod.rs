@@ -2,9 +2,9 @@
 //! cross it, and (for unit tests) one fake behind it.
 //!
 //! [`crate::backends::Backends`] implements it with netlink and the pinned maps; unit tests
-//! implement it with [`fake::FakeKernel`], which holds objects in memory and fails on command.
-//! The same behaviours stay proven against the real kernel in the kernel tier: the fake adds
-//! speed and fault injection, it replaces nothing.
+//! implement it with `fake::FakeKernel` (built for tests only), which holds objects in memory
+//! and fails on command. The same behaviours stay proven against the real kernel in the kernel
+//! tier: the fake adds speed and fault injection, it replaces nothing.
 //!
 //! The seam depends on the state crate alone, so that the agent above it and the backends below
 //! it both depend on it and never on each other's insides.
