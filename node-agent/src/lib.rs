@@ -5,14 +5,9 @@
 
 pub mod agent;
 pub mod backends;
-pub mod caps;
 pub mod cli;
 pub mod datapath;
-pub mod freed_ids;
-pub mod map_batch;
-pub mod memory;
-pub mod node_map;
-pub mod pod_cidr_map;
-pub mod recent_removals;
+pub mod kernel;
+pub mod runtime;
 pub mod source;
 pub mod telemetry;

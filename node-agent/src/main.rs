@@ -10,7 +10,7 @@ use node_agent::cli::{
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    node_agent::memory::init();
+    node_agent::runtime::memory::init();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     let mut out = std::io::stdout().lock();

@@ -327,7 +327,7 @@ impl AgentEnv {
     /// `ip -> node ID` of the pinned map.
     pub fn map(&self) -> BTreeMap<String, u16> {
         let pin = node_agent::datapath::node_ids_pin(&self.bpffs);
-        let dump = node_agent::node_map::NodeMap::open(&pin)
+        let dump = node_agent::datapath::maps::NodeMap::open(&pin)
             .unwrap()
             .dump()
             .unwrap();

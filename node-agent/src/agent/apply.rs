@@ -20,8 +20,7 @@ use ipnet::IpNet;
 use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op};
 use state::plan::Plan;
 
-use super::kernel::Kernel;
-use crate::backends::OpError;
+use crate::kernel::{Kernel, OpError};
 
 /// One operation and what became of it.
 #[derive(Debug)]
@@ -306,7 +305,7 @@ mod tests {
         .await;
         out
     }
-    use crate::agent::kernel::fake::FakeKernel;
+    use crate::kernel::fake::FakeKernel;
 
     fn node(name: &str, ip: &str, cidr: &str) -> Node {
         Node {

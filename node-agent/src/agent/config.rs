@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use state::rotation::Delays;
 
+use crate::backends::BackendsConfig;
 use crate::datapath::DatapathConfig;
 
 #[derive(Clone, Debug)]
@@ -76,6 +77,17 @@ impl AgentConfig {
                 propagation: Duration::from_secs(90),
                 retirement: Duration::from_secs(300),
             },
+        }
+    }
+
+    /// What the kernel backends are opened with.
+    pub fn backends(&self) -> BackendsConfig {
+        BackendsConfig {
+            datapath: self.datapath.clone(),
+            route_protocol: self.route_protocol,
+            route_table: self.route_table,
+            route_nexthops: self.route_nexthops,
+            ipsec_key_file: self.ipsec_key_file.clone(),
         }
     }
 }

@@ -1,20 +1,18 @@
 //! The agent: one reconciler that owns every kernel mutation, fed by a node source.
 //!
 //! [`reconciler::Reconciler`] joins the source's live view, the agent's record and the kernel
-//! (through the [`kernel::Kernel`] seam) with the state crate's planner, and [`apply`] carries a
+//! (through the [`crate::kernel::Kernel`] seam) with the state crate's planner, and [`apply`] carries a
 //! plan out in phases. [`schedule::Schedule`] is the daemon's timers as data, [`checkpointer`]
 //! the checkpoint file, [`hold_file`] the operator's side of a held prune; [`runner`] is the
 //! daemon loop around them all, and the one-shot form (`--once`, `--dry-run`, `node-agent plan`).
 
 pub mod apply;
 pub mod checkpointer;
-pub mod clock;
 pub mod config;
 pub mod deadline;
 pub mod drift;
 pub mod hold_file;
 pub mod intake;
-pub mod kernel;
 pub mod reconciler;
 pub mod report;
 mod runner;
@@ -26,7 +24,7 @@ pub use config::AgentConfig;
 pub use reconciler::Reconciler;
 pub use runner::{ExitStatus, run, run_once};
 
-use crate::backends::DumpError;
+use crate::kernel::DumpError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -42,7 +40,7 @@ pub enum AgentError {
     #[error("kernel inventory: {0}")]
     Dump(#[from] DumpError),
     #[error("removing invalid node-ID map entries: {0}")]
-    Purge(#[from] crate::backends::OpError),
+    Purge(#[from] crate::kernel::OpError),
     #[error("the node source ended before completing a full list")]
     SourceEnded,
     #[error("the node source cannot deliver a list: {0}")]

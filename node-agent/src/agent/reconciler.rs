@@ -24,13 +24,12 @@ use state::plan::{
 use state::rotation::rotation;
 
 use super::apply::{OpResult, apply_plan, routes_now};
-use super::clock::AgentClock;
 use super::config::AgentConfig;
 use super::drift::{Drift, Found};
 use super::intake::Intake;
-use super::kernel::Kernel;
 use super::{AgentError, report};
-use crate::backends::RoutesSinceDump;
+use crate::kernel::{Kernel, RoutesSinceDump};
+use crate::runtime::AgentClock;
 use crate::source::SourceEvent;
 use crate::source::live::{Changes, LiveState};
 use crate::telemetry::Telemetry;
@@ -557,7 +556,7 @@ impl<K: Kernel> Reconciler<K> {
         if plan.scope.is_none() {
             // A full plan's working tables are freed by now: hand their pages back before the
             // apply builds the new view (at scale, the two would add up in the peak RSS).
-            crate::memory::give_back();
+            crate::runtime::memory::give_back();
         }
         let reasons: HashMap<ObjectId, DeleteReason> = plan
             .deletes
@@ -1067,7 +1066,7 @@ mod tests {
     use state::objects::{KernelObject, ObjectKind};
 
     use super::*;
-    use crate::agent::kernel::fake::FakeKernel;
+    use crate::kernel::fake::FakeKernel;
 
     fn raw(name: &str, ip: &str, cidr: &str) -> RawNode {
         RawNode {
@@ -1370,8 +1369,8 @@ mod tests {
         assert!(relist(&mut rec, &nodes[..4]), "a ripe hold's list");
     }
 
-    fn keys(spis: &[u8], digest: u8) -> crate::agent::kernel::KeyRead {
-        crate::agent::kernel::KeyRead {
+    fn keys(spis: &[u8], digest: u8) -> crate::kernel::KeyRead {
+        crate::kernel::KeyRead {
             keys: spis
                 .iter()
                 .map(|spi| state::rotation::FileKey {
@@ -1776,7 +1775,7 @@ mod tests {
         let contested = out
             .failed
             .iter()
-            .filter(|f| matches!(f.result, Err(crate::backends::OpError::RouteContested(at)) if at == dst))
+            .filter(|f| matches!(f.result, Err(crate::kernel::OpError::RouteContested(at)) if at == dst))
             .count();
         assert_eq!(contested, 1, "{:?}", out.failed);
         assert!(
@@ -1852,7 +1851,7 @@ mod tests {
         rec.on_event(SourceEvent::Delete("n1".into()));
         let out = rec.reconcile_event().await.unwrap();
         assert!(
-            matches!(&out.failed[..], [f] if matches!(f.result, Err(crate::backends::OpError::InUse { .. }))),
+            matches!(&out.failed[..], [f] if matches!(f.result, Err(crate::kernel::OpError::InUse { .. }))),
             "{:?}",
             out.failed
         );

@@ -18,13 +18,13 @@ use super::checkpointer::Checkpointer;
 use super::config::AgentConfig;
 use super::deadline::Deadline;
 use super::intake::Intake;
-use super::kernel::Kernel;
 use super::reconciler::{Outcome, Reconciler};
 use super::report::{self, RunReport};
 use super::schedule::{HEARTBEAT, Reconciled, Schedule};
 use super::{AgentError, hold_file};
 use crate::backends::Backends;
 use crate::datapath::link_watch::LinkWatch;
+use crate::kernel::Kernel;
 use crate::source::{SourceEvent, SourceRequest};
 use crate::telemetry::Telemetry;
 
@@ -150,7 +150,7 @@ pub async fn run_once(
     let telemetry = Arc::new(Telemetry::new(Duration::MAX));
     let (checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
     deadline.waiting_for("the kernel's objects (the datapath's pins, netlink)");
-    let backends = Backends::open(&config, dry_run).await?;
+    let backends = Backends::open(&config.backends(), dry_run).await?;
     let mut rec = Reconciler::new(config, record, backends, telemetry);
     deadline.waiting_for("the node source's first full list");
     let wait = SyncWait {
@@ -159,7 +159,7 @@ pub async fn run_once(
     };
     sync_and_dump(&mut rec, &mut rx, wait).await?;
     deadline.met();
-    crate::memory::give_back();
+    crate::runtime::memory::give_back();
     if dry_run {
         let plan = rec.plan().await?;
         let plan_report = report::plan_report(&plan, rec.live());
@@ -180,7 +180,7 @@ pub async fn run_once(
         // The last pass's plan goes before the next is made: at scale, two at once would be
         // the run's peak memory.
         drop(last.take());
-        crate::memory::give_back();
+        crate::runtime::memory::give_back();
         // A pass after one that applied without a failure (nodes that waited for an ID that
         // pass freed) plans against the view it left: its dump plus its writes, milliseconds
         // old. That is what the daemon's event reconciles trust too, and at 65,000 nodes a
@@ -254,7 +254,7 @@ pub async fn run(
 ) -> Result<(), AgentError> {
     let mut signals = Signals::install()?;
     let (checkpointer, record) = Checkpointer::open(&config.state_dir, false)?;
-    let backends = Backends::open(&config, false).await?;
+    let backends = Backends::open(&config.backends(), false).await?;
     let ipsec = config.ipsec_key_file.is_some();
     let mut rec = Reconciler::new(config, record, backends, telemetry.clone());
     rec.confirm_by_relist(true);
@@ -554,7 +554,7 @@ mod tests {
     use state::node::RawNode;
 
     use super::*;
-    use crate::agent::kernel::fake::FakeKernel;
+    use crate::kernel::fake::FakeKernel;
 
     fn raw(name: &str, ip: &str, cidr: &str) -> RawNode {
         RawNode {

@@ -8,34 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-/// Capped exponential backoff.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Backoff {
-    base: Duration,
-    cap: Duration,
-    next: Duration,
-}
-
-impl Backoff {
-    pub const fn new(base: Duration, cap: Duration) -> Self {
-        Self {
-            base,
-            cap,
-            next: base,
-        }
-    }
-
-    /// The wait before the next attempt; each call doubles the following one, up to the cap.
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.cap);
-        d
-    }
-
-    pub fn reset(&mut self) {
-        self.next = self.base;
-    }
-}
+use crate::runtime::Backoff;
 
 /// How often the loop turns at the least, so `/healthz` can tell a stuck loop from an idle one.
 pub const HEARTBEAT: Duration = Duration::from_secs(5);
@@ -354,15 +327,6 @@ mod tests {
             !s.due(t0 + 91 * S).reconcile,
             "a rotation step wakes the loop once"
         );
-    }
-
-    #[test]
-    fn backoff_doubles_to_its_cap_and_resets() {
-        let mut b = Backoff::new(S, 30 * S);
-        let delays: Vec<u64> = (0..7).map(|_| b.next_delay().as_secs()).collect();
-        assert_eq!(delays, [1, 2, 4, 8, 16, 30, 30]);
-        b.reset();
-        assert_eq!(b.next_delay(), S);
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! identity since the dump, the kernel refuses and nothing is replaced. A route of ours whose
 //! nexthop or gateway changed is replaced in place (`NLM_F_REPLACE`): one atomic change, never a
 //! delete-then-add gap. Deletes carry our protocol, so the kernel matches only ours. Writes go in
-//! batches, many to a system call ([`super::batch`]).
+//! batches, many to a system call ([`super::netlink::batch`]).
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -30,9 +30,10 @@ use rtnetlink::{Handle, RouteMessageBuilder};
 use state::inventory::Inventory;
 use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op, Route, Via};
 
-use super::batch::{BATCH, Batcher, Request, unanswered};
+use super::Backend;
+use super::netlink::batch::{BATCH, Batcher, Request, unanswered};
 use super::netlink::{KernelError, outcome};
-use super::{Backend, DumpError, OpError};
+use crate::kernel::{DumpError, OpError};
 
 /// Route protocol number marking our routes unless configured otherwise.
 pub const DEFAULT_ROUTE_PROTOCOL: u8 = 201;

@@ -2,7 +2,7 @@
 //!
 //! Deleting a nexthop deletes every route through it, someone else's too, and changes (or
 //! deletes) every group holding it; the kernel has no lookup of a nexthop's users, so before
-//! deleting nexthops the agent reads every route and every group ([`super::users_of`]). At
+//! deleting nexthops the agent reads every route and every group ([`super::nexthops::users_of`]). At
 //! 65,000 nodes that is 130,000 routes and a kernel walk of 130,000 nexthops, a third of a second
 //! for every node removal. But a route or a group can only come to use our nexthop by being
 //! added or changed, and the kernel announces every such change to the route and nexthop
@@ -30,17 +30,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::IpNet;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-/// What the announcements say about routes at some destinations since the last full dump began.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RoutesSinceDump {
-    /// No one else changed a route in our table at any of them.
-    Untouched,
-    /// Someone else changed a route in our table at one of them: what the dump found there may
-    /// no longer be ours.
-    Touched,
-    /// Not known: no dump completed since announcements were last lost, or no watch.
-    Unknown,
-}
+use crate::kernel::RoutesSinceDump;
 
 /// `RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE`: the legacy group bits of the route announcements.
 const ROUTE_GROUPS: u32 = 0x40 | 0x400;

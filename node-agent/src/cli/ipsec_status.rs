@@ -16,8 +16,8 @@ use state::objects::{GuardRole, NodeId, XfrmDir, XfrmState};
 
 use super::{BpffsArg, Output};
 use crate::backends::xfrm::{KeyBook, KeyFile, XfrmBackend, stats};
+use crate::datapath::maps::PodCidrMap;
 use crate::datapath::pod_cidrs_pin;
-use crate::pod_cidr_map::PodCidrMap;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

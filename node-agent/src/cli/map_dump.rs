@@ -5,8 +5,8 @@ use std::io::Write;
 use anyhow::Context;
 
 use super::{BpffsArg, Output};
+use crate::datapath::maps::NodeMap;
 use crate::datapath::node_ids_pin;
-use crate::node_map::NodeMap;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -456,7 +456,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
     if !args.dry_run {
-        crate::caps::check()?;
+        crate::runtime::caps::check()?;
     }
     runtime()?.block_on(async {
         let source = spawn_source(&args.source).await?;

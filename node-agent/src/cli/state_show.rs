@@ -60,7 +60,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     let cp = checkpoint::decode(&bytes).with_context(|| format!("decoding {}", path.display()))?;
     let written = cp.written_at.as_secs();
     // By the agent's clock, continued from the record as a restarted agent would.
-    let now = crate::agent::clock::AgentClock::resume(Some(&cp))
+    let now = crate::runtime::AgentClock::resume(Some(&cp))
         .now()
         .as_secs();
     let shown = Shown {

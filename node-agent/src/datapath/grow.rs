@@ -24,10 +24,9 @@ use std::path::Path;
 
 use node_agent_common::{self as abi, NodeValue};
 
+use super::maps::{NodeMap, NodeMapError, PodCidrMap};
 use super::txn::{self, Kind, Recovery, Txn, TxnError};
 use super::{Datapath, DatapathError, Pins, object};
-use crate::node_map::NodeMap;
-use crate::pod_cidr_map::PodCidrMap;
 
 impl Datapath {
     /// The node-ID and pod-CIDR maps' capacity.
@@ -139,7 +138,7 @@ impl Datapath {
 /// Copies every entry the agent wrote from the live maps into the staged ones. Entries the
 /// agent never writes (undecodable keys) stay behind: the agent would purge them anyway.
 fn copy_entries(live: &Pins, staged_ids: &Path, staged_cidrs: &Path) -> Result<(), String> {
-    let e = |e: crate::node_map::NodeMapError| e.to_string();
+    let e = |e: NodeMapError| e.to_string();
     let mut ids = NodeMap::open(staged_ids).map_err(e)?;
     for n in NodeMap::open(&live.node_ids)
         .map_err(e)?

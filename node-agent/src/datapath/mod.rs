@@ -4,14 +4,20 @@
 //! datapath is using right now, and the next agent restores IDs from them. A restart therefore
 //! reuses them (after checking their layout) and takes over the attached programs without
 //! detaching them first (see [`attach`]).
+//!
+//! What is pinned is read and written in one place: [`maps`] the datapath's maps of node values,
+//! [`records`] the agent's own records beside them, [`pins`] the layout checks of both, and
+//! [`txn`] the crash-safe transaction that replaces pins when the maps grow ([`grow`]).
 
 pub mod attach;
 pub mod attachments;
 pub mod grow;
 pub mod link_watch;
 pub mod log_forward;
+pub mod maps;
 pub mod object;
 pub mod pins;
+pub mod records;
 pub mod tc_filter;
 pub mod txn;
 

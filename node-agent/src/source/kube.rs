@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 
 use super::node_object::raw_node;
 use super::{SourceEvent, SourceRequest};
-use crate::agent::schedule::Backoff;
+use crate::runtime::Backoff;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeSourceError {
@@ -273,8 +273,7 @@ struct Jittered {
 impl Jittered {
     fn new(base: Duration, cap: Duration) -> Self {
         // Seeded per process: enough to keep a cluster's agents apart.
-        let seed =
-            u64::from(std::process::id()) ^ crate::agent::clock::wall_clock().as_nanos() as u64;
+        let seed = u64::from(std::process::id()) ^ crate::runtime::wall_clock().as_nanos() as u64;
         Self {
             backoff: Backoff::new(base, cap),
             rng: seed | 1,

@@ -19,7 +19,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use super::Telemetry;
-use crate::agent::schedule::Backoff;
+use crate::runtime::Backoff;
 
 /// Connections served at once. A scrape or a probe is one short request; more wait in the
 /// listen backlog, where they hold no file descriptor of the agent's.

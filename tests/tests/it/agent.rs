@@ -530,7 +530,8 @@ fn xfrm_guards() -> usize {
 /// The entries of the pod-CIDR map, which mark pod traffic for IPsec.
 fn pod_cidr_marks(bpffs: &std::path::Path) -> usize {
     let pin = node_agent::datapath::pod_cidrs_pin(bpffs);
-    node_agent::pod_cidr_map::PodCidrMap::open(&pin).map_or(0, |m| m.dump().unwrap().entries.len())
+    node_agent::datapath::maps::PodCidrMap::open(&pin)
+        .map_or(0, |m| m.dump().unwrap().entries.len())
 }
 
 #[test]

@@ -7,14 +7,15 @@ use std::path::Path;
 use std::process::Command;
 
 use ipnet::IpNet;
-use node_agent::backends::batch::{BATCH, Batcher};
+use node_agent::backends::Backend;
 use node_agent::backends::map::MapBackend;
+use node_agent::backends::netlink::batch::{BATCH, Batcher};
 use node_agent::backends::nexthops::fibmatch;
 use node_agent::backends::nexthops::message::NexthopMessage;
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
-use node_agent::backends::{Backend, OpError};
+use node_agent::datapath::maps::NodeMap;
 use node_agent::datapath::{Datapath, DatapathConfig, node_ids_pin};
-use node_agent::node_map::NodeMap;
+use node_agent::kernel::OpError;
 use node_agent_common::NodeValue;
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;

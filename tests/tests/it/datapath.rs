@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use aya::programs::TcAttachType;
 use node_agent::datapath::attach::Attachment;
+use node_agent::datapath::maps::{NodeEntry, NodeMap, NodeStatsMap};
+use node_agent::datapath::records::freed_ids::{self, FreedIds};
+use node_agent::datapath::records::recent_removals::{self, RecentRemovalsRecord};
 use node_agent::datapath::{Datapath, DatapathConfig, DatapathError, node_ids_pin, node_stats_pin};
-use node_agent::freed_ids::{self, FreedIds};
-use node_agent::node_map::{NodeEntry, NodeMap, NodeStatsMap};
-use node_agent::recent_removals::{self, RecentRemovalsRecord};
 use node_agent_common::{NodeStats, NodeValue};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::{VethPair, agent_bin, attached, ip, ip_batch, report, run, sandbox};
@@ -722,7 +722,7 @@ fn pod_behind_a_bridge() {
 fn pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it() {
     use node_agent::backends::Backend;
     use node_agent::backends::xfrm::{KeyBook, XfrmBackend};
-    use node_agent::pod_cidr_map::PodCidrMap;
+    use node_agent::datapath::maps::PodCidrMap;
     use node_agent_tests::in_netns;
     use state::node::Family as IpFamily;
     use state::objects::{KernelObject, Op, XfrmDir, XfrmGuard, mark};
@@ -992,9 +992,9 @@ fn attached_map_ids(iface: &str, dir: TcAttachType) -> Vec<Vec<u32>> {
 /// intent), hold every node and pod CIDR, and are what every attached program reads.
 fn check_converged(bpffs: &Path, capacity: u32, case: &str) {
     use aya::maps::MapInfo;
+    use node_agent::datapath::maps::PodCidrMap;
     use node_agent::datapath::pins::MapLayout;
     use node_agent::datapath::{pin_dir, pod_cidrs_pin};
-    use node_agent::pod_cidr_map::PodCidrMap;
 
     let (ids, cidrs) = (node_ids_pin(bpffs), pod_cidrs_pin(bpffs));
     for pin in [&ids, &cidrs] {
@@ -1069,8 +1069,8 @@ fn check_converged(bpffs: &Path, capacity: u32, case: &str) {
 
 /// The maps at 4 entries with every node and pod CIDR, nothing else pinned but the links.
 fn txn_setup(bpffs: &Path) {
+    use node_agent::datapath::maps::PodCidrMap;
     use node_agent::datapath::pin_dir;
-    use node_agent::pod_cidr_map::PodCidrMap;
 
     // The maps of the last case go (the links stay, and the next load takes them over).
     for e in std::fs::read_dir(pin_dir(bpffs)).into_iter().flatten() {
@@ -1282,9 +1282,9 @@ fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, Ordering};
 
+        use node_agent::datapath::maps::PodCidrMap;
         use node_agent::datapath::node_ids_layout;
         use node_agent::datapath::pins::MapLayout;
-        use node_agent::pod_cidr_map::PodCidrMap;
 
         VethPair::create();
         let mut config = DatapathConfig::new(&sb.bpffs);

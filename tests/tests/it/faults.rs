@@ -319,7 +319,7 @@ fn drift_in_routes_and_the_map_is_repaired_and_counted() {
             "static",
         ]);
         let pin = node_agent::datapath::node_ids_pin(&env.bpffs);
-        let mut map = node_agent::node_map::NodeMap::open(&pin).unwrap();
+        let mut map = node_agent::datapath::maps::NodeMap::open(&pin).unwrap();
         map.remove("10.88.1.4".parse().unwrap()).unwrap();
         map.upsert(
             "10.88.1.5".parse().unwrap(),

@@ -5,10 +5,12 @@
 use std::collections::{HashMap, HashSet};
 
 use ipnet::IpNet;
+use node_agent::backends::Backend;
 use node_agent::backends::nexthops::NexthopBackend;
+use node_agent::backends::nexthops::{apply_nexthops, users_of};
 use node_agent::backends::routes::{DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE, RouteBackend};
-use node_agent::backends::users_watch::{RoutesSinceDump, UsersWatch};
-use node_agent::backends::{Backend, OpError, apply_nexthops, users_of};
+use node_agent::backends::users_watch::UsersWatch;
+use node_agent::kernel::{OpError, RoutesSinceDump};
 use node_agent_tests::{ip, ip_batch, require_sandbox, runtime, sandbox};
 use state::inventory::Inventory;
 use state::node::Family;

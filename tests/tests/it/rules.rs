@@ -262,7 +262,7 @@ fn drift_in_the_map_is_rewritten_not_adopted() {
         let id = env.map()["10.88.1.3"];
         // Someone rewrites node-0002's entry with another ID.
         let pin = node_agent::datapath::node_ids_pin(&env.bpffs);
-        let mut map = node_agent::node_map::NodeMap::open(&pin).unwrap();
+        let mut map = node_agent::datapath::maps::NodeMap::open(&pin).unwrap();
         map.upsert(
             "10.88.1.3".parse().unwrap(),
             node_agent_common::NodeValue {
@@ -429,7 +429,7 @@ fn removals_split_over_runs_are_counted_together() {
         // stands in for the window where nothing better is left). The kernel's record of
         // recent removals still counts the four.
         std::fs::remove_file(env.checkpoint()).unwrap();
-        std::fs::remove_file(node_agent::freed_ids::pin(&sb.bpffs)).unwrap();
+        std::fs::remove_file(node_agent::datapath::records::freed_ids::pin(&sb.bpffs)).unwrap();
         let (code, report, _) = env.once(&[]);
         assert_eq!(code, 3, "still six of ten within the window: {report}");
         assert_eq!(report["brake"]["removed_nodes"], 6, "{report}");

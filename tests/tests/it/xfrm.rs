@@ -17,9 +17,10 @@ use std::process::Command;
 use std::time::Instant;
 
 use ipnet::IpNet;
+use node_agent::backends::Backend;
 use node_agent::backends::xfrm::{IpsecKey, KeyBook, KeyFile};
 use node_agent::backends::xfrm::{ProbeError, XfrmBackend};
-use node_agent::backends::{Backend, OpError};
+use node_agent::kernel::OpError;
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
 use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip};

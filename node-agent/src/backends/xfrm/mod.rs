@@ -31,11 +31,12 @@
 //! # The files
 //!
 //! [`keys`] the key file, [`message`] the messages we send, [`parse`] the dumps we read back,
-//! [`states`] and [`policies`] the operations, [`super::request`] the request helper and the
+//! [`states`] and [`policies`] the operations, [`super::netlink::request`] the request helper and the
 //! quiet codec it shares with the nexthop backend (netlink-proto's default codec logs every
 //! message, keys included), [`probe`] the ESP check, [`stats`] the kernel's counters. Netlink errors mean the same here as for routes
 //! ([`crate::backends::netlink`]).
 
+pub mod key_file;
 pub mod keys;
 pub mod message;
 pub mod parse;
@@ -60,13 +61,15 @@ use state::objects::{
     KernelObject, ObjectKind, Op, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark,
 };
 
+pub use self::key_file::KeyFileState;
 pub use self::keys::{IpsecKey, KeyBook, KeyFile};
 pub use self::message::REQID;
 use self::parse::{ParsedPolicy, parse_policy, parse_state};
 pub use self::probe::ProbeError;
+use super::Backend;
 use super::netlink::KernelError;
-use super::request::{self, request};
-use super::{Backend, DumpError, OpError};
+use super::netlink::request::{self, request};
+use crate::kernel::{DumpError, OpError};
 
 /// Requests in flight on the netlink socket at once.
 pub const PIPELINE: usize = 128;

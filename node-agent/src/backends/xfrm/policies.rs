@@ -11,8 +11,8 @@ use state::objects::{Op, XfrmGuard, XfrmPolicy};
 
 use super::Ctx;
 use super::message::{del_policy_message, guard_message, policy_mark, policy_message};
-use crate::backends::OpError;
 use crate::backends::netlink::outcome;
+use crate::kernel::OpError;
 
 impl Ctx {
     pub(super) async fn apply_policy(&self, op: &Op, p: &XfrmPolicy) -> Result<(), OpError> {

@@ -24,7 +24,7 @@ use super::XfrmBackend;
 use super::keys::RFC4106_GCM_AES;
 use super::message::{REQID, aead, del_policy_message, name, sa_id, set_selector};
 use crate::backends::netlink::KernelError;
-use crate::backends::request::request;
+use crate::backends::netlink::request::request;
 
 /// The throwaway state: TEST-NET-1 addresses (RFC 5737, never routed), an SPI no node uses, and
 /// a mark whose direction bits (0xA) are not ours, so our dumps never list it, under a full mask

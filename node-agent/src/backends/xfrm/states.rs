@@ -13,9 +13,9 @@ use state::objects::{Op, XfrmState};
 use super::Ctx;
 use super::message::{del_state_message, get_state_message, state_mark, state_message};
 use super::parse::{find_aead, find_mark};
-use crate::backends::OpError;
+use crate::backends::netlink::request::request;
 use crate::backends::netlink::{KernelError, outcome};
-use crate::backends::request::request;
+use crate::kernel::OpError;
 
 impl Ctx {
     /// Creates a state (`XFRM_MSG_NEWSA`); on `EEXIST` reads it back: identical -> nothing to

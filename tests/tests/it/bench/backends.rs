@@ -55,7 +55,7 @@ fn bench_backends_against_their_floors() {
                     spi: 0,
                 });
                 (
-                    node_agent::node_map::encode_key(ip),
+                    node_agent::datapath::maps::encode_key(ip),
                     NodeValue {
                         id,
                         spi: 0,

@@ -181,7 +181,7 @@ impl Floors {
         let entries: Vec<NodeKey> = nodes
             .iter()
             .flat_map(|n| n.ips.iter())
-            .map(|ip| node_agent::node_map::encode_key(ip.parse().unwrap()))
+            .map(|ip| node_agent::datapath::maps::encode_key(ip.parse().unwrap()))
             .collect();
         let value = NodeValue {
             id: 1,
@@ -311,7 +311,7 @@ fn walk(fd: &OwnedFd) -> usize {
 
 /// The node ID the map holds for `ip`, looked up with one `bpf(2)` call.
 fn lookup(fd: &OwnedFd, ip: IpAddr) -> Option<u16> {
-    let key = node_agent::node_map::encode_key(ip);
+    let key = node_agent::datapath::maps::encode_key(ip);
     let mut value = EMPTY;
     let mut attr = [0u64; 16];
     attr[0] = fd.as_raw_fd() as u64;

@@ -143,7 +143,9 @@ impl FreedIds {
             source,
         };
         let slots: Vec<(u32, u64)> =
-            match crate::map_batch::lookup_all(self.map.map().fd().as_fd()).map_err(err)? {
+            match crate::datapath::maps::batch::lookup_all(self.map.map().fd().as_fd())
+                .map_err(err)?
+            {
                 Some(slots) => slots,
                 None => (0..)
                     .zip(self.map.iter())

@@ -20,6 +20,7 @@
 //! [`ObjectKind::deleted_last`]: state::objects::ObjectKind::deleted_last
 
 pub mod message;
+mod users;
 
 use std::collections::{HashMap, HashSet};
 use std::io;
@@ -38,10 +39,12 @@ use state::node::Family;
 use state::objects::{KernelObject, Nexthop, NexthopId, ObjectId, ObjectKind, Op};
 
 use self::message::NexthopMessage;
-use super::batch::{BATCH, Batcher, Request, unanswered};
+pub use self::users::{apply_nexthops, users_of};
+use super::Backend;
+use super::netlink::batch::{BATCH, Batcher, Request, unanswered};
+use super::netlink::request::{self, request};
 use super::netlink::{KernelError, outcome};
-use super::request::{self, request};
-use super::{Backend, DumpError, OpError};
+use crate::kernel::{DumpError, OpError};
 
 pub struct NexthopBackend {
     /// For the dumps and the probe.

@@ -23,7 +23,7 @@ use netlink_packet_core::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-use super::netlink::{KernelError, ext_ack_message};
+use super::{KernelError, ext_ack_message};
 
 /// Requests in one `sendmsg`. The datagram (about 100 bytes a request) stays far below the
 /// socket's send limit. Each answer (a refusal, or a read's reply) takes about 830 bytes of

@@ -14,7 +14,7 @@ use netlink_packet_core::{
 use netlink_proto::sys::{AsyncSocket, SocketAddr, TokioSocket};
 use netlink_proto::{ConnectionHandle, NetlinkMessageCodec};
 
-use crate::backends::netlink::{KernelError, ext_ack_message};
+use super::{KernelError, ext_ack_message};
 
 /// Opens a netlink connection of `protocol` for messages `T` in the current network namespace
 /// and spawns its driver on the current tokio runtime.

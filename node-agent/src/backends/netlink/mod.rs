@@ -1,6 +1,11 @@
-//! What the kernel's netlink answers mean for an operation, shared by the route and xfrm
-//! backends: one error type carrying the errno and the kernel's own words, and one mapping from
-//! an answer to the operation's outcome.
+//! The netlink transport the backends of routes, nexthops and xfrm objects share, apart from
+//! those object kinds: [`batch`] many rtnetlink requests to a system call, [`request`] one
+//! request over a connection whose codec never logs, and here what the kernel's answers mean
+//! for an operation: one error type carrying the errno and the kernel's own words, and one
+//! mapping from an answer to the operation's outcome.
+
+pub mod batch;
+pub mod request;
 
 use std::fmt;
 use std::io;
@@ -8,7 +13,7 @@ use std::io;
 use netlink_packet_core::{NLM_F_ACK_TLVS, NLM_F_CAPPED, NlasIterator};
 use state::objects::Op;
 
-use super::OpError;
+use crate::kernel::OpError;
 
 /// An error the kernel (or the netlink connection) returned for one request, with the
 /// kernel's extended-ack message when it gave one.

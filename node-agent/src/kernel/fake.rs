@@ -1,0 +1,200 @@
+//! An in-memory kernel that fails on command: the one every unit test of the agent runs on.
+
+use std::collections::BTreeMap;
+use std::io;
+
+use state::objects::{KernelObject, ObjectId, ObjectKind};
+
+use super::*;
+
+/// What to break.
+#[derive(Default)]
+pub struct Faults {
+    /// The next this many dumps fail (as a dump that fails halfway does).
+    pub dumps: usize,
+    /// Ops on objects of these kinds fail (with `EBUSY`) while set.
+    pub kinds: Vec<ObjectKind>,
+    /// Ops on these identities fail while set.
+    pub ids: Vec<ObjectId>,
+    /// Remembering freed IDs fails while set.
+    pub freed: bool,
+}
+
+#[derive(Default)]
+pub struct FakeKernel {
+    pub ours: BTreeMap<ObjectId, KernelObject>,
+    pub foreign: BTreeMap<ObjectId, String>,
+    /// Objects of ours that foreign ones use.
+    pub used_by: BTreeMap<ObjectId, String>,
+    pub freed: BTreeMap<u16, FreedId>,
+    /// The kernel's record of recent removals; `None` until one is remembered.
+    pub removals: Option<Vec<RecentRemovals>>,
+    pub faults: Faults,
+    pub dumps: usize,
+    pub applied: Vec<Op>,
+    /// What [`Kernel::ipsec_keys`] answers.
+    pub keys: Option<KeyRead>,
+    /// What [`Kernel::check_attachments`] answers.
+    pub pending: Vec<String>,
+    /// What [`Kernel::route_nexthops`] answers.
+    pub nexthops: bool,
+    /// The capacities [`Kernel::grow_maps`] was asked for.
+    pub grown: Vec<u32>,
+    /// Destinations where someone else changed a route since the last dump (what a test
+    /// planted there): [`Kernel::routes_since_dump`] says so until the next dump.
+    pub routes_touched: Vec<IpNet>,
+    /// Destinations someone else changes a route at while each of the next dumps runs (one
+    /// list per dump, taken in turn): after the dump, they are touched.
+    pub touched_during_dumps: Vec<Vec<IpNet>>,
+}
+
+fn busy(what: &str) -> OpError {
+    OpError::Kernel {
+        what: what.to_string(),
+        source: io::Error::from_raw_os_error(libc::EBUSY),
+    }
+}
+
+impl FakeKernel {
+    fn fails(&self, op: &Op) -> bool {
+        let o = op.object();
+        self.faults.kinds.contains(&o.kind()) || self.faults.ids.contains(&o.id())
+    }
+
+    fn apply_one(&mut self, op: &Op) -> Result<(), OpError> {
+        if self.fails(op) {
+            return Err(busy(&format!("{} {}", op.verb(), op.object())));
+        }
+        let id = op.object().id();
+        match op {
+            Op::Create(o) => {
+                if self.foreign.contains_key(&id) || self.ours.contains_key(&id) {
+                    return Err(OpError::Occupied {
+                        what: o.to_string(),
+                    });
+                }
+                self.ours.insert(id, o.clone());
+            }
+            Op::Replace(o) => {
+                self.ours.insert(id, o.clone());
+            }
+            Op::Delete(o) => {
+                // As the backend does: a nexthop something goes through is left alone.
+                let user = self.used_by.get(&id).cloned().or_else(|| {
+                    self.ours
+                        .values()
+                        .find(|r| r.uses().as_ref() == Some(&id))
+                        .map(ToString::to_string)
+                });
+                if let Some(user) = user {
+                    return Err(OpError::InUse {
+                        what: o.to_string(),
+                        user,
+                    });
+                }
+                self.ours.remove(&id);
+                // The kernel deletes the routes through a nexthop with it.
+                self.ours.retain(|_, o| o.uses().as_ref() != Some(&id));
+            }
+        }
+        self.applied.push(op.clone());
+        Ok(())
+    }
+}
+
+impl Kernel for FakeKernel {
+    async fn dump(&mut self) -> Result<Inventory, DumpError> {
+        self.dumps += 1;
+        self.routes_touched.clear();
+        if !self.touched_during_dumps.is_empty() {
+            self.routes_touched = self.touched_during_dumps.remove(0);
+        }
+        if self.faults.dumps > 0 {
+            self.faults.dumps -= 1;
+            return Err(DumpError::Kernel {
+                kind: ObjectKind::Route,
+                source: io::Error::from_raw_os_error(libc::ENOBUFS),
+            });
+        }
+        let mut inv: Inventory = self.ours.values().cloned().collect();
+        for (id, what) in &self.foreign {
+            inv.occupy(id.clone(), what.clone());
+        }
+        for (id, what) in &self.used_by {
+            inv.use_by_foreign(id.clone(), what.clone());
+        }
+        Ok(inv)
+    }
+
+    async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
+        ops.iter().map(|op| self.apply_one(op)).collect()
+    }
+
+    async fn nexthops_ours(&mut self, ids: &[NexthopId]) -> Vec<Result<(), OpError>> {
+        ids.iter()
+            .map(|&id| {
+                let at = ObjectId::Nexthop { id };
+                match (self.ours.contains_key(&at), self.foreign.get(&at)) {
+                    (true, _) => Ok(()),
+                    (false, Some(theirs)) => Err(busy(theirs)),
+                    (false, None) => Err(OpError::NexthopMissing),
+                }
+            })
+            .collect()
+    }
+
+    async fn purge_junk(&mut self) -> Result<usize, OpError> {
+        Ok(0)
+    }
+
+    fn freed_ids(&mut self) -> Result<Vec<FreedId>, OpError> {
+        Ok(self.freed.values().copied().collect())
+    }
+
+    fn remember_freed(&mut self, freed: &[FreedId]) -> Result<(), OpError> {
+        if self.faults.freed {
+            return Err(busy("remembering freed IDs"));
+        }
+        for f in freed {
+            self.freed.insert(f.id.get(), *f);
+        }
+        Ok(())
+    }
+
+    fn recent_removals(&mut self) -> Option<Vec<RecentRemovals>> {
+        self.removals.clone()
+    }
+
+    fn remember_removal(
+        &mut self,
+        removal: RecentRemovals,
+        _keep_since: Duration,
+    ) -> Result<(), OpError> {
+        self.removals.get_or_insert_default().push(removal);
+        Ok(())
+    }
+
+    fn ipsec_keys(&mut self) -> Option<KeyRead> {
+        self.keys.clone()
+    }
+
+    fn check_attachments(&mut self) -> Vec<String> {
+        self.pending.clone()
+    }
+
+    fn route_nexthops(&self) -> bool {
+        self.nexthops
+    }
+
+    fn routes_since_dump(&mut self, at: &[IpNet]) -> RoutesSinceDump {
+        match at.iter().any(|dst| self.routes_touched.contains(dst)) {
+            true => RoutesSinceDump::Touched,
+            false => RoutesSinceDump::Untouched,
+        }
+    }
+
+    fn grow_maps(&mut self, capacity: u32) -> Result<(), OpError> {
+        self.grown.push(capacity);
+        Ok(())
+    }
+}
