@@ -67,7 +67,7 @@ use bincode::error::{
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
-use crate::checkpoint::format::{DecodeError, EncodeError, PayloadError};
+use crate::checkpoint::error::{DecodeError, EncodeError, PayloadError};
 use crate::checkpoint::{Checkpoint, PendingDelete};
 use crate::ids::{AllocatorState, FreedId};
 use crate::node::{AddressKind, Node, NodeAddress};

@@ -7,7 +7,7 @@
 
 use super::{Dec, Time, decode_freed, decode_list, owned, read};
 use crate::checkpoint::Checkpoint;
-use crate::checkpoint::format::DecodeError;
+use crate::checkpoint::error::DecodeError;
 
 /// The checkpoint, every field checked, a record of the local node dropped.
 pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {

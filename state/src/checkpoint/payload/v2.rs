@@ -15,7 +15,7 @@ use super::{
     Dec, Enc, MinLen, Time, decode_freed, decode_list, decode_seq, decode_uint, encode_freed,
     encode_list, encode_seq, encode_uint, invalid, owned, read,
 };
-use crate::checkpoint::format::DecodeError;
+use crate::checkpoint::error::DecodeError;
 use crate::checkpoint::{Checkpoint, KeySeen, RecentRemovals};
 
 /// Removals the brake let through at one time.

@@ -10,7 +10,7 @@ use bincode::enc::{Encode, Encoder};
 use bincode::error::{DecodeError as WireDecodeError, EncodeError as WireEncodeError};
 
 use super::{Dec, Enc, MinLen, Time, decode_raw, encode_raw, read, v3};
-use crate::checkpoint::format::DecodeError;
+use crate::checkpoint::error::DecodeError;
 use crate::checkpoint::{BootTime, Checkpoint};
 
 /// A point on the boot clock: the boot ID's 16 bytes (as bytes, with their length, the way
