@@ -5,6 +5,7 @@
 pub mod address_policy;
 pub mod checkpoint;
 pub mod desired;
+mod family;
 pub mod ids;
 pub mod input;
 pub mod inventory;
