@@ -10,12 +10,15 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::inventory::Inventory;
-use crate::node::{AddressKind, Family, Node};
+use crate::node::{Family, Node};
 use crate::objects::{
     KernelObject, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, PodCidrEntry, Route, Via,
     XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
 };
-use crate::plan::{InputProblem, Pair, PlanConfig};
+pub use crate::plan::resource::maps_address;
+
+use crate::plan::config::{Pair, PlanConfig};
+use crate::plan::problem::InputProblem;
 
 /// The local endpoint of `family` for xfrm: the first configured local address of that family.
 pub fn local_endpoint(config: &PlanConfig, family: Family) -> Option<IpAddr> {
@@ -31,12 +34,6 @@ fn any_net(family: Family) -> IpNet {
         Family::V4 => IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::UNSPECIFIED, 0)),
         Family::V6 => IpNet::V6(Ipv6Net::new_assert(Ipv6Addr::UNSPECIFIED, 0)),
     }
-}
-
-/// Whether an address of `kind` gets a map entry: InternalIPs always, ExternalIPs with
-/// `include_external_ips`.
-pub fn maps_address(include_external_ips: bool, kind: AddressKind) -> bool {
-    kind == AddressKind::InternalIP || include_external_ips
 }
 
 /// The objects that belong to no node: with IPsec, the guards of every family this node has an

@@ -22,7 +22,7 @@ use foldhash::fast::FixedState;
 use foldhash::{HashMap, HashMapExt};
 use ipnet::IpNet;
 
-use super::claims::{Resource, resources_of};
+use super::resource::{Resource, resources_of};
 use crate::checkpoint::{Checkpoint, spliced_names};
 use crate::ids::IdSet;
 use crate::node::{Node, name_range};

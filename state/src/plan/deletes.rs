@@ -10,13 +10,13 @@
 
 use foldhash::{HashMap, HashMapExt, HashSet};
 
-use super::brake::{Brake, is_local_entry};
-use super::claims::secondary_resource;
-use super::classify::{Live, LiveClass};
+use super::brake_memory::Brake;
+use super::nodes::{Live, LiveClass, Record};
+use super::ops::{Delete, DeleteReason};
 use super::parallel;
-use super::records::Record;
+use super::resource::secondary_resource;
 use super::resource_index::{NodeResources, Res, ResourceIndex};
-use super::{Delete, DeleteReason, Local, PlanInput};
+use super::view::{Local, PlanInput, is_local_entry};
 use crate::desired::desired_objects;
 use crate::ids::{IdMap, IdSet};
 use crate::inventory::Marks;

@@ -16,377 +16,58 @@
 //! 7. the next record ([`Plan::checkpoint`]) and brake memory.
 //!
 //! Steps of a large plan run some of their pieces on a second core ([`parallel`]).
+//!
+//! The steps share one vocabulary, in leaf modules beneath them all: the configuration
+//! ([`config`]), the input ([`view`]), resources and who claims them ([`resource`]), the
+//! planner's views of each node ([`nodes`]), the brake's memory and decision
+//! ([`brake_memory`]), the problems reported ([`problem`]) and the operations planned ([`ops`]).
+//! A step imports that vocabulary and the shared indexes, never another step; this module, on
+//! top, runs them in order.
 
 pub mod brake;
 pub mod claims;
 
 mod assign;
+mod brake_memory;
 mod claim_index;
 mod classify;
+pub(crate) mod config;
 mod deletes;
 mod interner;
+mod nodes;
+mod ops;
 mod parallel;
+pub(crate) mod problem;
 mod records;
+pub(crate) mod resource;
 mod resource_index;
 mod scope;
+mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
-use std::net::IpAddr;
-use std::sync::Arc;
-use std::time::Duration;
 
 use foldhash::{HashSet, HashSetExt};
 use ipnet::IpNet;
 
-use crate::checkpoint::{Checkpoint, KeySeen, PendingDelete};
-use crate::desired::{desired_objects, global_objects};
-use crate::ids::{AllocatorState, IdError, IdSet, MAX_ID};
+use crate::checkpoint::{Checkpoint, PendingDelete};
+use crate::desired::{desired_objects, global_objects, local_endpoint};
 use crate::inventory::{Inventory, Marks};
-use crate::node::{AddressKind, Family, Node};
-use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
+use crate::node::{Family, Node};
+use crate::objects::{KernelObject, NodeId, ObjectId, Op};
 
-pub use brake::{BrakeCount, BrakeHold, BrakeMemory, HoldKind, Removal};
+pub use brake_memory::{BrakeCount, BrakeHold, BrakeMemory, HoldKind, Removal};
 pub use claim_index::ClaimIndex;
-pub use claims::{ConflictWhy, Resource};
+pub use config::{GlobalTags, IpsecConfig, KeyInUse, KeyTags, Pair, PlanConfig};
+pub use ops::{AGENT_OWNED, Allocation, Delete, DeleteReason, ORPHANS, Upsert};
+pub use problem::{InputError, InputProblem};
+pub use resource::{ConflictWhy, Resource};
 pub use scope::plan_scoped;
+pub use view::{LiveView, MalformedNode, PlanInput};
 
-use self::classify::{Live, LiveClass};
-
-/// IPsec settings that shape the desired objects.
-#[derive(Clone, Debug)]
-pub struct IpsecConfig {
-    /// The SPI traffic is sent with (1..=15, it lives in 4 mark bits): the map entries carry it.
-    pub send_spi: u8,
-    /// Every key whose states and policies exist now: the one sent with and, during a
-    /// rotation, the one rotated in (received, not yet sent with) or out (still received).
-    pub keys: Vec<KeyInUse>,
-    /// When the agent first saw each key of the key file: written into the checkpoint, so a
-    /// rotation resumes on its schedule after a restart ([`crate::rotation`]).
-    pub seen: Vec<KeySeen>,
-    /// What each state's key is, by node pair: the key file's own key, or one derived per pair.
-    pub tags: Arc<dyn KeyTags>,
-}
-
-impl PartialEq for IpsecConfig {
-    fn eq(&self, other: &Self) -> bool {
-        self.send_spi == other.send_spi
-            && self.keys == other.keys
-            && self.seen == other.seen
-            && Arc::ptr_eq(&self.tags, &other.tags)
-    }
-}
-
-impl IpsecConfig {
-    /// One global key, sent with: no rotation under way.
-    pub fn single(spi: u8, tag: KeyTag) -> Self {
-        Self {
-            send_spi: spi,
-            keys: vec![KeyInUse { spi, tag }],
-            seen: Vec::new(),
-            tags: Arc::new(GlobalTags),
-        }
-    }
-}
-
-/// A key whose states exist: its SPI and the tag of the key file's key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KeyInUse {
-    pub spi: u8,
-    pub tag: KeyTag,
-}
-
-/// The two ends of a state and their boot IDs: what a per-pair key is derived from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pair<'a> {
-    pub src: IpAddr,
-    pub dst: IpAddr,
-    pub src_boot: &'a str,
-    pub dst_boot: &'a str,
-}
-
-/// The tag of the key a state holds. The planner compares tags, never keys: the implementation
-/// that knows the keys (the agent's key book) lives with the kernel side.
-pub trait KeyTags: fmt::Debug + Send + Sync {
-    fn tag(&self, key: &KeyInUse, pair: &Pair<'_>) -> KeyTag;
-
-    /// A plan is about to ask for tags (an implementation that remembers derived keys may
-    /// forget those no recent plan asked for).
-    fn plan_begins(&self) {}
-}
-
-/// Global keys: every state of a key holds the key file's key itself.
-#[derive(Debug)]
-pub struct GlobalTags;
-
-impl KeyTags for GlobalTags {
-    fn tag(&self, key: &KeyInUse, _: &Pair<'_>) -> KeyTag {
-        key.tag
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct PlanConfig {
-    /// The node this agent runs on; never treated as a remote node.
-    pub local_node: String,
-    /// This node's boot ID (per-pair IPsec keys are derived from it).
-    pub local_boot_id: String,
-    /// This node's addresses; the first of each family is the xfrm endpoint. They are the local
-    /// node's, whatever a remote node claims (invariant 14), and map entries for them are
-    /// deleted (ID 0, the local node, is implicit).
-    pub local_addresses: Vec<IpAddr>,
-    /// This node's pod CIDRs: with IPsec, remote nodes tunnel traffic toward them, so an IN
-    /// state is wanted in each of their families and no other.
-    pub local_pod_cidrs: Vec<IpNet>,
-    pub ipsec: Option<IpsecConfig>,
-    /// Largest share of known remote nodes (or of our objects, for orphans) that removals may
-    /// reach within the window without a confirmation.
-    pub max_prune_ratio: f64,
-    /// Removals of at least this share are a near-total wipe: only an operator confirms them.
-    pub wipe_ratio: f64,
-    /// Release every hold now (`--force-prune`).
-    pub force_prune: bool,
-    /// How long a hold must last before a fresh full list may confirm it; also the window over
-    /// which removals are counted together.
-    pub confirm_delay: Duration,
-    /// Whether a fresh full list after the confirm delay releases a hold (the daemon), or only
-    /// `force_prune` and an operator's confirmation do (one-shot runs).
-    pub confirm_by_relist: bool,
-    /// Entries the node-ID map holds.
-    pub map_capacity: usize,
-    pub id_cooldown: Duration,
-    /// The highest node ID handed out: [`MAX_ID`] except where a test shrinks the ID space.
-    pub max_node_id: u16,
-    /// Whether ExternalIPs get map entries too (InternalIPs always do).
-    pub include_external_ips: bool,
-    /// Routes go through a nexthop object per node and family (kernels from 5.3); otherwise
-    /// each route carries its gateway.
-    pub route_nexthops: bool,
-    /// Written into the checkpoint.
-    pub agent_version: String,
-}
-
-impl Default for PlanConfig {
-    fn default() -> Self {
-        Self {
-            local_node: String::new(),
-            local_boot_id: String::new(),
-            local_addresses: Vec::new(),
-            local_pod_cidrs: Vec::new(),
-            ipsec: None,
-            max_prune_ratio: 0.5,
-            wipe_ratio: 0.9,
-            force_prune: false,
-            confirm_delay: Duration::from_secs(60),
-            confirm_by_relist: false,
-            map_capacity: 65_536,
-            id_cooldown: Duration::from_secs(15 * 60),
-            max_node_id: MAX_ID,
-            include_external_ips: true,
-            route_nexthops: true,
-            agent_version: String::new(),
-        }
-    }
-}
-
-/// A live node none of whose records validated. Its UID, when its record has a readable one,
-/// picks the agent's record of this very node among several of its name: after a node was
-/// replaced under its name, or a list from another cluster with the same names, the name alone
-/// would hand it another node's record, and that node's objects with it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MalformedNode {
-    pub name: String,
-    /// Empty when unknown: then the agent's newest record of the name stands in.
-    pub uid: String,
-}
-
-impl MalformedNode {
-    pub fn named(name: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            uid: String::new(),
-        }
-    }
-}
-
-/// The nodes the source reports now.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LiveView {
-    /// Valid records, one per name (the source keeps a node's last good record when a new one
-    /// does not validate). Shared with the source's own state: a view of 65,000 nodes is then a
-    /// vector of pointers, not a copy of every node.
-    pub nodes: Vec<Arc<Node>>,
-    /// Live nodes with no valid record at all: their latest record does not validate and the
-    /// source never had a good one. The agent's own record of them stands in (invariant 8).
-    pub malformed: Vec<MalformedNode>,
-    /// The source completed its first full list (Kubernetes: `InitDone`).
-    pub synced: bool,
-    /// Full lists completed so far that contained the local node: a hold is confirmed only by
-    /// such a list, newer than the hold (invariants 15 and 16).
-    pub relists: u64,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub struct PlanInput<'a> {
-    /// The agent's record: the checkpoint it restored, then the one each reconcile implies.
-    pub record: Option<&'a Checkpoint>,
-    pub live: &'a LiveView,
-    pub inventory: &'a Inventory,
-    pub allocator: &'a AllocatorState,
-    pub brake: &'a BrakeMemory,
-    /// A hold an operator confirmed, by its ID (`node-agent prune confirm`).
-    pub confirmed_hold: Option<&'a str>,
-    /// Since the Unix epoch.
-    pub now: Duration,
-    pub config: &'a PlanConfig,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum DeleteReason {
-    /// The node is in the record but no longer live (deleted, or replaced under its name).
-    StaleNode,
-    /// The node is live but its addresses or CIDRs changed since the record.
-    ChangedWhileDown,
-    /// Ours (marked) but belonging to no live node and no record.
-    Orphan,
-    /// A live node's object replaced by one with a different identity (new node ID or SPI).
-    Superseded,
-    /// One of the agent's own objects for a feature that is off now (the IPsec guards).
-    Disabled,
-}
-
-impl DeleteReason {
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::StaleNode => "stale node",
-            Self::ChangedWhileDown => "changed while down",
-            Self::Orphan => "orphan",
-            Self::Superseded => "superseded",
-            Self::Disabled => "disabled",
-        }
-    }
-}
-
-impl fmt::Display for DeleteReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Delete {
-    pub object: KernelObject,
-    pub reason: DeleteReason,
-    /// The node the object was reached through; `None` for orphans.
-    pub node: Option<String>,
-}
-
-/// The owner named for objects that belong to no node (the IPsec guards). Node names cannot
-/// contain parentheses, so it never collides with one.
-pub const AGENT_OWNED: &str = "(agent)";
-
-/// The owner named for objects of ours that belong to no node or record (orphans).
-pub const ORPHANS: &str = "(orphan)";
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Upsert {
-    pub object: KernelObject,
-    pub node: String,
-    /// An object of ours with this identity exists with other content: replace it. Otherwise
-    /// nothing has the identity and the object is created exclusively.
-    pub update: bool,
-}
-
-impl Upsert {
-    pub fn op(&self) -> Op {
-        if self.update {
-            Op::Replace(self.object.clone())
-        } else {
-            Op::Create(self.object.clone())
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Allocation {
-    pub node: String,
-    pub id: NodeId,
-    /// When the ID was freed, if it had been used before (worth a warning: every never-used ID
-    /// is taken).
-    pub reused_after: Option<Duration>,
-}
-
-/// What is wrong with one live node's input, or what keeps it from being programmed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum InputProblem {
-    #[error("name listed twice in the live view; the first entry is used")]
-    DuplicateName,
-    #[error(
-        "{resource} is claimed by node {holder} too; {holder} keeps it ({why}); this node is held until the conflict clears"
-    )]
-    Conflict {
-        resource: Resource,
-        holder: String,
-        why: ConflictWhy,
-    },
-    #[error("{resource} belongs to the local node; this node is held until it no longer claims it")]
-    LocalResource { resource: Resource },
-    #[error(
-        "pod CIDR {cidr} overlaps {local}, the local node's; this node is held until it no longer does (its route would take the local node's traffic)"
-    )]
-    OverlapsLocal { cidr: IpNet, local: String },
-    #[error(
-        "pod CIDR {cidr} covers {ip}, the address of node {holder}; this node is held until it no longer does (its route would take {holder}'s traffic)"
-    )]
-    CoversAddress {
-        cidr: IpNet,
-        ip: IpAddr,
-        holder: String,
-    },
-    #[error("{object} is not written: {foreign} is there and is not ours; it is left alone")]
-    Foreign { object: String, foreign: String },
-    #[error(
-        "{object} is not deleted: {user} uses it and is not ours, and the kernel would delete it along; both are left alone"
-    )]
-    InUse { object: String, user: String },
-    #[error("pod CIDR {cidr} has no {family} InternalIP to route via; the CIDR is skipped")]
-    NoGateway { cidr: IpNet, family: Family },
-    #[error(
-        "IPsec is on and this node has {family} pod CIDRs but no {family} InternalIP to encrypt from: no {family} pod CIDR of a remote node is routed (its traffic would leave in the clear)"
-    )]
-    NoLocalEndpoint { family: Family },
-    #[error(
-        "node-ID map full: {needed} more entries do not fit its {limit} entries; the node is held (raise --node-map-max)"
-    )]
-    MapFull { limit: usize, needed: usize },
-    #[error("{0}; the node is held")]
-    Ids(#[from] IdError),
-    #[error("its record does not validate now; it keeps what it had")]
-    Malformed,
-}
-
-impl InputProblem {
-    /// Whether the problem is a conflict over a resource or a kernel identity (as opposed to
-    /// bad input or a full map), for metrics and reports.
-    pub fn is_conflict(&self) -> bool {
-        matches!(
-            self,
-            Self::Conflict { .. }
-                | Self::LocalResource { .. }
-                | Self::OverlapsLocal { .. }
-                | Self::CoversAddress { .. }
-                | Self::Foreign { .. }
-                | Self::InUse { .. }
-        )
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("node {node}: {problem}")]
-pub struct InputError {
-    pub node: String,
-    pub problem: InputProblem,
-}
+use self::brake_memory::Brake;
+use self::nodes::{HeldWhy, Live, LiveClass, Record};
+use self::problem::err;
+use self::view::{Elsewhere, Local};
 
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -544,34 +225,6 @@ impl Plan {
     }
 }
 
-/// The local node's addresses and pod CIDRs: always its own (invariant 14).
-struct Local {
-    ips: HashSet<IpAddr>,
-    cidrs: HashSet<IpNet>,
-    /// The live view has a valid record of the local node with an InternalIP. Without one,
-    /// what is the local node's is unknown (a remote node claiming its address would not be
-    /// stopped) and so is its xfrm endpoint (every IPsec object would look superseded): the
-    /// view is no view of this cluster from this node (invariant 15).
-    listed: bool,
-}
-
-impl Local {
-    fn new(cfg: &PlanConfig, live: &LiveView) -> Self {
-        let mut ips: HashSet<IpAddr> = cfg.local_addresses.iter().copied().collect();
-        let mut cidrs = HashSet::new();
-        let mut listed = false;
-        for n in live.nodes.iter().filter(|n| n.name == cfg.local_node) {
-            listed |= n
-                .addresses
-                .iter()
-                .any(|a| a.kind == AddressKind::InternalIP);
-            ips.extend(claims::mapped_ips(n, cfg));
-            cidrs.extend(n.pod_cidrs.iter().copied());
-        }
-        Self { ips, cidrs, listed }
-    }
-}
-
 /// With IPsec, a family this node has pod CIDRs in but no InternalIP (no xfrm endpoint): no
 /// remote pod CIDR of it is routed ([`crate::desired`]), reported once, for the local node, and
 /// the same in a plan of the whole cluster or of a part (a problem per remote node made every
@@ -582,7 +235,7 @@ fn no_local_endpoint(cfg: &PlanConfig, local: &Local, errors: &mut Vec<InputErro
     }
     for family in [Family::V4, Family::V6] {
         let has_pods = local.cidrs.iter().any(|c| Family::of_net(c) == family);
-        if has_pods && crate::desired::local_endpoint(cfg, family).is_none() {
+        if has_pods && local_endpoint(cfg, family).is_none() {
             err(
                 errors,
                 &cfg.local_node,
@@ -590,13 +243,6 @@ fn no_local_endpoint(cfg: &PlanConfig, local: &Local, errors: &mut Vec<InputErro
             );
         }
     }
-}
-
-fn err(errors: &mut Vec<InputError>, node: &str, problem: InputProblem) {
-    errors.push(InputError {
-        node: node.to_string(),
-        problem,
-    });
 }
 
 /// Makes the plan. Never panics on input.
@@ -607,20 +253,6 @@ fn err(errors: &mut Vec<InputError>, node: &str, problem: InputProblem) {
 /// keeps node data from choosing collisions). `cargo bench -p state` measures it.
 pub fn plan(input: &PlanInput<'_>) -> Plan {
     plan_with(input, None)
-}
-
-/// What lies outside the part of the cluster an event-sized plan looks at and still counts in
-/// it ([`scope`]): the totals the brake's ratios and the map's room are taken over, and the node
-/// IDs the records there carry.
-pub(crate) struct Elsewhere {
-    /// Records, each a known remote node.
-    pub known_nodes: usize,
-    /// Our objects in the kernel.
-    pub objects: usize,
-    /// Our map entries: they stay, so they take room.
-    pub map_entries: usize,
-    /// Node IDs in use: never handed out, never freed, never inherited.
-    pub ids: IdSet,
 }
 
 /// [`plan`], of the whole cluster (`elsewhere` is `None`) or of one part of it.
@@ -644,7 +276,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
 
     // 3. The brake: which removals may happen now.
     let index = resource_index::ResourceIndex::new(&live, &records, input.inventory, cfg);
-    let brake = brake::Brake::new(cfg, input, &records, &index, &local, elsewhere);
+    let brake = Brake::new(cfg, input, &records, &index, &local, elsewhere);
 
     // 4. Conflicts, map room and IDs, candidate by candidate.
     let known = assign::Known {
@@ -736,7 +368,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
         && live.iter().all(|l| match l.class {
             LiveClass::Programmed(_) => true,
             // Registering with nothing recorded and no pod CIDR: it claims nothing.
-            LiveClass::Held(classify::HeldWhy::Registering) => {
+            LiveClass::Held(HeldWhy::Registering) => {
                 l.record.is_none() && l.node.pod_cidrs.is_empty()
             }
             LiveClass::Held(_) | LiveClass::Candidate => false,
@@ -870,7 +502,7 @@ fn upserts(
 
 /// The next record's live nodes: each programmed node as it is now, with its ID; each held one
 /// (or candidate left waiting) as recorded, if it was.
-fn next_nodes(live: &[Live<'_>], records: &[records::Record<'_>]) -> Vec<Node> {
+fn next_nodes(live: &[Live<'_>], records: &[Record<'_>]) -> Vec<Node> {
     let mut nodes = Vec::with_capacity(live.len());
     for l in live {
         match l.class {

@@ -11,14 +11,13 @@
 use foldhash::{HashMap, HashMapExt};
 use smallvec::SmallVec;
 
-use super::PlanConfig;
-use super::claims::{Resource, key_resource, resources_of, secondary_resource};
-use super::classify::Live;
+use super::config::PlanConfig;
 pub(super) use super::interner::Res;
 use super::interner::{self, Interner, Interns, Lookups, MISSING, Split};
+use super::nodes::{Live, Record};
 use super::parallel;
-use super::records::Record;
-use crate::desired::{KernelNexthops, maps_address};
+use super::resource::{Resource, key_resource, maps_address, resources_of, secondary_resource};
+use crate::desired::KernelNexthops;
 use crate::ids::IdSet;
 use crate::inventory::Inventory;
 use crate::node::{Family, Node};

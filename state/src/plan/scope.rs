@@ -22,8 +22,9 @@ use std::sync::Arc;
 use ipnet::IpNet;
 
 use super::claim_index::ClaimIndex;
-use super::claims::{Resource, resources_of};
-use super::{Elsewhere, LiveView, Plan, PlanInput, plan_with};
+use super::resource::{Resource, resources_of};
+use super::view::{Elsewhere, LiveView, PlanInput};
+use super::{Plan, plan_with};
 use crate::checkpoint::Checkpoint;
 use crate::desired::{desired_objects, global_objects};
 use crate::node::{Node, name_range};

@@ -1,12 +1,16 @@
 //! One scenario per rule of the planner, in the order of `docs/design.md`.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::*;
-use crate::ids::FreedId;
+use crate::ids::{AllocatorState, FreedId, IdError};
 use crate::node::{AddressKind, NodeAddress};
-use crate::objects::{MapEntry, Nexthop, NexthopId, ObjectKind, Route, Via, XfrmDir, XfrmState};
+use crate::objects::{
+    KeyTag, MapEntry, Nexthop, NexthopId, ObjectKind, Route, Via, XfrmDir, XfrmState,
+};
 
 const NOW: Duration = Duration::from_secs(1_000_000);
 
