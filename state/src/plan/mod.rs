@@ -11,7 +11,7 @@
 //!    and record claims, indexed once ([`resource_index`], hashed in cache-sized parts by
 //!    [`interner`]) for this step and the next;
 //! 4. [`claims`] and [`assign`]: conflicts, map room and node IDs, candidate by candidate;
-//! 5. desired objects ([`crate::desired`]) and the upserts they need;
+//! 5. [`upserts`]: desired objects ([`crate::desired`]) and the upserts they need;
 //! 6. [`deletes`]: every undesired object of ours, with the reason it goes or stays;
 //! 7. the next record ([`Plan::checkpoint`]) and brake memory.
 //!
@@ -42,18 +42,18 @@ mod records;
 pub(crate) mod resource;
 mod resource_index;
 mod scope;
+mod upserts;
 mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use foldhash::{HashSet, HashSetExt};
-use ipnet::IpNet;
 
 use crate::checkpoint::{Checkpoint, PendingDelete};
-use crate::desired::{desired_objects, global_objects, local_endpoint};
-use crate::inventory::{Inventory, Marks};
+use crate::desired::local_endpoint;
+use crate::ids::{IdAllocator, IdSet};
 use crate::node::{Family, Node};
-use crate::objects::{KernelObject, NodeId, ObjectId, Op};
+use crate::objects::{NodeId, ObjectId, Op};
 
 pub use brake_memory::{BrakeCount, BrakeHold, BrakeMemory, HoldKind, Removal};
 pub use claim_index::ClaimIndex;
@@ -293,15 +293,15 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     // on two cores where there are two, the first run beside a copy of the next record's nodes
     // (which depend on nothing after admission).
     let cut = live.len() * 3 / 8;
-    let ((mut cp_nodes, first), second) = parallel::both(
+    let ((cp_nodes, first), second) = parallel::both(
         live.len() >= parallel::WORTH_A_THREAD,
         || {
             let nodes = next_nodes(&live, &records);
-            (nodes, wanted(input, &live, &index, 0..cut))
+            (nodes, upserts::wanted(input, &live, &index, 0..cut))
         },
-        || wanted(input, &live, &index, cut..live.len()),
+        || upserts::wanted(input, &live, &index, cut..live.len()),
     );
-    let (upserts, desired) = upserts(input, [first, second], &mut errors);
+    let (upserts, desired) = upserts::gather(input, [first, second], &mut errors);
 
     // 6. Deletes and their reasons.
     let deleted = deletes::decide(input, &live, &records, &brake, &index, &desired, &local);
@@ -317,26 +317,53 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     }
 
     // 7. The next record.
+    let made = Made {
+        records,
+        live,
+        brake,
+        admitted,
+        deleted,
+        cp_nodes,
+        upserts,
+        errors,
+    };
+    next_record(input, elsewhere, made)
+}
+
+/// What steps 1 to 6 made, for step 7 to put into the plan and the next record.
+struct Made<'a> {
+    records: Vec<Record<'a>>,
+    live: Vec<Live<'a>>,
+    brake: Brake,
+    admitted: assign::Admitted,
+    deleted: deletes::Deleted,
+    /// The next record's live nodes ([`next_nodes`]).
+    cp_nodes: Vec<Node>,
+    upserts: Vec<Upsert>,
+    errors: Vec<InputError>,
+}
+
+/// Step 7: the next record (records carried over, pending deletes, the IDs freed, the brake's
+/// memory) and the plan, with whether it leaves everything settled or steady.
+fn next_record(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>, made: Made<'_>) -> Plan {
+    let cfg = input.config;
+    let synced = input.live.synced;
+    let Made {
+        records,
+        live,
+        brake,
+        admitted,
+        deleted,
+        mut cp_nodes,
+        upserts,
+        errors,
+    } = made;
+    let Unseen {
+        mut pending,
+        stale_attempted,
+        released_nodes,
+    } = unseen(&records, synced, &brake, &mut cp_nodes);
     let mut kept_ids = deleted.kept_ids;
-    let kept_unrecorded = deleted.kept_unrecorded;
-    let mut pending = Vec::new();
-    let mut stale_attempted = BTreeMap::new();
-    let mut released_nodes = Vec::new();
-    for r in records.iter().filter(|r| r.live.is_none()) {
-        if !synced {
-            // Nothing is known to be gone yet: every unseen record is carried over as it came.
-            if r.listed {
-                cp_nodes.push(r.node.clone());
-            } else {
-                pending.push(r.pending());
-            }
-        } else if brake.releases(r) {
-            released_nodes.push(r.node.name.clone());
-            stale_attempted.insert(r.node.name.clone(), r.pending());
-        } else {
-            pending.push(r.pending());
-        }
-    }
     for id in cp_nodes
         .iter()
         .chain(pending.iter().map(|p| &p.node))
@@ -344,16 +371,15 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     {
         kept_ids.insert(id);
     }
+    kept_ids.union_with(&admitted.claimed);
+    let (alloc, frees) = free_ids(
+        input,
+        elsewhere,
+        admitted.allocator,
+        &admitted.seen_ids,
+        &kept_ids,
+    );
     cp_nodes.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut alloc = admitted.allocator;
-    let mut frees = Vec::new();
-    let used_elsewhere = |id| elsewhere.is_some_and(|e| e.ids.contains(id));
-    for id in admitted.seen_ids.iter() {
-        if !kept_ids.contains(id) && !admitted.claimed.contains(id) && !used_elsewhere(id) {
-            alloc.free(id, input.now);
-            frees.push(id);
-        }
-    }
     let (brake_hold, brake_memory) = brake.finish(deleted.held);
     let (held_nodes, orphans_held) = brake_memory.held_for_record();
     for p in &mut pending {
@@ -361,19 +387,9 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
             .get(&(p.node.name.as_str(), p.node.uid.as_str()))
             .copied();
     }
-    let settled = synced
-        && errors.is_empty()
-        && brake_hold.is_none()
-        && pending.is_empty()
-        && live.iter().all(|l| match l.class {
-            LiveClass::Programmed(_) => true,
-            // Registering with nothing recorded and no pod CIDR: it claims nothing.
-            LiveClass::Held(HeldWhy::Registering) => {
-                l.record.is_none() && l.node.pod_cidrs.is_empty()
-            }
-            LiveClass::Held(_) | LiveClass::Candidate => false,
-        });
-    let steady = (synced && brake_hold.is_none() && pending.is_empty() && !kept_unrecorded)
+    let quiet = synced && brake_hold.is_none() && pending.is_empty();
+    let settled = quiet && errors.is_empty() && all_settled(&live);
+    let steady = (quiet && !deleted.kept_unrecorded)
         .then(|| unsettled(&live, &errors))
         .flatten();
     let checkpoint = Checkpoint {
@@ -410,94 +426,69 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     }
 }
 
-/// What step 5 found for a run of live nodes.
-struct Wanted {
-    upserts: Vec<Upsert>,
-    slots: Vec<u32>,
-    errors: Vec<InputError>,
+/// The records with no live node, as step 7 sorts them: pending deletes, and the removals the
+/// brake lets through now (with their attempt counts, should a delete fail).
+struct Unseen {
+    pending: Vec<PendingDelete>,
+    stale_attempted: BTreeMap<String, PendingDelete>,
+    released_nodes: Vec<String>,
 }
 
-/// Step 5, for the live nodes in `range`: the upserts their desired objects need, the slots of
-/// those already in the kernel (which the deletes leave alone), and the nodes' input errors.
-/// Runs of nodes are independent, so two runs can be found on two cores.
-fn wanted(
-    input: &PlanInput<'_>,
-    live: &[Live<'_>],
-    index: &resource_index::ResourceIndex,
-    range: std::ops::Range<usize>,
-) -> Wanted {
-    let cfg = input.config;
-    let nexthops = resource_index::IndexedNexthops {
-        index,
-        inventory: input.inventory,
+/// Sorts the records with no live node: before sync each is carried over as it came (a listed
+/// one into `cp_nodes`); after it, a removal the brake releases goes, and any other stays a
+/// pending delete.
+fn unseen(records: &[Record<'_>], synced: bool, brake: &Brake, cp_nodes: &mut Vec<Node>) -> Unseen {
+    let mut out = Unseen {
+        pending: Vec::new(),
+        stale_attempted: BTreeMap::new(),
+        released_nodes: Vec::new(),
     };
-    let mut out = Wanted {
-        upserts: Vec::new(),
-        slots: Vec::new(),
-        errors: Vec::new(),
-    };
-    let mut objects = Vec::new();
-    let mut problems = Vec::new();
-    for (i, l) in live.iter().enumerate().take(range.end).skip(range.start) {
-        let LiveClass::Programmed(id) = l.class else {
-            continue;
-        };
-        objects.clear();
-        desired_objects(l.node, id, cfg, &nexthops, &mut objects, &mut problems);
-        for p in problems.drain(..) {
-            err(&mut out.errors, &l.node.name, p);
-        }
-        let blocked = Blocked::find(&objects, input.inventory, &l.node.name, &mut out.errors);
-        for o in &objects {
-            let oid = o.id();
-            if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
-                continue;
+    for r in records.iter().filter(|r| r.live.is_none()) {
+        if !synced {
+            // Nothing is known to be gone yet: every unseen record is carried over as it came.
+            if r.listed {
+                cp_nodes.push(r.node.clone());
+            } else {
+                out.pending.push(r.pending());
             }
-            let slot = index.slot(input.inventory, i, l.node, o);
-            let have = slot.map(|s| input.inventory.at(s));
-            out.slots.extend(slot.map(|s| s as u32));
-            if have != Some(o) {
-                out.upserts.push(Upsert {
-                    update: have.is_some(),
-                    object: o.clone(),
-                    node: l.node.name.clone(),
-                });
-            }
+        } else if brake.releases(r) {
+            out.released_nodes.push(r.node.name.clone());
+            out.stale_attempted.insert(r.node.name.clone(), r.pending());
+        } else {
+            out.pending.push(r.pending());
         }
     }
     out
 }
 
-/// Step 5, put together: the runs' upserts and errors in node order, then the agent's own
-/// objects; and every desired object already in the kernel, marked by slot.
-fn upserts(
+/// Frees every ID seen (in the kernel or the record) that nothing keeps: no kept object, no
+/// node of the next record, no programmed node (all in `kept`), nothing outside the part.
+fn free_ids(
     input: &PlanInput<'_>,
-    runs: [Wanted; 2],
-    errors: &mut Vec<InputError>,
-) -> (Vec<Upsert>, Marks) {
-    let mut desired = Marks::for_inventory(input.inventory);
-    let mut upserts = Vec::with_capacity(runs.iter().map(|r| r.upserts.len()).sum());
-    for run in runs {
-        upserts.extend(run.upserts);
-        errors.extend(run.errors);
-        for s in run.slots {
-            desired.mark(s as usize);
+    elsewhere: Option<&Elsewhere>,
+    mut alloc: IdAllocator,
+    seen: &IdSet,
+    kept: &IdSet,
+) -> (IdAllocator, Vec<NodeId>) {
+    let mut frees = Vec::new();
+    let used_elsewhere = |id| elsewhere.is_some_and(|e| e.ids.contains(id));
+    for id in seen.iter() {
+        if !kept.contains(id) && !used_elsewhere(id) {
+            alloc.free(id, input.now);
+            frees.push(id);
         }
     }
-    for o in global_objects(input.config) {
-        let slot = input.inventory.slot(&o.id());
-        if slot.map(|s| input.inventory.at(s)) != Some(&o) {
-            upserts.push(Upsert {
-                update: slot.is_some(),
-                object: o,
-                node: AGENT_OWNED.to_string(),
-            });
-        }
-        if let Some(s) = slot {
-            desired.mark(s);
-        }
-    }
-    (upserts, desired)
+    (alloc, frees)
+}
+
+/// Whether every live node is programmed, or registering with nothing recorded and no pod CIDR
+/// (it claims nothing).
+fn all_settled(live: &[Live<'_>]) -> bool {
+    live.iter().all(|l| match l.class {
+        LiveClass::Programmed(_) => true,
+        LiveClass::Held(HeldWhy::Registering) => l.record.is_none() && l.node.pod_cidrs.is_empty(),
+        LiveClass::Held(_) | LiveClass::Candidate => false,
+    })
 }
 
 /// The next record's live nodes: each programmed node as it is now, with its ID; each held one
@@ -559,73 +550,6 @@ fn unsettled(live: &[Live<'_>], errors: &[InputError]) -> Option<Vec<String>> {
     names.sort_unstable();
     names.dedup();
     Some(names.into_iter().map(str::to_owned).collect())
-}
-
-/// The pod CIDR an object is keyed by (route and policy destinations), if any: a foreign route
-/// at that CIDR keeps all of them from being written (invariant 6).
-fn key_cidr(o: &KernelObject) -> Option<IpNet> {
-    match o {
-        KernelObject::Route(r) => Some(r.dst),
-        KernelObject::XfrmPolicy(p) => Some(p.dst),
-        KernelObject::PodCidrEntry(e) => Some(e.cidr),
-        KernelObject::MapEntry(_)
-        | KernelObject::Nexthop(_)
-        | KernelObject::XfrmState(_)
-        | KernelObject::XfrmGuard(_) => None,
-    }
-}
-
-/// What foreign objects keep from being written for one node: every object keyed by a CIDR
-/// whose route identity is foreign, and every object that would use a foreign one (a route
-/// through a nexthop ID someone else holds would send the node's traffic their way).
-struct Blocked {
-    cidrs: Vec<IpNet>,
-    ids: Vec<ObjectId>,
-}
-
-impl Blocked {
-    /// Finds what is blocked among `objects`, reporting each foreign object once.
-    fn find(
-        objects: &[KernelObject],
-        inventory: &Inventory,
-        node: &str,
-        errors: &mut Vec<InputError>,
-    ) -> Self {
-        let mut out = Self {
-            cidrs: Vec::new(),
-            ids: Vec::new(),
-        };
-        for o in objects {
-            let id = o.id();
-            if let Some(foreign) = inventory.foreign(&id) {
-                err(
-                    errors,
-                    node,
-                    InputProblem::Foreign {
-                        object: o.to_string(),
-                        foreign: foreign.to_string(),
-                    },
-                );
-                out.cidrs.extend(key_cidr(o));
-                out.ids.push(id);
-            }
-        }
-        out
-    }
-
-    /// Whether `o` is not written: keyed by a blocked CIDR, using a foreign object, or a
-    /// nexthop that no route of `objects` that is written would use.
-    fn blocks(&self, o: &KernelObject, objects: &[KernelObject]) -> bool {
-        if let KernelObject::Nexthop(_) = o {
-            let id = o.id();
-            return !objects.iter().any(|r| {
-                r.uses().as_ref() == Some(&id)
-                    && key_cidr(r).is_none_or(|c| !self.cidrs.contains(&c))
-            });
-        }
-        key_cidr(o).is_some_and(|c| self.cidrs.contains(&c))
-            || o.uses().is_some_and(|u| self.ids.contains(&u))
-    }
 }
 
 #[cfg(test)]

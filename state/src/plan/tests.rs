@@ -5,11 +5,14 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ipnet::IpNet;
+
 use super::*;
 use crate::ids::{AllocatorState, FreedId, IdError};
+use crate::inventory::Inventory;
 use crate::node::{AddressKind, NodeAddress};
 use crate::objects::{
-    KeyTag, MapEntry, Nexthop, NexthopId, ObjectKind, Route, Via, XfrmDir, XfrmState,
+    KernelObject, KeyTag, MapEntry, Nexthop, NexthopId, ObjectKind, Route, Via, XfrmDir, XfrmState,
 };
 
 const NOW: Duration = Duration::from_secs(1_000_000);
