@@ -71,32 +71,99 @@ pub(super) fn decide(
         .filter(|w| now.saturating_sub(w.at) < cfg.confirm_delay)
         .copied()
         .collect();
-    let window_nodes: usize = window.iter().map(|w| w.nodes as usize).sum();
-    let window_objects: usize = window.iter().map(|w| w.objects as usize).sum();
-    // Removals made before a restart that the window's entries from the kernel count already
-    // (the checkpoint, older, still names them): counted there, and not again here.
-    let done = asked.iter().filter(|r| memory.done.contains(*r)).count();
-    let asked_nodes = asked
-        .iter()
-        .filter(|r| matches!(r, Removal::Node { .. }))
-        .count()
-        - done;
-    let asked_orphans = asked.len() - done - asked_nodes;
-    let removed_nodes = asked_nodes + counts.orphan_nodes;
-    let known_nodes = counts.known_nodes - done;
-    let count = BrakeCount {
-        asked_nodes: removed_nodes,
-        window_nodes,
-        known_nodes: known_nodes + window_nodes,
-        asked_orphans,
-        window_objects,
-        objects: counts.our_objects + window_objects,
-    };
-    let ratios = (count.node_ratio(), count.orphan_ratio());
-    let over = ratios.0 > cfg.max_prune_ratio || ratios.1 > cfg.max_prune_ratio;
-    let wipe = over
-        && ((removed_nodes > 0 && ratios.0 >= cfg.wipe_ratio)
-            || (asked_orphans > 0 && ratios.1 >= cfg.wipe_ratio));
+    let tally = Tally::of(asked, counts, memory, &window, cfg);
+    let (released, held) = release(asked, &tally, memory, relists, confirmed_hold, now, cfg);
+    if let Some(entry) = released_now(&released, &tally, counts, now) {
+        window.push(entry);
+    }
+    let hold = (!held.is_empty()).then(|| {
+        let kind = if held.values().any(|s: &HeldSince| s.wipe) {
+            HoldKind::Wipe
+        } else {
+            HoldKind::Ratio
+        };
+        (kind, tally.count)
+    });
+    Decision {
+        released,
+        memory: BrakeMemory {
+            held,
+            window,
+            orphans_held: None,
+            done: BTreeSet::new(),
+        },
+        hold,
+    }
+}
+
+/// What [`decide`] counted, and what the count says.
+struct Tally {
+    count: BrakeCount,
+    /// Removals asked for that the window counts already ([`BrakeMemory::done`]).
+    done: usize,
+    /// Over the allowed share.
+    over: bool,
+    /// Over it, and a near-total wipe.
+    wipe: bool,
+}
+
+impl Tally {
+    /// Counts what is asked for now with what the window (of entries still within it) holds.
+    fn of(
+        asked: &BTreeSet<Removal>,
+        counts: Ask,
+        memory: &BrakeMemory,
+        window: &[RecentRemovals],
+        cfg: &PlanConfig,
+    ) -> Self {
+        let window_nodes: usize = window.iter().map(|w| w.nodes as usize).sum();
+        let window_objects: usize = window.iter().map(|w| w.objects as usize).sum();
+        // Removals made before a restart that the window's entries from the kernel count already
+        // (the checkpoint, older, still names them): counted there, and not again here.
+        let done = asked.iter().filter(|r| memory.done.contains(*r)).count();
+        let asked_nodes = asked
+            .iter()
+            .filter(|r| matches!(r, Removal::Node { .. }))
+            .count()
+            - done;
+        let asked_orphans = asked.len() - done - asked_nodes;
+        let removed_nodes = asked_nodes + counts.orphan_nodes;
+        let known_nodes = counts.known_nodes - done;
+        let count = BrakeCount {
+            asked_nodes: removed_nodes,
+            window_nodes,
+            known_nodes: known_nodes + window_nodes,
+            asked_orphans,
+            window_objects,
+            objects: counts.our_objects + window_objects,
+        };
+        let ratios = (count.node_ratio(), count.orphan_ratio());
+        let over = ratios.0 > cfg.max_prune_ratio || ratios.1 > cfg.max_prune_ratio;
+        let wipe = over
+            && ((removed_nodes > 0 && ratios.0 >= cfg.wipe_ratio)
+                || (asked_orphans > 0 && ratios.1 >= cfg.wipe_ratio));
+        Self {
+            count,
+            done,
+            over,
+            wipe,
+        }
+    }
+}
+
+/// Each item asked for, released or held (and since when): one the window counts already goes
+/// ahead; one held before goes only on a confirmation; a new one goes unless the whole is over
+/// the share.
+fn release(
+    asked: &BTreeSet<Removal>,
+    tally: &Tally,
+    memory: &BrakeMemory,
+    relists: u64,
+    confirmed_hold: Option<&str>,
+    now: Duration,
+    cfg: &PlanConfig,
+) -> (BTreeSet<Removal>, BTreeMap<Removal, HeldSince>) {
+    let Tally { over, wipe, .. } = *tally;
     // What was held before and is still asked for: only a confirmation releases it, never a
     // ratio that has since dropped (newcomers in the record, or time, would dilute it).
     let held_before: BTreeSet<&Removal> = asked
@@ -160,46 +227,42 @@ pub(super) fn decide(
             }
         }
     }
+    (released, held)
+}
+
+/// The window's entry for what goes ahead now, those the window counts already left out;
+/// `None` when nothing new does.
+fn released_now(
+    released: &BTreeSet<Removal>,
+    tally: &Tally,
+    counts: Ask,
+    now: Duration,
+) -> Option<RecentRemovals> {
+    let done = tally.done;
+    let asked_orphans = tally.count.asked_orphans;
     let newly_released = released.len() - done;
-    if newly_released > 0 {
-        let nodes = released
-            .iter()
-            .filter(|r| matches!(r, Removal::Node { .. }))
-            .count()
-            - done;
-        let orphans = newly_released - nodes;
-        // Orphans swept without a record were counted as nodes too, by the IDs their map entries
-        // carry; the window remembers them as nodes, so that a later plan with a record counts
-        // them with its own removals (rounded up where only some of them went).
-        let orphan_nodes = if asked_orphans == 0 {
-            0
-        } else {
-            (counts.orphan_nodes * orphans).div_ceil(asked_orphans)
-        };
-        window.push(RecentRemovals {
-            at: now,
-            nodes: (nodes + orphan_nodes) as u32,
-            objects: orphans as u32,
-        });
+    if newly_released == 0 {
+        return None;
     }
-    let hold = (!held.is_empty()).then(|| {
-        let kind = if held.values().any(|s: &HeldSince| s.wipe) {
-            HoldKind::Wipe
-        } else {
-            HoldKind::Ratio
-        };
-        (kind, count)
-    });
-    Decision {
-        released,
-        memory: BrakeMemory {
-            held,
-            window,
-            orphans_held: None,
-            done: BTreeSet::new(),
-        },
-        hold,
-    }
+    let nodes = released
+        .iter()
+        .filter(|r| matches!(r, Removal::Node { .. }))
+        .count()
+        - done;
+    let orphans = newly_released - nodes;
+    // Orphans swept without a record were counted as nodes too, by the IDs their map entries
+    // carry; the window remembers them as nodes, so that a later plan with a record counts
+    // them with its own removals (rounded up where only some of them went).
+    let orphan_nodes = if asked_orphans == 0 {
+        0
+    } else {
+        (counts.orphan_nodes * orphans).div_ceil(asked_orphans)
+    };
+    Some(RecentRemovals {
+        at: now,
+        nodes: (nodes + orphan_nodes) as u32,
+        objects: orphans as u32,
+    })
 }
 
 impl Brake {
