@@ -5,7 +5,8 @@
 //! The payload, in order: agent version (string), written at ([`Time`]), local node (string),
 //! live records, pending deletes, freed IDs ([`super::Freed`]).
 
-use super::{Dec, Time, decode_freed, decode_list, owned, read};
+use super::codec::{Dec, owned, read};
+use super::{Time, decode_freed, decode_list};
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::error::DecodeError;
 
