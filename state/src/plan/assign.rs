@@ -472,3 +472,6 @@ fn conflict(
         why,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -42,6 +42,8 @@ mod records;
 pub(crate) mod resource;
 mod resource_index;
 mod scope;
+#[cfg(test)]
+mod test_support;
 mod upserts;
 mod view;
 
