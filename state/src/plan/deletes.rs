@@ -323,3 +323,6 @@ fn keep_what_kept_objects_use(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
