@@ -21,8 +21,8 @@
 //! ([`config`]), the input ([`view`]), resources and who claims them ([`resource`]), the
 //! planner's views of each node ([`nodes`]), the brake's memory and decision
 //! ([`brake_memory`]), the problems reported ([`problem`]) and the operations planned ([`ops`]).
-//! A step imports that vocabulary and the shared indexes, never another step; this module, on
-//! top, runs them in order.
+//! A step imports that vocabulary and the shared indexes, never another step ([`claims`] is
+//! [`assign`]'s own, the two halves of step 4); this module, on top, runs them in order.
 
 pub mod brake;
 pub mod claims;
