@@ -289,7 +289,7 @@ impl fmt::Display for BrakeHold {
     }
 }
 
-/// What [`decide`] decided.
+/// What [`decide`](super::brake::decide) decided.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(super) struct Decision {
     pub released: BTreeSet<Removal>,
@@ -298,7 +298,7 @@ pub(super) struct Decision {
     pub hold: Option<(HoldKind, BrakeCount)>,
 }
 
-/// What the brake counted: [`decide`] fills it and decides by it, and a hold's message prints
+/// What the brake counted: [`decide`](super::brake::decide) fills it and decides by it, and a hold's message prints
 /// it, so the two cannot tell different numbers. Each removal is counted once (a removal the
 /// window counts is not counted again as asked for now).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
