@@ -298,9 +298,9 @@ pub(super) struct Decision {
     pub hold: Option<(HoldKind, BrakeCount)>,
 }
 
-/// What the brake counted: [`decide`](super::brake::decide) fills it and decides by it, and a hold's message prints
-/// it, so the two cannot tell different numbers. Each removal is counted once (a removal the
-/// window counts is not counted again as asked for now).
+/// What the brake counted: [`decide`](super::brake::decide) fills it and decides by it, and a
+/// hold's message prints it, so the two cannot tell different numbers. Each removal is counted
+/// once (a removal the window counts is not counted again as asked for now).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BrakeCount {
     /// Known remote nodes the plan asks to remove now (those a sweep removes by ID included).
