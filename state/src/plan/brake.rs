@@ -384,6 +384,4 @@ fn with_orphan_nodes(
 }
 
 #[cfg(test)]
-mod scenarios;
-#[cfg(test)]
 mod tests;

@@ -250,7 +250,7 @@ impl<K: Hash + Eq + Copy, V: Ord> MultiMap<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::test_support::{node, with_id};
+    use crate::plan::tests::support::{node, with_id};
 
     fn claimants(index: &ClaimIndex, r: &str) -> Vec<String> {
         let r = match r.parse() {

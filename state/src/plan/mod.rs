@@ -42,8 +42,6 @@ mod records;
 pub(crate) mod resource;
 mod resource_index;
 mod scope;
-#[cfg(test)]
-mod test_support;
 mod upserts;
 mod view;
 

@@ -1,12 +1,14 @@
 //! One scenario per rule of the planner, in the order of `docs/design.md`, for the rules that
-//! take several steps; the brake's scenarios (`brake/scenarios.rs`), admission's
+//! take several steps; the brake's scenarios (`brake/tests/scenarios.rs`), admission's
 //! (`assign/tests.rs`) and those of what goes or stays by identity (`deletes/tests.rs`) are
-//! beside their steps. Fixtures are in `test_support.rs`.
+//! beside their steps. Their fixtures are in `tests/support.rs`.
+
+pub(super) mod support;
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
-use super::test_support::*;
+use self::support::*;
 use super::*;
 use crate::objects::{
     KernelObject, KeyTag, Nexthop, NexthopId, ObjectKind, Route, Via, XfrmDir, XfrmState,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::ids::{AllocatorState, FreedId, IdError};
 use crate::objects::{KernelObject, ObjectKind};
-use crate::plan::test_support::*;
+use crate::plan::tests::support::*;
 use crate::plan::*;
 
 // ---- Invariant 14: the incumbent keeps what it has ----

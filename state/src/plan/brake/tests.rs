@@ -1,4 +1,7 @@
-//! The brake's rule on its own: what [`super::decide`] releases, holds and remembers.
+//! The brake's rule on its own: what [`super::decide`] releases, holds and remembers; the
+//! brake in whole plans is in `scenarios`.
+
+mod scenarios;
 
 use super::*;
 use crate::checkpoint::Checkpoint;

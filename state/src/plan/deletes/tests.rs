@@ -3,7 +3,7 @@
 //! (before sync, a node without addresses, what is not ours).
 
 use crate::objects::{KernelObject, KeyTag, ObjectKind, XfrmDir, XfrmState};
-use crate::plan::test_support::*;
+use crate::plan::tests::support::*;
 use crate::plan::*;
 
 #[test]

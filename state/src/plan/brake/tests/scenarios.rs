@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::objects::ObjectKind;
-use crate::plan::test_support::*;
+use crate::plan::tests::support::*;
 use crate::plan::*;
 
 // ---- Invariant 9: the brake sees every mass deletion ----
