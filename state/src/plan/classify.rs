@@ -128,3 +128,6 @@ fn push<'a>(
         class,
     });
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,7 +1,7 @@
 //! One scenario per rule of the planner, in the order of `docs/design.md`, for the rules that
-//! take several steps; the brake's scenarios (`brake/tests/scenarios.rs`), admission's
-//! (`assign/tests.rs`) and those of what goes or stays by identity (`deletes/tests.rs`) are
-//! beside their steps. Their fixtures are in `tests/support.rs`.
+//! take several steps. The tests of one step are beside it (`classify/tests.rs`,
+//! `brake/tests.rs` with `brake/tests/scenarios.rs`, `assign/tests.rs`, `upserts/tests.rs`,
+//! `deletes/tests.rs`); the fixtures of all of them are in `tests/support.rs`.
 
 pub(super) mod support;
 
@@ -503,38 +503,6 @@ fn ops_delete_first_and_never_delete_what_they_upsert() {
     assert!(p.deletes.iter().all(|d| !upserted.contains(&d.object.id())));
 }
 
-#[test]
-fn duplicate_live_name_keeps_the_first_entry() {
-    let r = Run::new();
-    let mut k = Kernel::default();
-    let other = node("a", &["10.0.0.50"], &[]);
-    let (p, _) = r.reconcile(None, &[a(), other], &mut k);
-    assert!(matches!(
-        problems(&p)[..],
-        [("a", InputProblem::DuplicateName)]
-    ));
-    assert!(k.has(&map("10.0.0.1", 1)));
-}
-
-#[test]
-fn cidr_without_gateway_is_skipped_and_the_rest_programmed() {
-    let r = Run::new();
-    let mut k = Kernel::default();
-    let v6_cidr_v4_only = node("c", &["10.0.0.3"], &["10.1.3.0/24", "fd01:3::/64"]);
-    let (p, _) = r.reconcile(None, &[v6_cidr_v4_only], &mut k);
-    assert!(matches!(
-        problems(&p)[..],
-        [(
-            "c",
-            InputProblem::NoGateway {
-                family: Family::V6,
-                ..
-            }
-        )]
-    ));
-    assert!(k.has(&route("10.1.3.0/24", "10.0.0.3")));
-}
-
 // ---- Invariant 13: a node is one node ----
 
 #[test]
@@ -574,53 +542,6 @@ fn nodes_behind_one_unmapped_nat_address_are_all_programmed() {
     r.cfg.include_external_ips = true;
     let p = r.plan(None, &nodes, &Kernel::default());
     assert_eq!(p.errors.len(), 2, "{:?}", p.errors);
-}
-
-// ---- Invariant 8: transient is not gone ----
-
-#[test]
-fn a_malformed_node_keeps_every_object_after_a_restart() {
-    let mut r = Run::new();
-    let mut k = Kernel::default();
-    let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
-    // After the restart b's record does not validate; only the checkpoint knows its objects.
-    r.malformed = vec![MalformedNode::named("b")];
-    let p = r.plan(Some(&cp), &[a()], &k);
-    assert!(p.is_empty(), "{p:?}");
-    assert!(p.brake.is_none());
-    assert!(p.checkpoint.nodes.contains(&with_id(b(), 2)));
-    assert!(p.frees.is_empty());
-    // Its address stays its own.
-    let thief = node("c", &["10.0.0.2"], &["10.1.3.0/24"]);
-    let p = r.plan(Some(&cp), &[a(), thief], &k);
-    assert!(k.has(&map("10.0.0.2", 2)));
-    assert!(p.upserts.is_empty(), "{:?}", p.upserts);
-}
-
-// ---- Invariant 6: foreign objects ----
-
-#[test]
-fn a_foreign_route_at_our_identity_is_a_conflict_and_never_replaced() {
-    let r = Run::new();
-    let mut k = Kernel::default();
-    k.foreign.insert(
-        route("10.1.2.0/24", "10.0.0.2").id(),
-        "route 10.1.2.0/24 dev cni0 proto kernel".into(),
-    );
-    let (p, cp) = r.reconcile(None, &[a(), b()], &mut k);
-    assert!(matches!(
-        problems(&p)[..],
-        [("b", InputProblem::Foreign { foreign, .. })] if foreign.contains("proto kernel")
-    ));
-    assert!(!k.ours.contains_key(&route("10.1.2.0/24", "10.0.0.2").id()));
-    assert!(
-        k.has(&map("10.0.0.2", 2)),
-        "the node's other objects are programmed"
-    );
-    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
-    // Nothing to do next time but report the conflict again.
-    let p = r.plan(Some(&cp), &[a(), b()], &k);
-    assert!(p.is_empty() && p.errors.len() == 1);
 }
 
 // ---- Routes through nexthop objects ----

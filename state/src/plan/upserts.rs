@@ -168,3 +168,6 @@ impl Blocked {
             || o.uses().is_some_and(|u| self.ids.contains(&u))
     }
 }
+
+#[cfg(test)]
+mod tests;
