@@ -11,13 +11,13 @@
 use foldhash::{HashMap, HashMapExt, HashSet};
 
 use super::brake_memory::Brake;
+use super::desired::desired_objects;
 use super::nodes::{Live, LiveClass, Record};
 use super::ops::{Delete, DeleteReason};
 use super::parallel;
 use super::resource::secondary_resource;
 use super::resource_index::{NodeResources, Res, ResourceIndex};
 use super::view::{Local, PlanInput, is_local_entry};
-use crate::desired::desired_objects;
 use crate::ids::{IdMap, IdSet};
 use crate::inventory::Marks;
 use crate::node::Node;

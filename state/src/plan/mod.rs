@@ -11,7 +11,7 @@
 //!    and record claims, indexed once ([`resource_index`], hashed in cache-sized parts by
 //!    [`interner`]) for this step and the next;
 //! 4. [`claims`] and [`assign`]: conflicts, map room and node IDs, candidate by candidate;
-//! 5. [`upserts`]: desired objects ([`crate::desired`]) and the upserts they need;
+//! 5. [`upserts`]: desired objects ([`desired`]) and the upserts they need;
 //! 6. [`deletes`]: every undesired object of ours, with the reason it goes or stays;
 //! 7. the next record ([`Plan::checkpoint`]) and brake memory.
 //!
@@ -26,6 +26,7 @@
 
 pub mod brake;
 pub mod claims;
+pub mod desired;
 
 mod assign;
 mod brake_memory;
@@ -49,8 +50,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use foldhash::{HashSet, HashSetExt};
 
+use self::desired::local_endpoint;
 use crate::checkpoint::{Checkpoint, PendingDelete};
-use crate::desired::local_endpoint;
 use crate::ids::{IdAllocator, IdSet};
 use crate::node::{Family, Node};
 use crate::objects::{NodeId, ObjectId, Op};
@@ -226,7 +227,7 @@ impl Plan {
 }
 
 /// With IPsec, a family this node has pod CIDRs in but no InternalIP (no xfrm endpoint): no
-/// remote pod CIDR of it is routed ([`crate::desired`]), reported once, for the local node, and
+/// remote pod CIDR of it is routed ([`desired`]), reported once, for the local node, and
 /// the same in a plan of the whole cluster or of a part (a problem per remote node made every
 /// event a full plan, and said the same thing 65,000 times).
 fn no_local_endpoint(cfg: &PlanConfig, local: &Local, errors: &mut Vec<InputError>) {

@@ -12,12 +12,12 @@ use foldhash::{HashMap, HashMapExt};
 use smallvec::SmallVec;
 
 use super::config::PlanConfig;
+use super::desired::KernelNexthops;
 pub(super) use super::interner::Res;
 use super::interner::{self, Interner, Interns, Lookups, MISSING, Split};
 use super::nodes::{Live, Record};
 use super::parallel;
 use super::resource::{Resource, key_resource, maps_address, resources_of, secondary_resource};
-use crate::desired::KernelNexthops;
 use crate::ids::IdSet;
 use crate::inventory::Inventory;
 use crate::node::{Family, Node};
@@ -237,7 +237,7 @@ impl ResourceIndex {
     }
 }
 
-/// The planner's view of our nexthops for [`crate::desired::nexthop_toward`]: found through
+/// The planner's view of our nexthops for [`super::desired::nexthop_toward`]: found through
 /// the index's table of nexthop slots, not by hash (two lookups per node and family at scale).
 pub(super) struct IndexedNexthops<'a> {
     pub index: &'a ResourceIndex,

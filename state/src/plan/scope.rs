@@ -23,11 +23,11 @@ use std::sync::Arc;
 use ipnet::IpNet;
 
 use super::claim_index::ClaimIndex;
+use super::desired::{desired_objects, global_objects};
 use super::resource::{Resource, resources_of};
 use super::view::{Elsewhere, LiveView, PlanInput};
 use super::{Plan, plan_with};
 use crate::checkpoint::Checkpoint;
-use crate::desired::{desired_objects, global_objects};
 use crate::inventory::Inventory;
 use crate::node::{Node, name_range};
 use crate::objects::{KernelObject, ObjectKind};

@@ -1,14 +1,14 @@
-//! Step 5: the objects each programmed node should have ([`crate::desired`]) and the upserts
+//! Step 5: the objects each programmed node should have ([`super::desired`]) and the upserts
 //! they need, leaving alone what a foreign object keeps from being written (invariant 6).
 
 use ipnet::IpNet;
 
+use super::desired::{desired_objects, global_objects};
 use super::nodes::{Live, LiveClass};
 use super::ops::{AGENT_OWNED, Upsert};
 use super::problem::{InputError, InputProblem, err};
 use super::resource_index::{IndexedNexthops, ResourceIndex};
 use super::view::PlanInput;
-use crate::desired::{desired_objects, global_objects};
 use crate::inventory::{Inventory, Marks};
 use crate::objects::{KernelObject, ObjectId};
 

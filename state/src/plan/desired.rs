@@ -2,23 +2,25 @@
 //! which of its two nexthop IDs a nexthop holds: that follows what the kernel holds
 //! ([`nexthop_toward`]).
 //!
-//! Kept apart from the planner so that the planner, the tests' oracle and the backends' debug
-//! tooling all agree on one derivation.
+//! Kept apart from the planner's steps, and public at the crate's top (`state::desired`), so
+//! that the planner, the tests' oracle and the backends' debug tooling all agree on one
+//! derivation. It speaks the planner's vocabulary (its configuration, problems and resources),
+//! so it sits in the planner's folder, above those leaves and beneath the steps.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+pub use super::resource::maps_address;
 use crate::inventory::Inventory;
 use crate::node::{Family, Node};
 use crate::objects::{
     KernelObject, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, PodCidrEntry, Route, Via,
     XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
 };
-pub use crate::plan::resource::maps_address;
 
-use crate::plan::config::{Pair, PlanConfig};
-use crate::plan::problem::InputProblem;
+use super::config::{Pair, PlanConfig};
+use super::problem::InputProblem;
 
 /// The local endpoint of `family` for xfrm: the first configured local address of that family.
 pub fn local_endpoint(config: &PlanConfig, family: Family) -> Option<IpAddr> {
