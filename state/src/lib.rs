@@ -4,7 +4,7 @@
 
 pub mod address_policy;
 pub mod checkpoint;
-pub mod desired;
+mod family;
 pub mod ids;
 pub mod input;
 pub mod inventory;
@@ -13,3 +13,7 @@ pub mod objects;
 pub mod plan;
 pub mod rotation;
 pub mod text;
+
+/// Public at the crate's top, where the tests' oracle and the backends' tooling derive the
+/// same objects the planner does.
+pub use plan::desired;

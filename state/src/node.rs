@@ -5,13 +5,14 @@
 //! here, so the planner never sees an unparsed or inconsistent address and a bad record becomes a
 //! typed error naming the node and the field instead of a crash (invariant 12).
 
-use std::fmt;
 use std::net::IpAddr;
 use std::ops::Range;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
+
+pub use crate::family::Family;
 
 use crate::address_policy::{self, Refusal};
 use crate::objects::NodeId;
@@ -41,38 +42,6 @@ impl AddressKind {
 pub struct NodeAddress {
     pub kind: AddressKind,
     pub ip: IpAddr,
-}
-
-/// IP family, used to pair pod CIDRs with a gateway and xfrm endpoints of the same family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub enum Family {
-    V4,
-    V6,
-}
-
-impl Family {
-    pub fn of(ip: &IpAddr) -> Self {
-        match ip {
-            IpAddr::V4(_) => Self::V4,
-            IpAddr::V6(_) => Self::V6,
-        }
-    }
-
-    pub fn of_net(net: &IpNet) -> Self {
-        match net {
-            IpNet::V4(_) => Self::V4,
-            IpNet::V6(_) => Self::V6,
-        }
-    }
-}
-
-impl fmt::Display for Family {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::V4 => "IPv4",
-            Self::V6 => "IPv6",
-        })
-    }
 }
 
 /// A node as the source delivered it: strings only.

@@ -12,7 +12,7 @@ use std::num::NonZeroU16;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::node::Family;
+use crate::family::Family;
 
 /// A remote node's ID: 1..=65535. Zero is the local node and is never assigned, so it is not
 /// representable.

@@ -2,10 +2,12 @@
 //! nodes disappeared while it was down (the deletions it never saw) and retry cleanups that had
 //! not succeeded.
 //!
-//! [`format`] is the byte encoding (pure), framing the bincode payload of `payload.rs`;
+//! [`format`] is the byte encoding (pure), framing the bincode payload of `payload/`; the errors
+//! of both are in `error`, beneath them, as each version's payload module reports them too;
 //! [`store`] is the file, its lock and its atomic replacement (the only I/O in this crate).
 
 pub mod clock;
+mod error;
 pub mod format;
 mod payload;
 pub mod store;
@@ -19,7 +21,8 @@ use crate::ids::AllocatorState;
 use crate::node::{Node, name_range};
 
 pub use clock::BootTime;
-pub use format::{DecodeError, EncodeError, FORMAT_VERSION, MAGIC, PayloadError, decode, encode};
+pub use error::{DecodeError, EncodeError, PayloadError};
+pub use format::{FORMAT_VERSION, MAGIC, decode, encode};
 pub use store::{
     CheckpointStore, LoadOutcome, StoreError, Unusable, lock_held_by, lock_holder, read,
 };

@@ -24,7 +24,8 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::checkpoint::Checkpoint;
-use crate::checkpoint::format::{self, DecodeError, EncodeError};
+use crate::checkpoint::error::{DecodeError, EncodeError};
+use crate::checkpoint::format;
 use crate::input::{self, Input, InputError, Problem};
 
 pub const FILE_NAME: &str = "nodes.ckpt";

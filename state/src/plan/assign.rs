@@ -9,12 +9,14 @@ use foldhash::HashSet;
 use ipnet::IpNet;
 use smallvec::SmallVec;
 
-use super::brake::{Brake, is_local_entry};
-use super::claims::{Blocker, Claims, ConflictWhy, Holder, Resource, mapped_ips, resources_of};
-use super::classify::{HeldWhy, Live, LiveClass};
-use super::records::Record;
+use super::brake_memory::Brake;
+use super::claims::{Blocker, Claims, Holder};
+use super::nodes::{HeldWhy, Live, LiveClass, Record};
+use super::ops::Allocation;
+use super::problem::{InputError, InputProblem, err};
+use super::resource::{ConflictWhy, Resource, mapped_ips, resources_of};
 use super::resource_index::{Res, ResourceIndex};
-use super::{Allocation, Elsewhere, InputError, InputProblem, Local, PlanInput, err};
+use super::view::{Elsewhere, Local, PlanInput, is_local_entry};
 use crate::ids::{IdAllocator, IdError, IdSet};
 use crate::inventory::Inventory;
 use crate::node::Node;
@@ -112,7 +114,41 @@ struct Ids<'a> {
     inventory: &'a Inventory,
 }
 
-impl Ids<'_> {
+impl<'p> Ids<'p> {
+    /// The allocator, with every ID the kernel or the record carries reserved (and those of
+    /// records outside the part); and those IDs seen.
+    fn new(known: &Known<'p, '_>) -> (Self, IdSet) {
+        let Known {
+            input,
+            records,
+            elsewhere,
+            ..
+        } = *known;
+        let cfg = input.config;
+        let mut ids = Ids {
+            alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator),
+            claimed: IdSet::new(),
+            recorded: IdSet::new(),
+            elsewhere: elsewhere.map(|e| &e.ids),
+            inventory: input.inventory,
+        };
+        let mut seen_ids = IdSet::new();
+        for id in input.inventory.node_ids() {
+            seen_ids.insert(id);
+        }
+        for id in records.iter().filter_map(|r| r.node.node_id) {
+            seen_ids.insert(id);
+            ids.recorded.insert(id);
+        }
+        for id in seen_ids.iter() {
+            ids.alloc.reserve(id);
+        }
+        if let Some(e) = elsewhere {
+            ids.alloc.reserve_all(&e.ids);
+        }
+        (ids, seen_ids)
+    }
+
     /// The record's ID; without a record, the ID the node's map entries carry if no record owns
     /// it; else a fresh one.
     fn pick(
@@ -180,35 +216,63 @@ pub(super) fn admit(
         local,
         elsewhere,
     } = *known;
-    let cfg = input.config;
+    let (mut ids, seen_ids) = Ids::new(known);
+    let claims = fixed_claims(known, live, &mut ids.claimed);
+    let address_claims = address_claims(live, index);
+    let room = MapRoom {
+        capacity: input.config.map_capacity,
+        used: staying_entries(input, records, index, brake, local, &address_claims)
+            + elsewhere.map_or(0, |e| e.map_entries),
+    };
+    let mut admission = Admission {
+        known,
+        claims,
+        room,
+        ids,
+        address_claims,
+        addresses: AddressBook::of(live),
+        allocations: Vec::new(),
+    };
+    // Nodes the record knows first, then new ones; each group in name order.
+    let mut order: Vec<usize> = (0..live.len())
+        .filter(|&i| live[i].class == LiveClass::Candidate)
+        .collect();
+    order.sort_by_key(|&i| live[i].record.is_none());
+    for i in order {
+        live[i].class = match admission.candidate(i, live) {
+            Ok(id) => LiveClass::Programmed(id),
+            Err((problem, why)) => {
+                err(errors, &live[i].node.name, problem);
+                LiveClass::Held(why)
+            }
+        };
+    }
+    Admitted {
+        allocations: admission.allocations,
+        allocator: admission.ids.alloc,
+        seen_ids,
+        claimed: admission.ids.claimed,
+    }
+}
+
+/// Who has what before any candidate is admitted: the local node first (the first fixer wins),
+/// then held live nodes and held removals, which keep what their records list, IDs included
+/// (into `claimed`). Every record's live node is the incumbent of what the record lists.
+fn fixed_claims(known: &Known<'_, '_>, live: &[Live<'_>], claimed: &mut IdSet) -> Claims {
+    let Known {
+        input,
+        records,
+        brake,
+        index,
+        local,
+        ..
+    } = *known;
     let mut claims = Claims::new(index);
     let local_resources = (local.ips.iter().map(|ip| Resource::Address(*ip)))
         .chain(local.cidrs.iter().map(|c| Resource::PodCidr(*c)));
     for r in local_resources.filter_map(|r| index.get(&r)) {
         claims.fix(r, Holder::Local);
     }
-    let mut ids = Ids {
-        alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator),
-        claimed: IdSet::new(),
-        recorded: IdSet::new(),
-        elsewhere: elsewhere.map(|e| &e.ids),
-        inventory: input.inventory,
-    };
-    let mut seen_ids = IdSet::new();
-    for id in input.inventory.node_ids() {
-        seen_ids.insert(id);
-    }
-    for id in records.iter().filter_map(|r| r.node.node_id) {
-        seen_ids.insert(id);
-        ids.recorded.insert(id);
-    }
-    for id in seen_ids.iter() {
-        ids.alloc.reserve(id);
-    }
-    if let Some(e) = elsewhere {
-        ids.alloc.reserve_all(&e.ids);
-    }
-    // Held live nodes and held removals keep what their records list, IDs included.
     for (i, l) in live.iter().enumerate() {
         if let Some(r) = l.record {
             for &res in &index.records[r].claims {
@@ -220,7 +284,7 @@ pub(super) fn admit(
             if l.is_held()
                 && let Some(id) = records[r].node.node_id
             {
-                ids.claimed.insert(id);
+                claimed.insert(id);
             }
         }
     }
@@ -230,44 +294,53 @@ pub(super) fn admit(
                 claims.fix(res, Holder::Removal(r));
             }
             if let Some(id) = rec.node.node_id {
-                ids.claimed.insert(id);
+                claimed.insert(id);
             }
         }
     }
-    let address_claims = address_claims(live, index);
-    let mut room = MapRoom {
-        capacity: cfg.map_capacity,
-        used: staying_entries(input, records, index, brake, local, &address_claims)
-            + elsewhere.map_or(0, |e| e.map_entries),
-    };
+    claims
+}
 
-    // Nodes the record knows first, then new ones; each group in name order.
-    let mut order: Vec<usize> = (0..live.len())
-        .filter(|&i| live[i].class == LiveClass::Candidate)
-        .collect();
-    order.sort_by_key(|&i| live[i].record.is_none());
-    let wants = |i: usize| index.live[i].claims.as_slice();
-    let addresses = AddressBook::of(live);
-    let mut allocations = Vec::new();
-    for i in order {
-        // The node outlives `live`'s borrow: its name needs no copy.
-        let name = &live[i].node.name[..];
-        if let Some((cidr, local)) = overlaps_local(live[i].node, local) {
-            err(errors, name, InputProblem::OverlapsLocal { cidr, local });
-            live[i].class = LiveClass::Held(HeldWhy::Conflict);
-            continue;
+/// Admission under way: who has what, the map's room and the IDs, as candidates come in.
+struct Admission<'k, 'p, 'a> {
+    known: &'k Known<'p, 'a>,
+    claims: Claims,
+    room: MapRoom,
+    ids: Ids<'p>,
+    /// [`address_claims`].
+    address_claims: Vec<u32>,
+    addresses: AddressBook,
+    allocations: Vec<Allocation>,
+}
+
+impl Admission<'_, '_, '_> {
+    /// Candidate `i`, admitted (its ID) or held (what holds it, and why), in the order of the
+    /// checks: what is the local node's, addresses its pod CIDRs cover, conflicts, the map's
+    /// room, an ID.
+    fn candidate(
+        &mut self,
+        i: usize,
+        live: &[Live<'_>],
+    ) -> Result<NodeId, (InputProblem, HeldWhy)> {
+        let Known {
+            input,
+            records,
+            index,
+            local,
+            ..
+        } = *self.known;
+        let node = live[i].node;
+        if let Some((cidr, local)) = overlaps_local(node, local) {
+            let problem = InputProblem::OverlapsLocal { cidr, local };
+            return Err((problem, HeldWhy::Conflict));
         }
-        if let Some((cidr, ip, j)) = addresses.covered_by(&live[i].node.pod_cidrs) {
+        if let Some((cidr, ip, j)) = self.addresses.covered_by(&node.pod_cidrs) {
             let holder = live[j].node.name.clone();
-            err(
-                errors,
-                name,
-                InputProblem::CoversAddress { cidr, ip, holder },
-            );
-            live[i].class = LiveClass::Held(HeldWhy::Conflict);
-            continue;
+            let problem = InputProblem::CoversAddress { cidr, ip, holder };
+            return Err((problem, HeldWhy::Conflict));
         }
-        let checked = claims.check(i, wants(i), |j, r| match live[j].class {
+        let wants = |i: usize| index.live[i].claims.as_slice();
+        let checked = self.claims.check(i, wants(i), |j, r| match live[j].class {
             // What a registering or malformed node claims now is unknown: its record stands.
             LiveClass::Held(HeldWhy::Registering | HeldWhy::Malformed) => true,
             // Any other node claims what it lists now. One held over a conflict, a full map or
@@ -277,42 +350,25 @@ pub(super) fn admit(
         });
         if let Err((resource, blocker)) = checked {
             let problem = conflict(index.resource(resource), blocker, live, records);
-            err(errors, name, problem);
-            live[i].class = LiveClass::Held(HeldWhy::Conflict);
-            continue;
+            return Err((problem, HeldWhy::Conflict));
         }
-        let (adds, frees) = map_delta(i, &live[i], index, &address_claims);
-        if !room.fits(adds, frees) {
-            err(
-                errors,
-                name,
-                InputProblem::MapFull {
-                    limit: cfg.map_capacity,
-                    needed: adds,
-                },
-            );
-            live[i].class = LiveClass::Held(HeldWhy::MapFull);
-            continue;
+        let (adds, frees) = map_delta(i, &live[i], index, &self.address_claims);
+        if !self.room.fits(adds, frees) {
+            let problem = InputProblem::MapFull {
+                limit: input.config.map_capacity,
+                needed: adds,
+            };
+            return Err((problem, HeldWhy::MapFull));
         }
-        match ids.pick(&live[i], records, input, local) {
-            Ok((id, allocation)) => {
-                claims.take(i, wants(i));
-                room.commit(adds, frees);
-                ids.claimed.insert(id);
-                allocations.extend(allocation);
-                live[i].class = LiveClass::Programmed(id);
-            }
-            Err(e) => {
-                err(errors, name, e.into());
-                live[i].class = LiveClass::Held(HeldWhy::NoId);
-            }
-        }
-    }
-    Admitted {
-        allocations,
-        allocator: ids.alloc,
-        seen_ids,
-        claimed: ids.claimed,
+        let (id, allocation) = self
+            .ids
+            .pick(&live[i], records, input, local)
+            .map_err(|e| (InputProblem::from(e), HeldWhy::NoId))?;
+        self.claims.take(i, wants(i));
+        self.room.commit(adds, frees);
+        self.ids.claimed.insert(id);
+        self.allocations.extend(allocation);
+        Ok(id)
     }
 }
 
@@ -416,3 +472,6 @@ fn conflict(
         why,
     }
 }
+
+#[cfg(test)]
+mod tests;

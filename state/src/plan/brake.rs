@@ -11,295 +11,25 @@
 //! held items starts its own hold when the whole is too much. A near-total wipe is released
 //! only by an operator.
 //!
-//! [`decide`] is the rule, pure and small; [`Brake`] applies it to a plan.
+//! [`decide`] is the rule, pure and small; [`Brake::new`] applies it to a plan. What the brake
+//! remembers and what later steps ask of its decision are in [`super::brake_memory`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::time::Duration;
 
 use foldhash::{HashSet, HashSetExt};
 
-use super::records::Record;
+use super::brake_memory::{Brake, Decision};
+use super::config::PlanConfig;
+use super::nodes::Record;
 use super::resource_index::ResourceIndex;
-use super::{Delete, Elsewhere, Local, PlanConfig, PlanInput};
-use crate::checkpoint::{Checkpoint, Held, RecentRemovals};
-use crate::ids::AllocatorState;
-use crate::objects::{KernelObject, NodeId, ObjectId};
+use super::view::{Elsewhere, Local, PlanInput, is_local_entry};
+use crate::checkpoint::RecentRemovals;
+use crate::objects::{KernelObject, NodeId};
 
-/// Something a plan would remove for good.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Removal {
-    /// A known remote node (by name and UID: a node replaced under its name is a removal too).
-    Node { name: String, uid: String },
-    /// An object of ours that belongs to nobody.
-    Orphan(ObjectId),
-}
-
-/// When an item's hold began.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HeldSince {
-    /// Since the Unix epoch.
-    pub at: Duration,
-    /// The source's count of full lists (with the local node) at that time.
-    pub relists: u64,
-    /// It was held as part of a near-total wipe: only an operator releases it.
-    pub wipe: bool,
-}
-
-/// What the brake remembers from one plan to the next.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct BrakeMemory {
-    /// Items held, and since when.
-    pub held: BTreeMap<Removal, HeldSince>,
-    /// Removals carried out recently; the checkpoint keeps these across restarts.
-    pub window: Vec<RecentRemovals>,
-    /// Restored from a checkpoint whose orphans were held (which orphans, the record does not
-    /// say): every orphan the first plan after the restart finds counts as held since then.
-    pub orphans_held: Option<HeldSince>,
-    /// Restored from a checkpoint older than the kernel's record of recent removals (a crash
-    /// between the kernel writes and the checkpoint write): removals the checkpoint still names
-    /// that were made after it was written (their node IDs freed since), which the window's
-    /// entries from the kernel already count. The first plan that asks for them releases them
-    /// without counting them again.
-    pub done: BTreeSet<Removal>,
-}
-
-impl BrakeMemory {
-    /// What the record keeps of the holds: the held nodes (by name and UID) and the orphans'
-    /// hold (the first time one began, and whether any is a wipe's). The source's count of
-    /// lists is this process's own and is not kept: after a restart, any full list is newer.
-    pub fn held_for_record(&self) -> (BTreeMap<(&str, &str), Held>, Option<Held>) {
-        let mut nodes = BTreeMap::new();
-        let mut orphans: Option<Held> = self.orphans_held.map(HeldSince::kept);
-        for (item, since) in &self.held {
-            match item {
-                Removal::Node { name, uid } => {
-                    nodes.insert((name.as_str(), uid.as_str()), since.kept());
-                }
-                Removal::Orphan(_) => {
-                    let h = since.kept();
-                    orphans = Some(orphans.map_or(h, |o| Held {
-                        at: o.at.min(h.at),
-                        wipe: o.wipe || h.wipe,
-                    }));
-                }
-            }
-        }
-        (nodes, orphans)
-    }
-
-    /// The memory a restarted agent begins with: the window and the holds from its checkpoint
-    /// (a restart never releases a hold: what was held stays held until a confirmation, however
-    /// the ratio looks after it). Without a checkpoint, the window is the kernel's own record of
-    /// recent removals (`kept`); where the kernel has none from before this start either (an
-    /// agent that did not keep one), the IDs it remembers freeing (`freed`, merged into the
-    /// allocator state) stand in, each one a node removed at that time. With both, each removal
-    /// is counted once, as [`counted_once`] says. Entries older than the window fall away at
-    /// the first plan.
-    pub fn restored(
-        cp: Option<&Checkpoint>,
-        kept: Option<Vec<RecentRemovals>>,
-        freed: &AllocatorState,
-    ) -> Self {
-        let (window, done) = match (cp, kept) {
-            (Some(c), Some(kept)) => counted_once(c, kept, freed),
-            (Some(c), None) => (c.removals.clone(), BTreeSet::new()),
-            (None, Some(kept)) => (kept, BTreeSet::new()),
-            (None, None) => (
-                freed
-                    .freed
-                    .iter()
-                    .map(|f| RecentRemovals {
-                        at: f.freed_at,
-                        nodes: 1,
-                        objects: 0,
-                    })
-                    .collect(),
-                BTreeSet::new(),
-            ),
-        };
-        let restored = |h: Held| HeldSince {
-            at: h.at,
-            relists: 0,
-            wipe: h.wipe,
-        };
-        let held = cp
-            .into_iter()
-            .flat_map(|c| &c.pending_deletes)
-            .filter_map(|p| {
-                let item = Removal::Node {
-                    name: p.node.name.clone(),
-                    uid: p.node.uid.to_string(),
-                };
-                Some((item, restored(p.held?)))
-            })
-            .filter(|(item, _)| !done.contains(item))
-            .collect();
-        Self {
-            held,
-            window,
-            orphans_held: cp.and_then(|c| c.orphans_held).map(restored),
-            done,
-        }
-    }
-}
-
-/// The window from the checkpoint and the kernel's record together, each removal once, and the
-/// removals of the checkpoint's records that the window already counts.
-///
-/// Both are times on the agent's clock (one clock across a restart on the same boot), and the
-/// checkpoint's window is complete up to its `written_at`: it is the brake's memory as of the
-/// last plan before that write. So the kernel's entries up to then are the checkpoint's own (or
-/// a full ring's merge of them, which the checkpoint has unmerged) and are skipped; its entries
-/// after then are removals the checkpoint could not record (a crash between the kernel writes
-/// and the checkpoint write, or checkpoint writes that failed). Such a removal is of a node the
-/// checkpoint may still list, which the first plan would ask for again and count a second
-/// time. Those are told by identity, from what the kernel remembers: a record (listed, or a
-/// pending delete not released before) whose node ID the kernel freed after `written_at` was
-/// removed after the checkpoint was written, by the agent that wrote those entries; at most as
-/// many are taken as those entries count. A removal the kernel freed no ID for (its cleanup
-/// failed, or its ID is still in use) is counted by both, which only holds more; so is what a
-/// full ring merged from before `written_at` into an entry after it.
-fn counted_once(
-    cp: &Checkpoint,
-    kept: Vec<RecentRemovals>,
-    freed: &AllocatorState,
-) -> (Vec<RecentRemovals>, BTreeSet<Removal>) {
-    let after: Vec<RecentRemovals> = kept.into_iter().filter(|k| k.at > cp.written_at).collect();
-    let unrecorded: usize = after.iter().map(|k| k.nodes as usize).sum();
-    let freed_since: HashSet<NodeId> = freed
-        .freed
-        .iter()
-        .filter(|f| f.freed_at > cp.written_at)
-        .map(|f| f.id)
-        .collect();
-    let unreleased = cp.pending_deletes.iter().filter(|p| p.attempts == 0);
-    let done = cp
-        .nodes
-        .iter()
-        .chain(unreleased.map(|p| &p.node))
-        .filter(|n| n.name != cp.local_node)
-        .filter(|n| n.node_id.is_some_and(|id| freed_since.contains(&id)))
-        .map(|n| Removal::Node {
-            name: n.name.clone(),
-            uid: n.uid.to_string(),
-        })
-        .take(unrecorded)
-        .collect();
-    let mut window = cp.removals.clone();
-    window.extend(after);
-    window.sort_by_key(|r| r.at);
-    (window, done)
-}
-
-impl HeldSince {
-    fn kept(self) -> Held {
-        Held {
-            at: self.at,
-            wipe: self.wipe,
-        }
-    }
-}
-
-/// Why the brake holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HoldKind {
-    /// Removals over the allowed share: a fresh full list after the confirm delay releases them.
-    Ratio,
-    /// Removals of the wipe share or more: only an operator releases them.
-    Wipe,
-    /// The list lacks the local node, or a valid record of it with an InternalIP: it is no
-    /// view of this cluster from this node, and nothing changes.
-    NoLocalNode,
-}
-
-/// What the brake holds, for logs, metrics, readiness and reports.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BrakeHold {
-    pub kind: HoldKind,
-    /// Names the held set, for an operator's confirmation (`node-agent prune confirm <id>`);
-    /// for [`HoldKind::NoLocalNode`], the local node's name.
-    pub id: String,
-    /// The held nodes, in name order.
-    pub nodes: Vec<String>,
-    /// How many orphan objects are held.
-    pub orphans: usize,
-    /// The numbers the brake decided by; the message prints these.
-    pub count: BrakeCount,
-    pub max_ratio: f64,
-    /// When the oldest held item's hold began (since the Unix epoch).
-    pub since: Duration,
-    /// When a fresh full list may confirm the hold (since the Unix epoch); `None` when only an
-    /// operator can, or nothing can.
-    pub confirmable_at: Option<Duration>,
-    /// The objects kept because of the hold.
-    pub deletes: Vec<Delete>,
-}
-
-impl BrakeHold {
-    pub(super) fn local_node_missing(local: &str) -> Self {
-        Self {
-            kind: HoldKind::NoLocalNode,
-            id: local.to_string(),
-            nodes: Vec::new(),
-            orphans: 0,
-            count: BrakeCount::default(),
-            max_ratio: 0.0,
-            since: Duration::ZERO,
-            confirmable_at: None,
-            deletes: Vec::new(),
-        }
-    }
-}
-
-impl fmt::Display for BrakeHold {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.kind == HoldKind::NoLocalNode {
-            return write!(
-                f,
-                "the node list does not contain this node ({}), or no valid record of it with \
-                 an InternalIP: it is not a view of this cluster from this node (a partial or \
-                 filtered list, another cluster's, or this node malformed or registering); \
-                 nothing is changed until a list contains it",
-                self.id
-            );
-        }
-        let c = &self.count;
-        write!(
-            f,
-            "holding the removal of {} remote nodes and {} orphan objects ({} objects in all): \
-             {} of {} known remote nodes ({:.0}%) and {} of {} of our objects ({:.0}%) counting \
-             what was removed within the window ({} nodes, {} objects), against {:.0}% allowed; \
-             a partial node list, the wrong cluster or an RBAC error can look like this",
-            self.nodes.len(),
-            self.orphans,
-            self.deletes.len(),
-            c.removed_nodes(),
-            c.known_nodes,
-            c.node_ratio() * 100.0,
-            c.removed_objects(),
-            c.objects,
-            c.orphan_ratio() * 100.0,
-            c.window_nodes,
-            c.window_objects,
-            self.max_ratio * 100.0,
-        )?;
-        match self.kind {
-            HoldKind::Wipe => write!(
-                f,
-                ". A near-total wipe: only an operator releases it, with `node-agent prune \
-                 confirm {}` (a running daemon) or --force-prune",
-                self.id
-            ),
-            _ => write!(
-                f,
-                ". A fresh full list after the confirm delay releases it (daemon), or \
-                 `node-agent prune confirm {}`, or --force-prune",
-                self.id
-            ),
-        }
-    }
-}
+pub use super::brake_memory::{
+    BrakeCount, BrakeHold, BrakeMemory, HeldSince, HoldKind, Removal, hold_id,
+};
 
 /// The brake's rule, given what is asked for now.
 #[derive(Clone, Copy, Debug)]
@@ -325,89 +55,6 @@ impl Ask {
     }
 }
 
-/// What [`decide`] decided.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub(super) struct Decision {
-    pub released: BTreeSet<Removal>,
-    pub memory: BrakeMemory,
-    /// When something stays held: its kind and ratios.
-    pub hold: Option<(HoldKind, BrakeCount)>,
-}
-
-/// What the brake counted: [`decide`] fills it and decides by it, and a hold's message prints
-/// it, so the two cannot tell different numbers. Each removal is counted once (a removal the
-/// window counts is not counted again as asked for now).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct BrakeCount {
-    /// Known remote nodes the plan asks to remove now (those a sweep removes by ID included).
-    pub asked_nodes: usize,
-    /// Known remote nodes removed within the window.
-    pub window_nodes: usize,
-    /// Known remote nodes: the record's (or the map's), with those removed within the window.
-    pub known_nodes: usize,
-    /// Orphan objects the plan asks to remove now.
-    pub asked_orphans: usize,
-    /// Orphan objects removed within the window.
-    pub window_objects: usize,
-    /// Our objects, with those removed within the window.
-    pub objects: usize,
-}
-
-impl BrakeCount {
-    /// Known remote nodes removed now and within the window.
-    pub fn removed_nodes(&self) -> usize {
-        self.asked_nodes + self.window_nodes
-    }
-
-    /// Orphan objects removed now and within the window.
-    pub fn removed_objects(&self) -> usize {
-        self.asked_orphans + self.window_objects
-    }
-
-    pub fn node_ratio(&self) -> f64 {
-        ratio(self.removed_nodes(), self.known_nodes)
-    }
-
-    pub fn orphan_ratio(&self) -> f64 {
-        ratio(self.removed_objects(), self.objects)
-    }
-}
-
-fn ratio(part: usize, whole: usize) -> f64 {
-    if whole == 0 {
-        0.0
-    } else {
-        part as f64 / whole as f64
-    }
-}
-
-/// A short, stable name for a set of removals: FNV-1a over its items, in order.
-pub fn hold_id<'a>(items: impl IntoIterator<Item = &'a Removal>) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    for item in items {
-        match item {
-            Removal::Node { name, uid } => {
-                feed(b"n");
-                feed(name.as_bytes());
-                feed(b"\0");
-                feed(uid.as_bytes());
-            }
-            Removal::Orphan(id) => {
-                feed(b"o");
-                feed(format!("{id:?}").as_bytes());
-            }
-        }
-        feed(b"\n");
-    }
-    format!("{:012x}", h >> 16)
-}
-
 /// The rule. `asked` is every removal the plan would make; the result says which go ahead.
 pub(super) fn decide(
     asked: &BTreeSet<Removal>,
@@ -424,32 +71,99 @@ pub(super) fn decide(
         .filter(|w| now.saturating_sub(w.at) < cfg.confirm_delay)
         .copied()
         .collect();
-    let window_nodes: usize = window.iter().map(|w| w.nodes as usize).sum();
-    let window_objects: usize = window.iter().map(|w| w.objects as usize).sum();
-    // Removals made before a restart that the window's entries from the kernel count already
-    // (the checkpoint, older, still names them): counted there, and not again here.
-    let done = asked.iter().filter(|r| memory.done.contains(*r)).count();
-    let asked_nodes = asked
-        .iter()
-        .filter(|r| matches!(r, Removal::Node { .. }))
-        .count()
-        - done;
-    let asked_orphans = asked.len() - done - asked_nodes;
-    let removed_nodes = asked_nodes + counts.orphan_nodes;
-    let known_nodes = counts.known_nodes - done;
-    let count = BrakeCount {
-        asked_nodes: removed_nodes,
-        window_nodes,
-        known_nodes: known_nodes + window_nodes,
-        asked_orphans,
-        window_objects,
-        objects: counts.our_objects + window_objects,
-    };
-    let ratios = (count.node_ratio(), count.orphan_ratio());
-    let over = ratios.0 > cfg.max_prune_ratio || ratios.1 > cfg.max_prune_ratio;
-    let wipe = over
-        && ((removed_nodes > 0 && ratios.0 >= cfg.wipe_ratio)
-            || (asked_orphans > 0 && ratios.1 >= cfg.wipe_ratio));
+    let tally = Tally::of(asked, counts, memory, &window, cfg);
+    let (released, held) = release(asked, &tally, memory, relists, confirmed_hold, now, cfg);
+    if let Some(entry) = released_now(&released, &tally, counts, now) {
+        window.push(entry);
+    }
+    let hold = (!held.is_empty()).then(|| {
+        let kind = if held.values().any(|s: &HeldSince| s.wipe) {
+            HoldKind::Wipe
+        } else {
+            HoldKind::Ratio
+        };
+        (kind, tally.count)
+    });
+    Decision {
+        released,
+        memory: BrakeMemory {
+            held,
+            window,
+            orphans_held: None,
+            done: BTreeSet::new(),
+        },
+        hold,
+    }
+}
+
+/// What [`decide`] counted, and what the count says.
+struct Tally {
+    count: BrakeCount,
+    /// Removals asked for that the window counts already ([`BrakeMemory::done`]).
+    done: usize,
+    /// Over the allowed share.
+    over: bool,
+    /// Over it, and a near-total wipe.
+    wipe: bool,
+}
+
+impl Tally {
+    /// Counts what is asked for now with what the window (of entries still within it) holds.
+    fn of(
+        asked: &BTreeSet<Removal>,
+        counts: Ask,
+        memory: &BrakeMemory,
+        window: &[RecentRemovals],
+        cfg: &PlanConfig,
+    ) -> Self {
+        let window_nodes: usize = window.iter().map(|w| w.nodes as usize).sum();
+        let window_objects: usize = window.iter().map(|w| w.objects as usize).sum();
+        // Removals made before a restart that the window's entries from the kernel count already
+        // (the checkpoint, older, still names them): counted there, and not again here.
+        let done = asked.iter().filter(|r| memory.done.contains(*r)).count();
+        let asked_nodes = asked
+            .iter()
+            .filter(|r| matches!(r, Removal::Node { .. }))
+            .count()
+            - done;
+        let asked_orphans = asked.len() - done - asked_nodes;
+        let removed_nodes = asked_nodes + counts.orphan_nodes;
+        let known_nodes = counts.known_nodes - done;
+        let count = BrakeCount {
+            asked_nodes: removed_nodes,
+            window_nodes,
+            known_nodes: known_nodes + window_nodes,
+            asked_orphans,
+            window_objects,
+            objects: counts.our_objects + window_objects,
+        };
+        let ratios = (count.node_ratio(), count.orphan_ratio());
+        let over = ratios.0 > cfg.max_prune_ratio || ratios.1 > cfg.max_prune_ratio;
+        let wipe = over
+            && ((removed_nodes > 0 && ratios.0 >= cfg.wipe_ratio)
+                || (asked_orphans > 0 && ratios.1 >= cfg.wipe_ratio));
+        Self {
+            count,
+            done,
+            over,
+            wipe,
+        }
+    }
+}
+
+/// Each item asked for, released or held (and since when): one the window counts already goes
+/// ahead; one held before goes only on a confirmation; a new one goes unless the whole is over
+/// the share.
+fn release(
+    asked: &BTreeSet<Removal>,
+    tally: &Tally,
+    memory: &BrakeMemory,
+    relists: u64,
+    confirmed_hold: Option<&str>,
+    now: Duration,
+    cfg: &PlanConfig,
+) -> (BTreeSet<Removal>, BTreeMap<Removal, HeldSince>) {
+    let Tally { over, wipe, .. } = *tally;
     // What was held before and is still asked for: only a confirmation releases it, never a
     // ratio that has since dropped (newcomers in the record, or time, would dilute it).
     let held_before: BTreeSet<&Removal> = asked
@@ -513,57 +227,42 @@ pub(super) fn decide(
             }
         }
     }
-    let newly_released = released.len() - done;
-    if newly_released > 0 {
-        let nodes = released
-            .iter()
-            .filter(|r| matches!(r, Removal::Node { .. }))
-            .count()
-            - done;
-        let orphans = newly_released - nodes;
-        // Orphans swept without a record were counted as nodes too, by the IDs their map entries
-        // carry; the window remembers them as nodes, so that a later plan with a record counts
-        // them with its own removals (rounded up where only some of them went).
-        let orphan_nodes = if asked_orphans == 0 {
-            0
-        } else {
-            (counts.orphan_nodes * orphans).div_ceil(asked_orphans)
-        };
-        window.push(RecentRemovals {
-            at: now,
-            nodes: (nodes + orphan_nodes) as u32,
-            objects: orphans as u32,
-        });
-    }
-    let hold = (!held.is_empty()).then(|| {
-        let kind = if held.values().any(|s: &HeldSince| s.wipe) {
-            HoldKind::Wipe
-        } else {
-            HoldKind::Ratio
-        };
-        (kind, count)
-    });
-    Decision {
-        released,
-        memory: BrakeMemory {
-            held,
-            window,
-            orphans_held: None,
-            done: BTreeSet::new(),
-        },
-        hold,
-    }
+    (released, held)
 }
 
-/// The brake applied to one plan.
-pub(super) struct Brake {
-    synced: bool,
-    decision: Decision,
-    /// The records (name and UID) whose removal goes ahead.
-    released_nodes: HashSet<(String, String)>,
-    max_ratio: f64,
-    confirm_delay: Duration,
-    confirm_by_relist: bool,
+/// The window's entry for what goes ahead now, those the window counts already left out;
+/// `None` when nothing new does.
+fn released_now(
+    released: &BTreeSet<Removal>,
+    tally: &Tally,
+    counts: Ask,
+    now: Duration,
+) -> Option<RecentRemovals> {
+    let done = tally.done;
+    let asked_orphans = tally.count.asked_orphans;
+    let newly_released = released.len() - done;
+    if newly_released == 0 {
+        return None;
+    }
+    let nodes = released
+        .iter()
+        .filter(|r| matches!(r, Removal::Node { .. }))
+        .count()
+        - done;
+    let orphans = newly_released - nodes;
+    // Orphans swept without a record were counted as nodes too, by the IDs their map entries
+    // carry; the window remembers them as nodes, so that a later plan with a record counts
+    // them with its own removals (rounded up where only some of them went).
+    let orphan_nodes = if asked_orphans == 0 {
+        0
+    } else {
+        (counts.orphan_nodes * orphans).div_ceil(asked_orphans)
+    };
+    Some(RecentRemovals {
+        at: now,
+        nodes: (nodes + orphan_nodes) as u32,
+        objects: orphans as u32,
+    })
 }
 
 impl Brake {
@@ -646,56 +345,6 @@ impl Brake {
         }
         brake
     }
-
-    /// Whether the removal of record `r` (a record with no live node) goes ahead.
-    pub fn releases(&self, r: &Record<'_>) -> bool {
-        self.synced
-            && self
-                .released_nodes
-                .contains(&(r.node.name.clone(), r.node.uid.to_string()))
-    }
-
-    /// Whether an orphan may be deleted: after sync, unless the brake holds it.
-    pub fn releases_orphan(&self, id: &ObjectId) -> bool {
-        self.synced
-            && !self
-                .decision
-                .memory
-                .held
-                .contains_key(&Removal::Orphan(id.clone()))
-    }
-
-    /// The hold to report (with the objects it keeps) and the memory for the next plan.
-    pub fn finish(self, kept: Vec<Delete>) -> (Option<BrakeHold>, BrakeMemory) {
-        let memory = self.decision.memory;
-        let hold = self.decision.hold.map(|(kind, count)| {
-            let since = memory.held.values().map(|s| s.at).min().unwrap_or_default();
-            BrakeHold {
-                kind,
-                id: hold_id(memory.held.keys()),
-                nodes: memory
-                    .held
-                    .keys()
-                    .filter_map(|r| match r {
-                        Removal::Node { name, .. } => Some(name.clone()),
-                        Removal::Orphan(_) => None,
-                    })
-                    .collect(),
-                orphans: memory
-                    .held
-                    .keys()
-                    .filter(|r| matches!(r, Removal::Orphan(_)))
-                    .count(),
-                count,
-                max_ratio: self.max_ratio,
-                since,
-                confirmable_at: (kind == HoldKind::Ratio && self.confirm_by_relist)
-                    .then(|| since.saturating_add(self.confirm_delay)),
-                deletes: kept,
-            }
-        });
-        (hold, memory)
-    }
 }
 
 /// The node counts with the nodes that only orphan map entries still tell of, by the IDs those
@@ -734,406 +383,5 @@ fn with_orphan_nodes(
     }
 }
 
-/// A map entry for one of the local node's addresses: never ours to have (ID 0 is implicit), so
-/// it is always deleted and never counted by the brake.
-pub(super) fn is_local_entry(o: &KernelObject, local: &Local) -> bool {
-    matches!(o, KernelObject::MapEntry(e) if local.ips.contains(&e.ip))
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIN: Duration = Duration::from_secs(60);
-
-    fn node(n: &str) -> Removal {
-        Removal::Node {
-            name: n.into(),
-            uid: format!("uid-{n}"),
-        }
-    }
-
-    fn cfg(relist: bool) -> PlanConfig {
-        PlanConfig {
-            confirm_delay: MIN,
-            confirm_by_relist: relist,
-            ..PlanConfig::default()
-        }
-    }
-
-    fn ask(items: &[&str]) -> BTreeSet<Removal> {
-        items.iter().map(|n| node(n)).collect()
-    }
-
-    const TEN: Ask = Ask::known(10, 40);
-
-    #[test]
-    fn at_most_the_ratio_goes_ahead_and_enters_the_window() {
-        let m = BrakeMemory::default();
-        let d = decide(
-            &ask(&["a", "b", "c", "d", "e"]),
-            TEN,
-            &m,
-            1,
-            None,
-            MIN,
-            &cfg(true),
-        );
-        assert_eq!(d.released.len(), 5, "50% is not over 50%");
-        assert!(d.hold.is_none());
-        assert_eq!(d.memory.window.len(), 1);
-        assert_eq!(d.memory.window[0].nodes, 5);
-    }
-
-    #[test]
-    fn nodes_swept_as_orphans_without_a_record_count_as_nodes_in_the_window() {
-        // A lost checkpoint: two nodes' objects (4 of 10 objects, 2 of 4 node IDs) go as orphans.
-        let orphans: BTreeSet<Removal> = (1..=4u8)
-            .map(|i| {
-                Removal::Orphan(ObjectId::MapEntry {
-                    ip: std::net::IpAddr::from([10, 0, 0, i]),
-                })
-            })
-            .collect();
-        let lost = Ask {
-            orphan_nodes: 2,
-            ..Ask::known(4, 10)
-        };
-        let c = cfg(true);
-        let first = decide(&orphans, lost, &BrakeMemory::default(), 1, None, MIN, &c);
-        assert_eq!(first.released.len(), 4, "2 of 4 nodes, 4 of 10 objects");
-        assert_eq!(first.memory.window[0].nodes, 2);
-        // With a record again, one more of the two remaining nodes is 3 of 4 within the window.
-        let later = MIN + Duration::from_secs(5);
-        let second = decide(
-            &ask(&["c"]),
-            Ask::known(2, 6),
-            &first.memory,
-            2,
-            None,
-            later,
-            &c,
-        );
-        assert!(
-            second.released.is_empty(),
-            "the split mass deletion is seen whole"
-        );
-    }
-
-    #[test]
-    fn removals_within_the_window_count_so_a_mass_deletion_cannot_be_split() {
-        let first = decide(
-            &ask(&["a", "b", "c"]),
-            TEN,
-            &BrakeMemory::default(),
-            1,
-            None,
-            MIN,
-            &cfg(true),
-        );
-        assert_eq!(first.released.len(), 3);
-        // Seven nodes left; three more a little later: 6 of 10 within the window.
-        let known = Ask::known(7, 28);
-        let later = MIN + Duration::from_secs(5);
-        let second = decide(
-            &ask(&["d", "e", "f"]),
-            known,
-            &first.memory,
-            2,
-            None,
-            later,
-            &cfg(true),
-        );
-        assert!(second.released.is_empty());
-        assert_eq!(second.hold.map(|h| h.0), Some(HoldKind::Ratio));
-        // Once the window has passed, the same three are fine on their own (3 of 7).
-        let much_later = MIN * 3;
-        let third = decide(
-            &ask(&["d", "e", "f"]),
-            known,
-            &second.memory,
-            3,
-            None,
-            much_later,
-            &cfg(true),
-        );
-        assert_eq!(third.released.len(), 3);
-    }
-
-    #[test]
-    fn a_fresh_list_after_the_delay_releases_exactly_what_was_held_and_holds_the_rest() {
-        let c = cfg(true);
-        let t0 = MIN;
-        let held = decide(
-            &ask(&["a", "b", "c", "d", "e", "f"]),
-            TEN,
-            &BrakeMemory::default(),
-            1,
-            None,
-            t0,
-            &c,
-        );
-        assert!(held.released.is_empty());
-        // The delay has passed but no newer list came: still held.
-        let t1 = t0 + MIN;
-        let same_list = decide(
-            &ask(&["a", "b", "c", "d", "e", "f"]),
-            TEN,
-            &held.memory,
-            1,
-            None,
-            t1,
-            &c,
-        );
-        assert!(same_list.released.is_empty());
-        // A newer list that asks for more: the six held are released, the seventh waits.
-        let more = decide(
-            &ask(&["a", "b", "c", "d", "e", "f", "g"]),
-            TEN,
-            &same_list.memory,
-            2,
-            None,
-            t1,
-            &c,
-        );
-        assert_eq!(more.released, ask(&["a", "b", "c", "d", "e", "f"]));
-        assert_eq!(
-            more.memory.held.keys().cloned().collect::<BTreeSet<_>>(),
-            ask(&["g"])
-        );
-        assert_eq!(more.memory.held[&node("g")].at, t1);
-    }
-
-    #[test]
-    fn a_newer_list_before_the_delay_releases_nothing() {
-        let c = cfg(true);
-        let held = decide(
-            &ask(&["a", "b", "c", "d", "e", "f"]),
-            TEN,
-            &BrakeMemory::default(),
-            1,
-            None,
-            MIN,
-            &c,
-        );
-        let early = decide(
-            &ask(&["a", "b", "c", "d", "e", "f"]),
-            TEN,
-            &held.memory,
-            5,
-            None,
-            MIN + MIN / 2,
-            &c,
-        );
-        assert!(early.released.is_empty());
-    }
-
-    #[test]
-    fn one_shot_runs_are_never_confirmed_by_a_list() {
-        let c = cfg(false);
-        let held = decide(
-            &ask(&["a", "b", "c", "d", "e", "f"]),
-            TEN,
-            &BrakeMemory::default(),
-            1,
-            None,
-            MIN,
-            &c,
-        );
-        let later = decide(
-            &ask(&["a", "b", "c", "d", "e", "f"]),
-            TEN,
-            &held.memory,
-            9,
-            None,
-            MIN * 10,
-            &c,
-        );
-        assert!(later.released.is_empty());
-    }
-
-    #[test]
-    fn a_wipe_needs_the_operator_and_the_operator_confirms_only_the_held_set() {
-        let c = cfg(true);
-        let all = ask(&["a", "b", "c", "d", "e", "f", "g", "h", "i"]);
-        let held = decide(&all, TEN, &BrakeMemory::default(), 1, None, MIN, &c);
-        assert_eq!(held.hold.map(|h| h.0), Some(HoldKind::Wipe));
-        let id = hold_id(held.memory.held.keys());
-        let relisted = decide(&all, TEN, &held.memory, 7, None, MIN * 10, &c);
-        assert!(
-            relisted.released.is_empty(),
-            "a relist never confirms a wipe"
-        );
-        let stale = decide(
-            &all,
-            TEN,
-            &held.memory,
-            7,
-            Some("0123456789ab"),
-            MIN * 10,
-            &c,
-        );
-        assert!(stale.released.is_empty(), "a confirmation of another hold");
-        let mut more = all.clone();
-        more.insert(node("j"));
-        let grown = decide(&more, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
-        assert_eq!(grown.released, all, "exactly what was confirmed");
-        assert_eq!(
-            grown.memory.held.keys().cloned().collect::<BTreeSet<_>>(),
-            ask(&["j"]),
-            "the difference is held anew"
-        );
-        let ok = decide(&all, TEN, &held.memory, 7, Some(&id), MIN * 10, &c);
-        assert_eq!(ok.released, all);
-    }
-
-    #[test]
-    fn orphans_are_counted_in_objects_and_force_releases_everything() {
-        let orphans: BTreeSet<Removal> = (0..30u16)
-            .map(|i| {
-                Removal::Orphan(ObjectId::MapEntry {
-                    ip: std::net::IpAddr::from([10, 0, 0, i as u8]),
-                })
-            })
-            .collect();
-        let none_known = Ask::known(0, 40);
-        let held = decide(
-            &orphans,
-            none_known,
-            &BrakeMemory::default(),
-            1,
-            None,
-            MIN,
-            &cfg(true),
-        );
-        assert!(held.released.is_empty(), "30 of 40 objects");
-        let forced = decide(
-            &orphans,
-            none_known,
-            &BrakeMemory::default(),
-            1,
-            None,
-            MIN,
-            &PlanConfig {
-                force_prune: true,
-                ..cfg(true)
-            },
-        );
-        assert_eq!(forced.released.len(), 30);
-        assert_eq!(forced.memory.window[0].objects, 30);
-    }
-
-    #[test]
-    fn a_held_item_is_never_released_by_a_ratio_that_drops_later() {
-        let c = cfg(false);
-        let four = Ask::known(4, 16);
-        let all = ask(&["a", "b", "c", "d"]);
-        let held = decide(&all, four, &BrakeMemory::default(), 1, None, MIN, &c);
-        assert!(held.released.is_empty());
-        // Twenty newcomers joined the record meanwhile: 4 of 24 would pass, the hold stays.
-        let diluted = Ask::known(24, 96);
-        let later = decide(&all, diluted, &held.memory, 1, None, MIN * 2, &c);
-        assert!(later.released.is_empty());
-        assert_eq!(
-            later.hold.map(|h| h.0),
-            Some(HoldKind::Wipe),
-            "once a wipe, a wipe"
-        );
-        // Two came back: the other two stay held.
-        let fewer = decide(
-            &ask(&["a", "b"]),
-            diluted,
-            &later.memory,
-            1,
-            None,
-            MIN * 3,
-            &c,
-        );
-        assert!(fewer.released.is_empty());
-        assert_eq!(fewer.memory.held.len(), 2);
-    }
-
-    #[test]
-    fn a_ripe_hold_is_not_released_by_a_list_that_is_itself_a_wipe() {
-        let c = cfg(true);
-        let six = ask(&["a", "b", "c", "d", "e", "f"]);
-        let held = decide(&six, TEN, &BrakeMemory::default(), 1, None, MIN, &c);
-        assert_eq!(held.hold.map(|h| h.0), Some(HoldKind::Ratio));
-        // After the delay, a fresh list without any of the ten.
-        let all = ask(&["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]);
-        let wiped = decide(&all, TEN, &held.memory, 2, None, MIN * 2, &c);
-        assert!(wiped.released.is_empty(), "{:?}", wiped.released);
-        assert_eq!(wiped.hold.map(|h| h.0), Some(HoldKind::Wipe));
-        // The same six asked for again by a sane list later are still held: once a wipe's, the
-        // operator's.
-        let sane = decide(&six, TEN, &wiped.memory, 3, None, MIN * 4, &c);
-        assert!(sane.released.is_empty());
-    }
-
-    #[test]
-    fn orphans_held_before_a_restart_wait_a_whole_delay_from_the_restart() {
-        let orphan = |i: u8| {
-            Removal::Orphan(ObjectId::MapEntry {
-                ip: std::net::IpAddr::from([10, 0, 0, i]),
-            })
-        };
-        let c = cfg(true);
-        let restarted = BrakeMemory {
-            orphans_held: Some(HeldSince {
-                at: MIN,
-                relists: 0,
-                wipe: false,
-            }),
-            ..BrakeMemory::default()
-        };
-        let asked: BTreeSet<Removal> = (1..=6).map(orphan).collect();
-        let objects = Ask::known(0, 10);
-        // Long after the recorded hold, the restarted agent's first list.
-        let first = decide(&asked, objects, &restarted, 1, None, MIN * 10, &c);
-        assert!(first.released.is_empty(), "{:?}", first.released);
-        let early = decide(
-            &asked,
-            objects,
-            &first.memory,
-            2,
-            None,
-            MIN * 10 + MIN / 2,
-            &c,
-        );
-        assert!(early.released.is_empty());
-        let ripe = decide(&asked, objects, &early.memory, 3, None, MIN * 11, &c);
-        assert_eq!(ripe.released, asked);
-    }
-
-    #[test]
-    fn a_stale_checkpoint_window_is_completed_by_the_kernels_record() {
-        let at = |secs, nodes| RecentRemovals {
-            at: Duration::from_secs(secs),
-            nodes,
-            objects: 0,
-        };
-        // Twenty nodes. The checkpoint was last written after the first two removals; the
-        // kernel saw the three after them too.
-        let stale = Checkpoint {
-            written_at: Duration::from_secs(101),
-            removals: vec![at(100, 2)],
-            ..Checkpoint::default()
-        };
-        let kept = vec![at(100, 2), at(130, 3)];
-        let m = BrakeMemory::restored(Some(&stale), Some(kept), &AllocatorState::default());
-        assert_eq!(m.window, [at(100, 2), at(130, 3)]);
-        // Six of the fifteen left, 20 s later: 11 of 20 within the window (by the stale
-        // checkpoint alone, 8 of 17, which would pass).
-        let six = ask(&["a", "b", "c", "d", "e", "f"]);
-        let now = Duration::from_secs(150);
-        let d = decide(&six, Ask::known(15, 60), &m, 1, None, now, &cfg(true));
-        assert!(d.released.is_empty());
-    }
-
-    #[test]
-    fn hold_ids_are_stable_and_tell_sets_apart() {
-        assert_eq!(hold_id(&ask(&["a", "b"])), hold_id(&ask(&["a", "b"])));
-        assert_ne!(hold_id(&ask(&["a", "b"])), hold_id(&ask(&["a", "c"])));
-        assert_eq!(hold_id(&ask(&["a"])).len(), 12);
-    }
-}
+mod tests;

@@ -22,7 +22,7 @@ use foldhash::fast::FixedState;
 use foldhash::{HashMap, HashMapExt};
 use ipnet::IpNet;
 
-use super::claims::{Resource, resources_of};
+use super::resource::{Resource, resources_of};
 use crate::checkpoint::{Checkpoint, spliced_names};
 use crate::ids::IdSet;
 use crate::node::{Node, name_range};
@@ -250,22 +250,7 @@ impl<K: Hash + Eq + Copy, V: Ord> MultiMap<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::{AddressKind, NodeAddress};
-
-    fn node(name: &str, id: u16, ip: &str, cidr: &str) -> Node {
-        Node {
-            name: name.into(),
-            uid: Default::default(),
-            addresses: vec![NodeAddress {
-                kind: AddressKind::InternalIP,
-                ip: ip.parse().unwrap(),
-            }]
-            .into(),
-            pod_cidrs: vec![cidr.parse().unwrap()].into(),
-            boot_id: Default::default(),
-            node_id: NodeId::new(id),
-        }
-    }
+    use crate::plan::tests::support::{node, with_id};
 
     fn claimants(index: &ClaimIndex, r: &str) -> Vec<String> {
         let r = match r.parse() {
@@ -279,8 +264,8 @@ mod tests {
     fn claimants_are_found_by_resource_and_follow_a_splice() {
         let mut record = Checkpoint {
             nodes: vec![
-                node("a", 1, "10.0.0.1", "10.1.1.0/24"),
-                node("b", 2, "10.0.0.2", "10.1.2.0/24"),
+                with_id(node("a", &["10.0.0.1"], &["10.1.1.0/24"]), 1),
+                with_id(node("b", &["10.0.0.2"], &["10.1.2.0/24"]), 2),
             ],
             ..Checkpoint::default()
         };
@@ -294,8 +279,8 @@ mod tests {
         let names = ["a".to_string(), "b".to_string(), "c".to_string()];
         let part = Checkpoint {
             nodes: vec![
-                node("b", 2, "10.0.0.1", "10.1.2.0/24"),
-                node("c", 3, "10.0.0.3", "10.1.3.0/24"),
+                with_id(node("b", &["10.0.0.1"], &["10.1.2.0/24"]), 2),
+                with_id(node("c", &["10.0.0.3"], &["10.1.3.0/24"]), 3),
             ],
             ..Checkpoint::default()
         };
@@ -312,7 +297,7 @@ mod tests {
         // names both records), and says the IDs are not distinct.
         let names = ["d".to_string()];
         let part = Checkpoint {
-            nodes: vec![node("d", 3, "10.0.0.4", "10.1.4.0/24")],
+            nodes: vec![with_id(node("d", &["10.0.0.4"], &["10.1.4.0/24"]), 3)],
             ..Checkpoint::default()
         };
         index.splice(&record, &names, &part.nodes);

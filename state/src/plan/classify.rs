@@ -2,48 +2,10 @@
 
 use std::cmp::Ordering;
 
-use super::records::Record;
-use super::{InputError, InputProblem, LiveView, MalformedNode, err};
+use super::nodes::{HeldWhy, Live, LiveClass, Record};
+use super::problem::{InputError, InputProblem, err};
+use super::view::{LiveView, MalformedNode};
 use crate::node::Node;
-use crate::objects::NodeId;
-
-/// Why a live node is held: it keeps whatever it had and gets nothing new.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum HeldWhy {
-    /// No addresses yet (invariant 8).
-    Registering,
-    /// Its latest record does not validate; the agent's record stands in (invariant 8).
-    Malformed,
-    /// It claims what another node keeps (invariant 14).
-    Conflict,
-    /// Its new map entries do not fit (invariant 17).
-    MapFull,
-    /// No node ID is free.
-    NoId,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum LiveClass {
-    /// Not decided yet: [`super::assign`] programs it or holds it.
-    Candidate,
-    Held(HeldWhy),
-    Programmed(NodeId),
-}
-
-/// A live remote node.
-pub(super) struct Live<'a> {
-    /// Its record as the source has it; for a malformed node, the agent's record of it.
-    pub node: &'a Node,
-    /// Its record (index into the records), when the record is of the same node.
-    pub record: Option<usize>,
-    pub class: LiveClass,
-}
-
-impl Live<'_> {
-    pub fn is_held(&self) -> bool {
-        matches!(self.class, LiveClass::Held(_))
-    }
-}
 
 /// Whether a record and a live node of the same name are the same node. A node deleted and
 /// created again under its name has a new UID: its record is a removal (the brake counts it) and
@@ -166,3 +128,6 @@ fn push<'a>(
         class,
     });
 }
+
+#[cfg(test)]
+mod tests;

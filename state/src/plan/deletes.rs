@@ -10,14 +10,14 @@
 
 use foldhash::{HashMap, HashMapExt, HashSet};
 
-use super::brake::{Brake, is_local_entry};
-use super::claims::secondary_resource;
-use super::classify::{Live, LiveClass};
+use super::brake_memory::Brake;
+use super::desired::desired_objects;
+use super::nodes::{Live, LiveClass, Record};
+use super::ops::{Delete, DeleteReason};
 use super::parallel;
-use super::records::Record;
+use super::resource::secondary_resource;
 use super::resource_index::{NodeResources, Res, ResourceIndex};
-use super::{Delete, DeleteReason, Local, PlanInput};
-use crate::desired::desired_objects;
+use super::view::{Local, PlanInput, is_local_entry};
 use crate::ids::{IdMap, IdSet};
 use crate::inventory::Marks;
 use crate::node::Node;
@@ -166,25 +166,11 @@ pub(super) fn decide(
         || OwnerIndex::new(resources, live, records, brake),
     );
     let synced = input.live.synced;
-    // What each held node's record derives, found once for the nodes that keep something.
-    let mut recorded: HashMap<usize, HashSet<ObjectId>> = HashMap::new();
-    let mut derived = |i: usize, o: &KernelObject| {
-        let ids = recorded.entry(i).or_insert_with(|| {
-            let mut objects = Vec::new();
-            let rec = live[i].record.map(|r| records[r].node);
-            if let Some((rec, id)) = rec.and_then(|r| Some((r, r.node_id?))) {
-                desired_objects(
-                    rec,
-                    id,
-                    input.config,
-                    input.inventory,
-                    &mut objects,
-                    &mut Vec::new(),
-                );
-            }
-            objects.iter().map(KernelObject::id).collect()
-        });
-        ids.contains(&o.id())
+    let mut derived = Derived {
+        input,
+        live,
+        records,
+        found: HashMap::new(),
     };
     for (slot, o) in pool {
         let keep = |out: &mut Deleted| {
@@ -192,46 +178,22 @@ pub(super) fn decide(
                 out.kept_ids.insert(id);
             }
         };
-        let node_of = |n: &Node| Some(n.name.clone());
         if !synced {
             keep(&mut out);
             continue;
         }
-        let (reason, node) = if is_local_entry(o, local) {
-            (DeleteReason::Orphan, None)
-        } else if o.kind() == ObjectKind::XfrmGuard {
-            // Undesired only when IPsec is off; belongs to no node, the brake does not count it.
-            (DeleteReason::Disabled, None)
-        } else {
-            match index.owner(slot, o) {
-                Some(Owner::Held(i)) => {
-                    keep(&mut out);
-                    out.kept_unrecorded |= !derived(i, o);
-                    continue;
-                }
-                Some(Owner::HeldRemoval(r)) => {
-                    keep(&mut out);
-                    out.held.push(Delete {
-                        object: o.clone(),
-                        reason: DeleteReason::StaleNode,
-                        node: node_of(records[r].node),
-                    });
-                    continue;
-                }
-                Some(Owner::Current(i)) => (DeleteReason::Superseded, node_of(live[i].node)),
-                Some(Owner::Old(r)) => (DeleteReason::ChangedWhileDown, node_of(records[r].node)),
-                Some(Owner::Released(r)) => (DeleteReason::StaleNode, node_of(records[r].node)),
-                None if brake.releases_orphan(&o.id()) => (DeleteReason::Orphan, None),
-                None => {
-                    keep(&mut out);
-                    out.held.push(Delete {
-                        object: o.clone(),
-                        reason: DeleteReason::Orphan,
-                        node: None,
-                    });
-                    continue;
-                }
+        let (reason, node) = match fate(slot, o, &index, brake, local, live, records) {
+            Fate::HeldNode(i) => {
+                keep(&mut out);
+                out.kept_unrecorded |= !derived.derives(i, o);
+                continue;
             }
+            Fate::Held(delete) => {
+                keep(&mut out);
+                out.held.push(delete);
+                continue;
+            }
+            Fate::Goes(reason, node) => (reason, node),
         };
         if let Some(user) = input.inventory.foreign_user(&o.id()) {
             keep(&mut out);
@@ -247,6 +209,84 @@ pub(super) fn decide(
     }
     keep_what_kept_objects_use(input, desired, &going, &mut out);
     out
+}
+
+/// What becomes of one undesired object of ours, after sync.
+enum Fate {
+    /// A held live node keeps it (index into the live nodes).
+    HeldNode(usize),
+    /// The brake keeps it: the delete it holds.
+    Held(Delete),
+    /// It goes, for this reason, reached through this node (unless a foreign object uses it).
+    Goes(DeleteReason, Option<String>),
+}
+
+/// The fate of object `o` at `slot`, by its strongest owner.
+fn fate(
+    slot: usize,
+    o: &KernelObject,
+    index: &OwnerIndex<'_>,
+    brake: &Brake,
+    local: &Local,
+    live: &[Live<'_>],
+    records: &[Record<'_>],
+) -> Fate {
+    let node_of = |n: &Node| Some(n.name.clone());
+    if is_local_entry(o, local) {
+        return Fate::Goes(DeleteReason::Orphan, None);
+    }
+    if o.kind() == ObjectKind::XfrmGuard {
+        // Undesired only when IPsec is off; belongs to no node, the brake does not count it.
+        return Fate::Goes(DeleteReason::Disabled, None);
+    }
+    match index.owner(slot, o) {
+        Some(Owner::Held(i)) => Fate::HeldNode(i),
+        Some(Owner::HeldRemoval(r)) => Fate::Held(Delete {
+            object: o.clone(),
+            reason: DeleteReason::StaleNode,
+            node: node_of(records[r].node),
+        }),
+        Some(Owner::Current(i)) => Fate::Goes(DeleteReason::Superseded, node_of(live[i].node)),
+        Some(Owner::Old(r)) => Fate::Goes(DeleteReason::ChangedWhileDown, node_of(records[r].node)),
+        Some(Owner::Released(r)) => Fate::Goes(DeleteReason::StaleNode, node_of(records[r].node)),
+        None if brake.releases_orphan(&o.id()) => Fate::Goes(DeleteReason::Orphan, None),
+        None => Fate::Held(Delete {
+            object: o.clone(),
+            reason: DeleteReason::Orphan,
+            node: None,
+        }),
+    }
+}
+
+/// What each held node's record derives, found once for the nodes that keep something.
+struct Derived<'p, 'a> {
+    input: &'p PlanInput<'a>,
+    live: &'p [Live<'a>],
+    records: &'p [Record<'a>],
+    found: HashMap<usize, HashSet<ObjectId>>,
+}
+
+impl Derived<'_, '_> {
+    /// Whether the record of held live node `i` derives `o`.
+    fn derives(&mut self, i: usize, o: &KernelObject) -> bool {
+        let (input, live, records) = (self.input, self.live, self.records);
+        let ids = self.found.entry(i).or_insert_with(|| {
+            let mut objects = Vec::new();
+            let rec = live[i].record.map(|r| records[r].node);
+            if let Some((rec, id)) = rec.and_then(|r| Some((r, r.node_id?))) {
+                desired_objects(
+                    rec,
+                    id,
+                    input.config,
+                    input.inventory,
+                    &mut objects,
+                    &mut Vec::new(),
+                );
+            }
+            objects.iter().map(KernelObject::id).collect()
+        });
+        ids.contains(&o.id())
+    }
 }
 
 /// An object that stays keeps what it uses: a route kept (its CIDR's owner is held, say)
@@ -283,3 +323,6 @@ fn keep_what_kept_objects_use(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

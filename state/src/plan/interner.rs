@@ -19,7 +19,7 @@ use std::hash::BuildHasher;
 use foldhash::fast::RandomState;
 use foldhash::{HashMap, HashMapExt};
 
-use super::claims::Resource;
+use super::resource::Resource;
 
 /// A resource's place in an [`Interner`].
 pub(super) type Res = u32;

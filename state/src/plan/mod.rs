@@ -11,382 +11,64 @@
 //!    and record claims, indexed once ([`resource_index`], hashed in cache-sized parts by
 //!    [`interner`]) for this step and the next;
 //! 4. [`claims`] and [`assign`]: conflicts, map room and node IDs, candidate by candidate;
-//! 5. desired objects ([`crate::desired`]) and the upserts they need;
+//! 5. [`upserts`]: desired objects ([`desired`]) and the upserts they need;
 //! 6. [`deletes`]: every undesired object of ours, with the reason it goes or stays;
 //! 7. the next record ([`Plan::checkpoint`]) and brake memory.
 //!
 //! Steps of a large plan run some of their pieces on a second core ([`parallel`]).
+//!
+//! The steps share one vocabulary, in leaf modules beneath them all: the configuration
+//! ([`config`]), the input ([`view`]), resources and who claims them ([`resource`]), the
+//! planner's views of each node ([`nodes`]), the brake's memory and decision
+//! ([`brake_memory`]), the problems reported ([`problem`]) and the operations planned ([`ops`]).
+//! A step imports that vocabulary and the shared indexes, never another step ([`claims`] is
+//! [`assign`]'s own, the two halves of step 4); this module, on top, runs them in order.
 
 pub mod brake;
 pub mod claims;
+pub mod desired;
 
 mod assign;
+mod brake_memory;
 mod claim_index;
 mod classify;
+pub(crate) mod config;
 mod deletes;
 mod interner;
+mod nodes;
+mod ops;
 mod parallel;
+pub(crate) mod problem;
 mod records;
+pub(crate) mod resource;
 mod resource_index;
 mod scope;
+mod upserts;
+mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
-use std::net::IpAddr;
-use std::sync::Arc;
-use std::time::Duration;
 
 use foldhash::{HashSet, HashSetExt};
-use ipnet::IpNet;
 
-use crate::checkpoint::{Checkpoint, KeySeen, PendingDelete};
-use crate::desired::{desired_objects, global_objects};
-use crate::ids::{AllocatorState, IdError, IdSet, MAX_ID};
-use crate::inventory::{Inventory, Marks};
-use crate::node::{AddressKind, Family, Node};
-use crate::objects::{KernelObject, KeyTag, NodeId, ObjectId, Op};
+use self::desired::local_endpoint;
+use crate::checkpoint::{Checkpoint, PendingDelete};
+use crate::ids::{IdAllocator, IdSet};
+use crate::node::{Family, Node};
+use crate::objects::{NodeId, ObjectId, Op};
 
-pub use brake::{BrakeCount, BrakeHold, BrakeMemory, HoldKind, Removal};
+pub use brake_memory::{BrakeCount, BrakeHold, BrakeMemory, HoldKind, Removal};
 pub use claim_index::ClaimIndex;
-pub use claims::{ConflictWhy, Resource};
+pub use config::{GlobalTags, IpsecConfig, KeyInUse, KeyTags, Pair, PlanConfig};
+pub use ops::{AGENT_OWNED, Allocation, Delete, DeleteReason, ORPHANS, Upsert};
+pub use problem::{InputError, InputProblem};
+pub use resource::{ConflictWhy, Resource};
 pub use scope::plan_scoped;
+pub use view::{LiveView, MalformedNode, PlanInput};
 
-use self::classify::{Live, LiveClass};
-
-/// IPsec settings that shape the desired objects.
-#[derive(Clone, Debug)]
-pub struct IpsecConfig {
-    /// The SPI traffic is sent with (1..=15, it lives in 4 mark bits): the map entries carry it.
-    pub send_spi: u8,
-    /// Every key whose states and policies exist now: the one sent with and, during a
-    /// rotation, the one rotated in (received, not yet sent with) or out (still received).
-    pub keys: Vec<KeyInUse>,
-    /// When the agent first saw each key of the key file: written into the checkpoint, so a
-    /// rotation resumes on its schedule after a restart ([`crate::rotation`]).
-    pub seen: Vec<KeySeen>,
-    /// What each state's key is, by node pair: the key file's own key, or one derived per pair.
-    pub tags: Arc<dyn KeyTags>,
-}
-
-impl PartialEq for IpsecConfig {
-    fn eq(&self, other: &Self) -> bool {
-        self.send_spi == other.send_spi
-            && self.keys == other.keys
-            && self.seen == other.seen
-            && Arc::ptr_eq(&self.tags, &other.tags)
-    }
-}
-
-impl IpsecConfig {
-    /// One global key, sent with: no rotation under way.
-    pub fn single(spi: u8, tag: KeyTag) -> Self {
-        Self {
-            send_spi: spi,
-            keys: vec![KeyInUse { spi, tag }],
-            seen: Vec::new(),
-            tags: Arc::new(GlobalTags),
-        }
-    }
-}
-
-/// A key whose states exist: its SPI and the tag of the key file's key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KeyInUse {
-    pub spi: u8,
-    pub tag: KeyTag,
-}
-
-/// The two ends of a state and their boot IDs: what a per-pair key is derived from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pair<'a> {
-    pub src: IpAddr,
-    pub dst: IpAddr,
-    pub src_boot: &'a str,
-    pub dst_boot: &'a str,
-}
-
-/// The tag of the key a state holds. The planner compares tags, never keys: the implementation
-/// that knows the keys (the agent's key book) lives with the kernel side.
-pub trait KeyTags: fmt::Debug + Send + Sync {
-    fn tag(&self, key: &KeyInUse, pair: &Pair<'_>) -> KeyTag;
-
-    /// A plan is about to ask for tags (an implementation that remembers derived keys may
-    /// forget those no recent plan asked for).
-    fn plan_begins(&self) {}
-}
-
-/// Global keys: every state of a key holds the key file's key itself.
-#[derive(Debug)]
-pub struct GlobalTags;
-
-impl KeyTags for GlobalTags {
-    fn tag(&self, key: &KeyInUse, _: &Pair<'_>) -> KeyTag {
-        key.tag
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct PlanConfig {
-    /// The node this agent runs on; never treated as a remote node.
-    pub local_node: String,
-    /// This node's boot ID (per-pair IPsec keys are derived from it).
-    pub local_boot_id: String,
-    /// This node's addresses; the first of each family is the xfrm endpoint. They are the local
-    /// node's, whatever a remote node claims (invariant 14), and map entries for them are
-    /// deleted (ID 0, the local node, is implicit).
-    pub local_addresses: Vec<IpAddr>,
-    /// This node's pod CIDRs: with IPsec, remote nodes tunnel traffic toward them, so an IN
-    /// state is wanted in each of their families and no other.
-    pub local_pod_cidrs: Vec<IpNet>,
-    pub ipsec: Option<IpsecConfig>,
-    /// Largest share of known remote nodes (or of our objects, for orphans) that removals may
-    /// reach within the window without a confirmation.
-    pub max_prune_ratio: f64,
-    /// Removals of at least this share are a near-total wipe: only an operator confirms them.
-    pub wipe_ratio: f64,
-    /// Release every hold now (`--force-prune`).
-    pub force_prune: bool,
-    /// How long a hold must last before a fresh full list may confirm it; also the window over
-    /// which removals are counted together.
-    pub confirm_delay: Duration,
-    /// Whether a fresh full list after the confirm delay releases a hold (the daemon), or only
-    /// `force_prune` and an operator's confirmation do (one-shot runs).
-    pub confirm_by_relist: bool,
-    /// Entries the node-ID map holds.
-    pub map_capacity: usize,
-    pub id_cooldown: Duration,
-    /// The highest node ID handed out: [`MAX_ID`] except where a test shrinks the ID space.
-    pub max_node_id: u16,
-    /// Whether ExternalIPs get map entries too (InternalIPs always do).
-    pub include_external_ips: bool,
-    /// Routes go through a nexthop object per node and family (kernels from 5.3); otherwise
-    /// each route carries its gateway.
-    pub route_nexthops: bool,
-    /// Written into the checkpoint.
-    pub agent_version: String,
-}
-
-impl Default for PlanConfig {
-    fn default() -> Self {
-        Self {
-            local_node: String::new(),
-            local_boot_id: String::new(),
-            local_addresses: Vec::new(),
-            local_pod_cidrs: Vec::new(),
-            ipsec: None,
-            max_prune_ratio: 0.5,
-            wipe_ratio: 0.9,
-            force_prune: false,
-            confirm_delay: Duration::from_secs(60),
-            confirm_by_relist: false,
-            map_capacity: 65_536,
-            id_cooldown: Duration::from_secs(15 * 60),
-            max_node_id: MAX_ID,
-            include_external_ips: true,
-            route_nexthops: true,
-            agent_version: String::new(),
-        }
-    }
-}
-
-/// A live node none of whose records validated. Its UID, when its record has a readable one,
-/// picks the agent's record of this very node among several of its name: after a node was
-/// replaced under its name, or a list from another cluster with the same names, the name alone
-/// would hand it another node's record, and that node's objects with it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MalformedNode {
-    pub name: String,
-    /// Empty when unknown: then the agent's newest record of the name stands in.
-    pub uid: String,
-}
-
-impl MalformedNode {
-    pub fn named(name: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            uid: String::new(),
-        }
-    }
-}
-
-/// The nodes the source reports now.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LiveView {
-    /// Valid records, one per name (the source keeps a node's last good record when a new one
-    /// does not validate). Shared with the source's own state: a view of 65,000 nodes is then a
-    /// vector of pointers, not a copy of every node.
-    pub nodes: Vec<Arc<Node>>,
-    /// Live nodes with no valid record at all: their latest record does not validate and the
-    /// source never had a good one. The agent's own record of them stands in (invariant 8).
-    pub malformed: Vec<MalformedNode>,
-    /// The source completed its first full list (Kubernetes: `InitDone`).
-    pub synced: bool,
-    /// Full lists completed so far that contained the local node: a hold is confirmed only by
-    /// such a list, newer than the hold (invariants 15 and 16).
-    pub relists: u64,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub struct PlanInput<'a> {
-    /// The agent's record: the checkpoint it restored, then the one each reconcile implies.
-    pub record: Option<&'a Checkpoint>,
-    pub live: &'a LiveView,
-    pub inventory: &'a Inventory,
-    pub allocator: &'a AllocatorState,
-    pub brake: &'a BrakeMemory,
-    /// A hold an operator confirmed, by its ID (`node-agent prune confirm`).
-    pub confirmed_hold: Option<&'a str>,
-    /// Since the Unix epoch.
-    pub now: Duration,
-    pub config: &'a PlanConfig,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum DeleteReason {
-    /// The node is in the record but no longer live (deleted, or replaced under its name).
-    StaleNode,
-    /// The node is live but its addresses or CIDRs changed since the record.
-    ChangedWhileDown,
-    /// Ours (marked) but belonging to no live node and no record.
-    Orphan,
-    /// A live node's object replaced by one with a different identity (new node ID or SPI).
-    Superseded,
-    /// One of the agent's own objects for a feature that is off now (the IPsec guards).
-    Disabled,
-}
-
-impl DeleteReason {
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::StaleNode => "stale node",
-            Self::ChangedWhileDown => "changed while down",
-            Self::Orphan => "orphan",
-            Self::Superseded => "superseded",
-            Self::Disabled => "disabled",
-        }
-    }
-}
-
-impl fmt::Display for DeleteReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Delete {
-    pub object: KernelObject,
-    pub reason: DeleteReason,
-    /// The node the object was reached through; `None` for orphans.
-    pub node: Option<String>,
-}
-
-/// The owner named for objects that belong to no node (the IPsec guards). Node names cannot
-/// contain parentheses, so it never collides with one.
-pub const AGENT_OWNED: &str = "(agent)";
-
-/// The owner named for objects of ours that belong to no node or record (orphans).
-pub const ORPHANS: &str = "(orphan)";
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Upsert {
-    pub object: KernelObject,
-    pub node: String,
-    /// An object of ours with this identity exists with other content: replace it. Otherwise
-    /// nothing has the identity and the object is created exclusively.
-    pub update: bool,
-}
-
-impl Upsert {
-    pub fn op(&self) -> Op {
-        if self.update {
-            Op::Replace(self.object.clone())
-        } else {
-            Op::Create(self.object.clone())
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Allocation {
-    pub node: String,
-    pub id: NodeId,
-    /// When the ID was freed, if it had been used before (worth a warning: every never-used ID
-    /// is taken).
-    pub reused_after: Option<Duration>,
-}
-
-/// What is wrong with one live node's input, or what keeps it from being programmed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum InputProblem {
-    #[error("name listed twice in the live view; the first entry is used")]
-    DuplicateName,
-    #[error(
-        "{resource} is claimed by node {holder} too; {holder} keeps it ({why}); this node is held until the conflict clears"
-    )]
-    Conflict {
-        resource: Resource,
-        holder: String,
-        why: ConflictWhy,
-    },
-    #[error("{resource} belongs to the local node; this node is held until it no longer claims it")]
-    LocalResource { resource: Resource },
-    #[error(
-        "pod CIDR {cidr} overlaps {local}, the local node's; this node is held until it no longer does (its route would take the local node's traffic)"
-    )]
-    OverlapsLocal { cidr: IpNet, local: String },
-    #[error(
-        "pod CIDR {cidr} covers {ip}, the address of node {holder}; this node is held until it no longer does (its route would take {holder}'s traffic)"
-    )]
-    CoversAddress {
-        cidr: IpNet,
-        ip: IpAddr,
-        holder: String,
-    },
-    #[error("{object} is not written: {foreign} is there and is not ours; it is left alone")]
-    Foreign { object: String, foreign: String },
-    #[error(
-        "{object} is not deleted: {user} uses it and is not ours, and the kernel would delete it along; both are left alone"
-    )]
-    InUse { object: String, user: String },
-    #[error("pod CIDR {cidr} has no {family} InternalIP to route via; the CIDR is skipped")]
-    NoGateway { cidr: IpNet, family: Family },
-    #[error(
-        "IPsec is on and this node has {family} pod CIDRs but no {family} InternalIP to encrypt from: no {family} pod CIDR of a remote node is routed (its traffic would leave in the clear)"
-    )]
-    NoLocalEndpoint { family: Family },
-    #[error(
-        "node-ID map full: {needed} more entries do not fit its {limit} entries; the node is held (raise --node-map-max)"
-    )]
-    MapFull { limit: usize, needed: usize },
-    #[error("{0}; the node is held")]
-    Ids(#[from] IdError),
-    #[error("its record does not validate now; it keeps what it had")]
-    Malformed,
-}
-
-impl InputProblem {
-    /// Whether the problem is a conflict over a resource or a kernel identity (as opposed to
-    /// bad input or a full map), for metrics and reports.
-    pub fn is_conflict(&self) -> bool {
-        matches!(
-            self,
-            Self::Conflict { .. }
-                | Self::LocalResource { .. }
-                | Self::OverlapsLocal { .. }
-                | Self::CoversAddress { .. }
-                | Self::Foreign { .. }
-                | Self::InUse { .. }
-        )
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("node {node}: {problem}")]
-pub struct InputError {
-    pub node: String,
-    pub problem: InputProblem,
-}
+use self::brake_memory::Brake;
+use self::nodes::{HeldWhy, Live, LiveClass, Record};
+use self::problem::err;
+use self::view::{Elsewhere, Local};
 
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -544,36 +226,8 @@ impl Plan {
     }
 }
 
-/// The local node's addresses and pod CIDRs: always its own (invariant 14).
-struct Local {
-    ips: HashSet<IpAddr>,
-    cidrs: HashSet<IpNet>,
-    /// The live view has a valid record of the local node with an InternalIP. Without one,
-    /// what is the local node's is unknown (a remote node claiming its address would not be
-    /// stopped) and so is its xfrm endpoint (every IPsec object would look superseded): the
-    /// view is no view of this cluster from this node (invariant 15).
-    listed: bool,
-}
-
-impl Local {
-    fn new(cfg: &PlanConfig, live: &LiveView) -> Self {
-        let mut ips: HashSet<IpAddr> = cfg.local_addresses.iter().copied().collect();
-        let mut cidrs = HashSet::new();
-        let mut listed = false;
-        for n in live.nodes.iter().filter(|n| n.name == cfg.local_node) {
-            listed |= n
-                .addresses
-                .iter()
-                .any(|a| a.kind == AddressKind::InternalIP);
-            ips.extend(claims::mapped_ips(n, cfg));
-            cidrs.extend(n.pod_cidrs.iter().copied());
-        }
-        Self { ips, cidrs, listed }
-    }
-}
-
 /// With IPsec, a family this node has pod CIDRs in but no InternalIP (no xfrm endpoint): no
-/// remote pod CIDR of it is routed ([`crate::desired`]), reported once, for the local node, and
+/// remote pod CIDR of it is routed ([`desired`]), reported once, for the local node, and
 /// the same in a plan of the whole cluster or of a part (a problem per remote node made every
 /// event a full plan, and said the same thing 65,000 times).
 fn no_local_endpoint(cfg: &PlanConfig, local: &Local, errors: &mut Vec<InputError>) {
@@ -582,7 +236,7 @@ fn no_local_endpoint(cfg: &PlanConfig, local: &Local, errors: &mut Vec<InputErro
     }
     for family in [Family::V4, Family::V6] {
         let has_pods = local.cidrs.iter().any(|c| Family::of_net(c) == family);
-        if has_pods && crate::desired::local_endpoint(cfg, family).is_none() {
+        if has_pods && local_endpoint(cfg, family).is_none() {
             err(
                 errors,
                 &cfg.local_node,
@@ -590,13 +244,6 @@ fn no_local_endpoint(cfg: &PlanConfig, local: &Local, errors: &mut Vec<InputErro
             );
         }
     }
-}
-
-fn err(errors: &mut Vec<InputError>, node: &str, problem: InputProblem) {
-    errors.push(InputError {
-        node: node.to_string(),
-        problem,
-    });
 }
 
 /// Makes the plan. Never panics on input.
@@ -607,20 +254,6 @@ fn err(errors: &mut Vec<InputError>, node: &str, problem: InputProblem) {
 /// keeps node data from choosing collisions). `cargo bench -p state` measures it.
 pub fn plan(input: &PlanInput<'_>) -> Plan {
     plan_with(input, None)
-}
-
-/// What lies outside the part of the cluster an event-sized plan looks at and still counts in
-/// it ([`scope`]): the totals the brake's ratios and the map's room are taken over, and the node
-/// IDs the records there carry.
-pub(crate) struct Elsewhere {
-    /// Records, each a known remote node.
-    pub known_nodes: usize,
-    /// Our objects in the kernel.
-    pub objects: usize,
-    /// Our map entries: they stay, so they take room.
-    pub map_entries: usize,
-    /// Node IDs in use: never handed out, never freed, never inherited.
-    pub ids: IdSet,
 }
 
 /// [`plan`], of the whole cluster (`elsewhere` is `None`) or of one part of it.
@@ -644,7 +277,7 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
 
     // 3. The brake: which removals may happen now.
     let index = resource_index::ResourceIndex::new(&live, &records, input.inventory, cfg);
-    let brake = brake::Brake::new(cfg, input, &records, &index, &local, elsewhere);
+    let brake = Brake::new(cfg, input, &records, &index, &local, elsewhere);
 
     // 4. Conflicts, map room and IDs, candidate by candidate.
     let known = assign::Known {
@@ -661,15 +294,15 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     // on two cores where there are two, the first run beside a copy of the next record's nodes
     // (which depend on nothing after admission).
     let cut = live.len() * 3 / 8;
-    let ((mut cp_nodes, first), second) = parallel::both(
+    let ((cp_nodes, first), second) = parallel::both(
         live.len() >= parallel::WORTH_A_THREAD,
         || {
             let nodes = next_nodes(&live, &records);
-            (nodes, wanted(input, &live, &index, 0..cut))
+            (nodes, upserts::wanted(input, &live, &index, 0..cut))
         },
-        || wanted(input, &live, &index, cut..live.len()),
+        || upserts::wanted(input, &live, &index, cut..live.len()),
     );
-    let (upserts, desired) = upserts(input, [first, second], &mut errors);
+    let (upserts, desired) = upserts::gather(input, [first, second], &mut errors);
 
     // 6. Deletes and their reasons.
     let deleted = deletes::decide(input, &live, &records, &brake, &index, &desired, &local);
@@ -685,26 +318,53 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     }
 
     // 7. The next record.
+    let made = Made {
+        records,
+        live,
+        brake,
+        admitted,
+        deleted,
+        cp_nodes,
+        upserts,
+        errors,
+    };
+    next_record(input, elsewhere, made)
+}
+
+/// What steps 1 to 6 made, for step 7 to put into the plan and the next record.
+struct Made<'a> {
+    records: Vec<Record<'a>>,
+    live: Vec<Live<'a>>,
+    brake: Brake,
+    admitted: assign::Admitted,
+    deleted: deletes::Deleted,
+    /// The next record's live nodes ([`next_nodes`]).
+    cp_nodes: Vec<Node>,
+    upserts: Vec<Upsert>,
+    errors: Vec<InputError>,
+}
+
+/// Step 7: the next record (records carried over, pending deletes, the IDs freed, the brake's
+/// memory) and the plan, with whether it leaves everything settled or steady.
+fn next_record(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>, made: Made<'_>) -> Plan {
+    let cfg = input.config;
+    let synced = input.live.synced;
+    let Made {
+        records,
+        live,
+        brake,
+        admitted,
+        deleted,
+        mut cp_nodes,
+        upserts,
+        errors,
+    } = made;
+    let Unseen {
+        mut pending,
+        stale_attempted,
+        released_nodes,
+    } = unseen(&records, synced, &brake, &mut cp_nodes);
     let mut kept_ids = deleted.kept_ids;
-    let kept_unrecorded = deleted.kept_unrecorded;
-    let mut pending = Vec::new();
-    let mut stale_attempted = BTreeMap::new();
-    let mut released_nodes = Vec::new();
-    for r in records.iter().filter(|r| r.live.is_none()) {
-        if !synced {
-            // Nothing is known to be gone yet: every unseen record is carried over as it came.
-            if r.listed {
-                cp_nodes.push(r.node.clone());
-            } else {
-                pending.push(r.pending());
-            }
-        } else if brake.releases(r) {
-            released_nodes.push(r.node.name.clone());
-            stale_attempted.insert(r.node.name.clone(), r.pending());
-        } else {
-            pending.push(r.pending());
-        }
-    }
     for id in cp_nodes
         .iter()
         .chain(pending.iter().map(|p| &p.node))
@@ -712,16 +372,15 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     {
         kept_ids.insert(id);
     }
+    kept_ids.union_with(&admitted.claimed);
+    let (alloc, frees) = free_ids(
+        input,
+        elsewhere,
+        admitted.allocator,
+        &admitted.seen_ids,
+        &kept_ids,
+    );
     cp_nodes.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut alloc = admitted.allocator;
-    let mut frees = Vec::new();
-    let used_elsewhere = |id| elsewhere.is_some_and(|e| e.ids.contains(id));
-    for id in admitted.seen_ids.iter() {
-        if !kept_ids.contains(id) && !admitted.claimed.contains(id) && !used_elsewhere(id) {
-            alloc.free(id, input.now);
-            frees.push(id);
-        }
-    }
     let (brake_hold, brake_memory) = brake.finish(deleted.held);
     let (held_nodes, orphans_held) = brake_memory.held_for_record();
     for p in &mut pending {
@@ -729,19 +388,9 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
             .get(&(p.node.name.as_str(), p.node.uid.as_str()))
             .copied();
     }
-    let settled = synced
-        && errors.is_empty()
-        && brake_hold.is_none()
-        && pending.is_empty()
-        && live.iter().all(|l| match l.class {
-            LiveClass::Programmed(_) => true,
-            // Registering with nothing recorded and no pod CIDR: it claims nothing.
-            LiveClass::Held(classify::HeldWhy::Registering) => {
-                l.record.is_none() && l.node.pod_cidrs.is_empty()
-            }
-            LiveClass::Held(_) | LiveClass::Candidate => false,
-        });
-    let steady = (synced && brake_hold.is_none() && pending.is_empty() && !kept_unrecorded)
+    let quiet = synced && brake_hold.is_none() && pending.is_empty();
+    let settled = quiet && errors.is_empty() && all_settled(&live);
+    let steady = (quiet && !deleted.kept_unrecorded)
         .then(|| unsettled(&live, &errors))
         .flatten();
     let checkpoint = Checkpoint {
@@ -778,99 +427,74 @@ pub(crate) fn plan_with(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>) ->
     }
 }
 
-/// What step 5 found for a run of live nodes.
-struct Wanted {
-    upserts: Vec<Upsert>,
-    slots: Vec<u32>,
-    errors: Vec<InputError>,
+/// The records with no live node, as step 7 sorts them: pending deletes, and the removals the
+/// brake lets through now (with their attempt counts, should a delete fail).
+struct Unseen {
+    pending: Vec<PendingDelete>,
+    stale_attempted: BTreeMap<String, PendingDelete>,
+    released_nodes: Vec<String>,
 }
 
-/// Step 5, for the live nodes in `range`: the upserts their desired objects need, the slots of
-/// those already in the kernel (which the deletes leave alone), and the nodes' input errors.
-/// Runs of nodes are independent, so two runs can be found on two cores.
-fn wanted(
-    input: &PlanInput<'_>,
-    live: &[Live<'_>],
-    index: &resource_index::ResourceIndex,
-    range: std::ops::Range<usize>,
-) -> Wanted {
-    let cfg = input.config;
-    let nexthops = resource_index::IndexedNexthops {
-        index,
-        inventory: input.inventory,
+/// Sorts the records with no live node: before sync each is carried over as it came (a listed
+/// one into `cp_nodes`); after it, a removal the brake releases goes, and any other stays a
+/// pending delete.
+fn unseen(records: &[Record<'_>], synced: bool, brake: &Brake, cp_nodes: &mut Vec<Node>) -> Unseen {
+    let mut out = Unseen {
+        pending: Vec::new(),
+        stale_attempted: BTreeMap::new(),
+        released_nodes: Vec::new(),
     };
-    let mut out = Wanted {
-        upserts: Vec::new(),
-        slots: Vec::new(),
-        errors: Vec::new(),
-    };
-    let mut objects = Vec::new();
-    let mut problems = Vec::new();
-    for (i, l) in live.iter().enumerate().take(range.end).skip(range.start) {
-        let LiveClass::Programmed(id) = l.class else {
-            continue;
-        };
-        objects.clear();
-        desired_objects(l.node, id, cfg, &nexthops, &mut objects, &mut problems);
-        for p in problems.drain(..) {
-            err(&mut out.errors, &l.node.name, p);
-        }
-        let blocked = Blocked::find(&objects, input.inventory, &l.node.name, &mut out.errors);
-        for o in &objects {
-            let oid = o.id();
-            if input.inventory.foreign(&oid).is_some() || blocked.blocks(o, &objects) {
-                continue;
+    for r in records.iter().filter(|r| r.live.is_none()) {
+        if !synced {
+            // Nothing is known to be gone yet: every unseen record is carried over as it came.
+            if r.listed {
+                cp_nodes.push(r.node.clone());
+            } else {
+                out.pending.push(r.pending());
             }
-            let slot = index.slot(input.inventory, i, l.node, o);
-            let have = slot.map(|s| input.inventory.at(s));
-            out.slots.extend(slot.map(|s| s as u32));
-            if have != Some(o) {
-                out.upserts.push(Upsert {
-                    update: have.is_some(),
-                    object: o.clone(),
-                    node: l.node.name.clone(),
-                });
-            }
+        } else if brake.releases(r) {
+            out.released_nodes.push(r.node.name.clone());
+            out.stale_attempted.insert(r.node.name.clone(), r.pending());
+        } else {
+            out.pending.push(r.pending());
         }
     }
     out
 }
 
-/// Step 5, put together: the runs' upserts and errors in node order, then the agent's own
-/// objects; and every desired object already in the kernel, marked by slot.
-fn upserts(
+/// Frees every ID seen (in the kernel or the record) that nothing keeps: no kept object, no
+/// node of the next record, no programmed node (all in `kept`), nothing outside the part.
+fn free_ids(
     input: &PlanInput<'_>,
-    runs: [Wanted; 2],
-    errors: &mut Vec<InputError>,
-) -> (Vec<Upsert>, Marks) {
-    let mut desired = Marks::for_inventory(input.inventory);
-    let mut upserts = Vec::with_capacity(runs.iter().map(|r| r.upserts.len()).sum());
-    for run in runs {
-        upserts.extend(run.upserts);
-        errors.extend(run.errors);
-        for s in run.slots {
-            desired.mark(s as usize);
+    elsewhere: Option<&Elsewhere>,
+    mut alloc: IdAllocator,
+    seen: &IdSet,
+    kept: &IdSet,
+) -> (IdAllocator, Vec<NodeId>) {
+    let mut frees = Vec::new();
+    let used_elsewhere = |id| elsewhere.is_some_and(|e| e.ids.contains(id));
+    for id in seen.iter() {
+        if !kept.contains(id) && !used_elsewhere(id) {
+            alloc.free(id, input.now);
+            frees.push(id);
         }
     }
-    for o in global_objects(input.config) {
-        let slot = input.inventory.slot(&o.id());
-        if slot.map(|s| input.inventory.at(s)) != Some(&o) {
-            upserts.push(Upsert {
-                update: slot.is_some(),
-                object: o,
-                node: AGENT_OWNED.to_string(),
-            });
-        }
-        if let Some(s) = slot {
-            desired.mark(s);
-        }
-    }
-    (upserts, desired)
+    (alloc, frees)
+}
+
+/// Whether every live node is programmed, or registering with nothing recorded and no pod CIDR
+/// (it claims nothing).
+fn all_settled(live: &[Live<'_>]) -> bool {
+    live.iter().all(|l| match l.class {
+        LiveClass::Programmed(_) => true,
+        LiveClass::Held(HeldWhy::Registering) => l.record.is_none() && l.node.pod_cidrs.is_empty(),
+        LiveClass::Held(_) | LiveClass::Candidate => false,
+    })
 }
 
 /// The next record's live nodes: each programmed node as it is now, with its ID; each held one
 /// (or candidate left waiting) as recorded, if it was.
-fn next_nodes(live: &[Live<'_>], records: &[records::Record<'_>]) -> Vec<Node> {
+fn next_nodes(live: &[Live<'_>], records: &[Record<'_>]) -> Vec<Node> {
     let mut nodes = Vec::with_capacity(live.len());
     for l in live {
         match l.class {
@@ -927,73 +551,6 @@ fn unsettled(live: &[Live<'_>], errors: &[InputError]) -> Option<Vec<String>> {
     names.sort_unstable();
     names.dedup();
     Some(names.into_iter().map(str::to_owned).collect())
-}
-
-/// The pod CIDR an object is keyed by (route and policy destinations), if any: a foreign route
-/// at that CIDR keeps all of them from being written (invariant 6).
-fn key_cidr(o: &KernelObject) -> Option<IpNet> {
-    match o {
-        KernelObject::Route(r) => Some(r.dst),
-        KernelObject::XfrmPolicy(p) => Some(p.dst),
-        KernelObject::PodCidrEntry(e) => Some(e.cidr),
-        KernelObject::MapEntry(_)
-        | KernelObject::Nexthop(_)
-        | KernelObject::XfrmState(_)
-        | KernelObject::XfrmGuard(_) => None,
-    }
-}
-
-/// What foreign objects keep from being written for one node: every object keyed by a CIDR
-/// whose route identity is foreign, and every object that would use a foreign one (a route
-/// through a nexthop ID someone else holds would send the node's traffic their way).
-struct Blocked {
-    cidrs: Vec<IpNet>,
-    ids: Vec<ObjectId>,
-}
-
-impl Blocked {
-    /// Finds what is blocked among `objects`, reporting each foreign object once.
-    fn find(
-        objects: &[KernelObject],
-        inventory: &Inventory,
-        node: &str,
-        errors: &mut Vec<InputError>,
-    ) -> Self {
-        let mut out = Self {
-            cidrs: Vec::new(),
-            ids: Vec::new(),
-        };
-        for o in objects {
-            let id = o.id();
-            if let Some(foreign) = inventory.foreign(&id) {
-                err(
-                    errors,
-                    node,
-                    InputProblem::Foreign {
-                        object: o.to_string(),
-                        foreign: foreign.to_string(),
-                    },
-                );
-                out.cidrs.extend(key_cidr(o));
-                out.ids.push(id);
-            }
-        }
-        out
-    }
-
-    /// Whether `o` is not written: keyed by a blocked CIDR, using a foreign object, or a
-    /// nexthop that no route of `objects` that is written would use.
-    fn blocks(&self, o: &KernelObject, objects: &[KernelObject]) -> bool {
-        if let KernelObject::Nexthop(_) = o {
-            let id = o.id();
-            return !objects.iter().any(|r| {
-                r.uses().as_ref() == Some(&id)
-                    && key_cidr(r).is_none_or(|c| !self.cidrs.contains(&c))
-            });
-        }
-        key_cidr(o).is_some_and(|c| self.cidrs.contains(&c))
-            || o.uses().is_some_and(|u| self.ids.contains(&u))
-    }
 }
 
 #[cfg(test)]

@@ -5,37 +5,8 @@
 //! makes a node the incumbent of its addresses (invariant 14) and what a restart diffs against
 //! (invariant 4).
 
-use crate::checkpoint::{Checkpoint, PendingDelete};
-use crate::node::Node;
-
-/// One remote node the agent knows.
-pub(super) struct Record<'a> {
-    pub node: &'a Node,
-    /// From its pending delete: cleanups tried and failed so far; 0 for a record of the
-    /// checkpoint's live list, or a removal the brake held and never released.
-    pub attempts: u32,
-    /// From the checkpoint's live list rather than its pending deletes: before sync, an unseen
-    /// record is carried over as it came.
-    pub listed: bool,
-    /// The live node that is the same node (same name and, where both have one, same UID).
-    pub live: Option<usize>,
-}
-
-impl Record<'_> {
-    pub fn pending(&self) -> PendingDelete {
-        PendingDelete {
-            node: self.node.clone(),
-            attempts: self.attempts,
-            held: None,
-        }
-    }
-
-    /// A removal the brake let through before, whose cleanup failed: retried without being
-    /// counted again.
-    pub fn released_before(&self) -> bool {
-        self.attempts > 0
-    }
-}
+use super::nodes::Record;
+use crate::checkpoint::Checkpoint;
 
 /// The records in name order, one per node (by name and UID: a live record before a pending
 /// delete of the same node; a node replaced under its name has two records, the new node's and

@@ -11,14 +11,13 @@
 use foldhash::{HashMap, HashMapExt};
 use smallvec::SmallVec;
 
-use super::PlanConfig;
-use super::claims::{Resource, key_resource, resources_of, secondary_resource};
-use super::classify::Live;
+use super::config::PlanConfig;
+use super::desired::KernelNexthops;
 pub(super) use super::interner::Res;
 use super::interner::{self, Interner, Interns, Lookups, MISSING, Split};
+use super::nodes::{Live, Record};
 use super::parallel;
-use super::records::Record;
-use crate::desired::{KernelNexthops, maps_address};
+use super::resource::{Resource, key_resource, maps_address, resources_of, secondary_resource};
 use crate::ids::IdSet;
 use crate::inventory::Inventory;
 use crate::node::{Family, Node};
@@ -238,7 +237,7 @@ impl ResourceIndex {
     }
 }
 
-/// The planner's view of our nexthops for [`crate::desired::nexthop_toward`]: found through
+/// The planner's view of our nexthops for [`super::desired::nexthop_toward`]: found through
 /// the index's table of nexthop slots, not by hash (two lookups per node and family at scale).
 pub(super) struct IndexedNexthops<'a> {
     pub index: &'a ResourceIndex,

@@ -17,15 +17,18 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
+use std::ops::Range;
 use std::sync::Arc;
 
 use ipnet::IpNet;
 
 use super::claim_index::ClaimIndex;
-use super::claims::{Resource, resources_of};
-use super::{Elsewhere, LiveView, Plan, PlanInput, plan_with};
+use super::desired::{desired_objects, global_objects};
+use super::resource::{Resource, resources_of};
+use super::view::{Elsewhere, LiveView, PlanInput};
+use super::{Plan, plan_with};
 use crate::checkpoint::Checkpoint;
-use crate::desired::{desired_objects, global_objects};
+use crate::inventory::Inventory;
 use crate::node::{Node, name_range};
 use crate::objects::{KernelObject, ObjectKind};
 
@@ -48,87 +51,27 @@ pub fn plan_scoped(
     index: &ClaimIndex,
     touched: &BTreeSet<String>,
 ) -> Option<Plan> {
-    let cfg = input.config;
     let record = input.record?;
-    let steady_input = input.live.synced
-        && record.pending_deletes.is_empty()
-        && input.brake.held.is_empty()
-        && input.brake.orphans_held.is_none()
-        && input.brake.done.is_empty()
-        && input.confirmed_hold.is_none()
-        && !touched.contains(&cfg.local_node)
-        && index.counts(record)
-        && index.ids_are_distinct();
-    if !steady_input {
+    if !steady_input(input, record, index, touched) {
         return None;
     }
-    let claimed = claimed_by(touched, input.live, record);
-    // The part, by place in the record (sorted by name, as the record is): the touched nodes'
-    // records, and every record the index names as a claimant of what they claim that does
-    // claim some of it.
     let nodes = &record.nodes[..];
-    let local = name_range(nodes, &cfg.local_node);
-    let mut at: BTreeSet<usize> = touched.iter().flat_map(|t| name_range(nodes, t)).collect();
-    for r in &claimed {
-        for name in index.claimants(r) {
-            at.extend(name_range(nodes, name).filter(|&i| claims_any(&nodes[i], &claimed)));
-        }
-    }
-    // And every record whose pod CIDR covers an address the touched nodes have, or had, or
-    // with an address a pod CIDR of theirs covers: the node of such a CIDR is held over it
-    // (`InputProblem::CoversAddress`), whoever changed.
-    let (ips, cidrs) = addresses_and_cidrs(touched, input.live, record);
-    for ip in &ips {
-        for name in index.covering(*ip) {
-            at.extend(
-                name_range(nodes, name)
-                    .filter(|&i| nodes[i].pod_cidrs.iter().any(|c| c.contains(ip))),
-            );
-        }
-    }
-    for c in &cidrs {
-        for name in index.covered(c) {
-            at.extend(
-                name_range(nodes, name).filter(|&i| nodes[i].ips().any(|ip| c.contains(&ip))),
-            );
-        }
-    }
-    at.retain(|i| !local.contains(i));
-    let part: Vec<&Node> = at.into_iter().map(|i| &nodes[i]).collect();
+    let local = name_range(nodes, &input.config.local_node);
+    let part = part_of(input.live, record, index, touched, &local);
 
     // The rest of the cluster, by count: every record has an ID and no two the same.
     let mut ids = index.ids().clone();
     for n in part.iter().copied().chain(&nodes[local.clone()]) {
         ids.remove(n.node_id?);
     }
-    let mut elsewhere = Elsewhere {
+    let inventory = part_inventory(input, &part)?;
+    let elsewhere = Elsewhere {
         known_nodes: nodes.len() - local.len() - part.len(),
-        objects: 0,
-        map_entries: 0,
+        objects: input.inventory.len() - inventory.len(),
+        map_entries: input.inventory.count(ObjectKind::MapEntry)
+            - inventory.count(ObjectKind::MapEntry),
         ids,
     };
-
-    // The part's kernel objects: what its records need, found by identity (their nexthops at
-    // the IDs the kernel has them at). A steady kernel holds nothing else of the part's: a new
-    // identity a touched node wants (a readdressed node's nexthop at the other ID of its pair)
-    // is either claimed through a record of the part, or free; and what is foreign, or used by
-    // something foreign, the part knows in full.
-    let mut objects: Vec<KernelObject> = global_objects(cfg);
-    let mut problems = Vec::new();
-    for n in &part {
-        desired_objects(
-            n,
-            n.node_id?,
-            cfg,
-            input.inventory,
-            &mut objects,
-            &mut problems,
-        );
-    }
-    let inventory = input.inventory.part(objects.iter().map(KernelObject::id));
-    elsewhere.objects = input.inventory.len() - inventory.len();
-    elsewhere.map_entries =
-        input.inventory.count(ObjectKind::MapEntry) - inventory.count(ObjectKind::MapEntry);
 
     // The part's live nodes: the touched ones as they are now, the others as recorded.
     let mut live = LiveView {
@@ -165,6 +108,87 @@ pub fn plan_scoped(
     let mut plan = plan_with(&sub, Some(&elsewhere));
     plan.scope = Some(names);
     Some(plan)
+}
+
+/// Whether the input allows an event-sized plan at all (see [`plan_scoped`]).
+fn steady_input(
+    input: &PlanInput<'_>,
+    record: &Checkpoint,
+    index: &ClaimIndex,
+    touched: &BTreeSet<String>,
+) -> bool {
+    input.live.synced
+        && record.pending_deletes.is_empty()
+        && input.brake.held.is_empty()
+        && input.brake.orphans_held.is_none()
+        && input.brake.done.is_empty()
+        && input.confirmed_hold.is_none()
+        && !touched.contains(&input.config.local_node)
+        && index.counts(record)
+        && index.ids_are_distinct()
+}
+
+/// The part's records, the local node's (at `local`) left out.
+fn part_of<'r>(
+    live: &LiveView,
+    record: &'r Checkpoint,
+    index: &ClaimIndex,
+    touched: &BTreeSet<String>,
+    local: &Range<usize>,
+) -> Vec<&'r Node> {
+    let claimed = claimed_by(touched, live, record);
+    // The part, by place in the record (sorted by name, as the record is): the touched nodes'
+    // records, and every record the index names as a claimant of what they claim that does
+    // claim some of it.
+    let nodes = &record.nodes[..];
+    let mut at: BTreeSet<usize> = touched.iter().flat_map(|t| name_range(nodes, t)).collect();
+    for r in &claimed {
+        for name in index.claimants(r) {
+            at.extend(name_range(nodes, name).filter(|&i| claims_any(&nodes[i], &claimed)));
+        }
+    }
+    // And every record whose pod CIDR covers an address the touched nodes have, or had, or
+    // with an address a pod CIDR of theirs covers: the node of such a CIDR is held over it
+    // (`InputProblem::CoversAddress`), whoever changed.
+    let (ips, cidrs) = addresses_and_cidrs(touched, live, record);
+    for ip in &ips {
+        for name in index.covering(*ip) {
+            at.extend(
+                name_range(nodes, name)
+                    .filter(|&i| nodes[i].pod_cidrs.iter().any(|c| c.contains(ip))),
+            );
+        }
+    }
+    for c in &cidrs {
+        for name in index.covered(c) {
+            at.extend(
+                name_range(nodes, name).filter(|&i| nodes[i].ips().any(|ip| c.contains(&ip))),
+            );
+        }
+    }
+    at.retain(|i| !local.contains(i));
+    at.into_iter().map(|i| &nodes[i]).collect()
+}
+
+/// The part's kernel objects: what its records need, found by identity (their nexthops at the
+/// IDs the kernel has them at). A steady kernel holds nothing else of the part's: a new
+/// identity a touched node wants (a readdressed node's nexthop at the other ID of its pair) is
+/// either claimed through a record of the part, or free; and what is foreign, or used by
+/// something foreign, the part knows in full. `None` for a record without an ID.
+fn part_inventory(input: &PlanInput<'_>, part: &[&Node]) -> Option<Inventory> {
+    let mut objects: Vec<KernelObject> = global_objects(input.config);
+    let mut problems = Vec::new();
+    for n in part {
+        desired_objects(
+            n,
+            n.node_id?,
+            input.config,
+            input.inventory,
+            &mut objects,
+            &mut problems,
+        );
+    }
+    Some(input.inventory.part(objects.iter().map(KernelObject::id)))
 }
 
 /// The touched nodes, as the live view has them and as the record does.

@@ -5,9 +5,10 @@
 //! The payload, in order: agent version (string), written at ([`Time`]), local node (string),
 //! live records, pending deletes, freed IDs ([`super::Freed`]).
 
-use super::{Dec, Time, decode_freed, decode_list, owned, read};
+use super::codec::{Dec, owned, read};
+use super::{Time, decode_freed, decode_list};
 use crate::checkpoint::Checkpoint;
-use crate::checkpoint::format::DecodeError;
+use crate::checkpoint::error::DecodeError;
 
 /// The checkpoint, every field checked, a record of the local node dropped.
 pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {

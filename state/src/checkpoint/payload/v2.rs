@@ -11,11 +11,9 @@ use bincode::de::{Decode, Decoder};
 use bincode::enc::{Encode, Encoder};
 use bincode::error::{DecodeError as WireDecodeError, EncodeError as WireEncodeError};
 
-use super::{
-    Dec, Enc, MinLen, Time, decode_freed, decode_list, decode_seq, decode_uint, encode_freed,
-    encode_list, encode_seq, encode_uint, invalid, owned, read,
-};
-use crate::checkpoint::format::DecodeError;
+use super::codec::{Dec, Enc, MinLen, decode_seq, decode_uint, encode_uint, invalid, owned, read};
+use super::{Time, decode_freed, decode_list, encode_freed, encode_list, encode_seq};
+use crate::checkpoint::error::DecodeError;
 use crate::checkpoint::{Checkpoint, KeySeen, RecentRemovals};
 
 /// Removals the brake let through at one time.

@@ -10,8 +10,9 @@ use bincode::de::{Decode, Decoder};
 use bincode::enc::{Encode, Encoder};
 use bincode::error::{DecodeError as WireDecodeError, EncodeError as WireEncodeError};
 
-use super::{Dec, Enc, MinLen, Time, decode_seq, encode_len, invalid, read, v2};
-use crate::checkpoint::format::DecodeError;
+use super::codec::{Dec, Enc, MinLen, decode_seq, encode_len, invalid, read};
+use super::{Time, v2};
+use crate::checkpoint::error::DecodeError;
 use crate::checkpoint::{self, Checkpoint};
 
 /// A hold: when it began, and whether as part of a near-total wipe.

@@ -9,8 +9,9 @@ use bincode::de::{Decode, Decoder};
 use bincode::enc::{Encode, Encoder};
 use bincode::error::{DecodeError as WireDecodeError, EncodeError as WireEncodeError};
 
-use super::{Dec, Enc, MinLen, Time, decode_raw, encode_raw, read, v3};
-use crate::checkpoint::format::DecodeError;
+use super::codec::{Dec, Enc, MinLen, decode_raw, encode_raw, read};
+use super::{Time, v3};
+use crate::checkpoint::error::DecodeError;
 use crate::checkpoint::{BootTime, Checkpoint};
 
 /// A point on the boot clock: the boot ID's 16 bytes (as bytes, with their length, the way

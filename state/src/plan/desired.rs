@@ -2,20 +2,25 @@
 //! which of its two nexthop IDs a nexthop holds: that follows what the kernel holds
 //! ([`nexthop_toward`]).
 //!
-//! Kept apart from the planner so that the planner, the tests' oracle and the backends' debug
-//! tooling all agree on one derivation.
+//! Kept apart from the planner's steps, and public at the crate's top (`state::desired`), so
+//! that the planner, the tests' oracle and the backends' debug tooling all agree on one
+//! derivation. It speaks the planner's vocabulary (its configuration, problems and resources),
+//! so it sits in the planner's folder, above those leaves and beneath the steps.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+pub use super::resource::maps_address;
 use crate::inventory::Inventory;
-use crate::node::{AddressKind, Family, Node};
+use crate::node::{Family, Node};
 use crate::objects::{
     KernelObject, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, PodCidrEntry, Route, Via,
     XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
 };
-use crate::plan::{InputProblem, Pair, PlanConfig};
+
+use super::config::{Pair, PlanConfig};
+use super::problem::InputProblem;
 
 /// The local endpoint of `family` for xfrm: the first configured local address of that family.
 pub fn local_endpoint(config: &PlanConfig, family: Family) -> Option<IpAddr> {
@@ -31,12 +36,6 @@ fn any_net(family: Family) -> IpNet {
         Family::V4 => IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::UNSPECIFIED, 0)),
         Family::V6 => IpNet::V6(Ipv6Net::new_assert(Ipv6Addr::UNSPECIFIED, 0)),
     }
-}
-
-/// Whether an address of `kind` gets a map entry: InternalIPs always, ExternalIPs with
-/// `include_external_ips`.
-pub fn maps_address(include_external_ips: bool, kind: AddressKind) -> bool {
-    kind == AddressKind::InternalIP || include_external_ips
 }
 
 /// The objects that belong to no node: with IPsec, the guards of every family this node has an

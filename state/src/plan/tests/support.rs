@@ -1,0 +1,263 @@
+//! Fixtures the planner's tests share: nodes, the configuration, a model kernel that applies
+//! plans as a backend would, and a way to run the planner over them. Defined once here, so a
+//! test beside any step builds its nodes the same way.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+
+use super::{
+    BrakeMemory, DeleteReason, InputProblem, LiveView, MalformedNode, Plan, PlanConfig, PlanInput,
+    plan,
+};
+use crate::checkpoint::Checkpoint;
+use crate::inventory::Inventory;
+use crate::node::{AddressKind, Node, NodeAddress};
+use crate::objects::{KernelObject, KeyTag, MapEntry, NodeId, ObjectId, Op, Route, Via};
+
+pub(crate) const NOW: Duration = Duration::from_secs(1_000_000);
+
+pub(crate) fn id(v: u16) -> NodeId {
+    NodeId::new(v).unwrap()
+}
+pub(crate) fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+pub(crate) fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+/// A node with InternalIPs and pod CIDRs.
+pub(crate) fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> Node {
+    Node {
+        name: name.into(),
+        uid: format!("uid-{name}").into(),
+        addresses: ips
+            .iter()
+            .map(|s| NodeAddress {
+                kind: AddressKind::InternalIP,
+                ip: ip(s),
+            })
+            .collect(),
+        pod_cidrs: cidrs.iter().map(|s| net(s)).collect(),
+        boot_id: Default::default(),
+        node_id: None,
+    }
+}
+
+pub(crate) fn with_id(mut n: Node, v: u16) -> Node {
+    n.node_id = Some(id(v));
+    n
+}
+
+pub(crate) fn external(mut n: Node, addr: &str) -> Node {
+    n.addresses.push(NodeAddress {
+        kind: AddressKind::ExternalIP,
+        ip: ip(addr),
+    });
+    n
+}
+
+pub(crate) fn local() -> Node {
+    node("local", &["10.0.0.100", "fd00::100"], &["10.1.100.0/24"])
+}
+
+pub(crate) fn cfg() -> PlanConfig {
+    PlanConfig {
+        local_node: "local".into(),
+        local_addresses: vec![ip("10.0.0.100"), ip("fd00::100")],
+        local_pod_cidrs: local().pod_cidrs.to_vec(),
+        agent_version: "test".into(),
+        // The rules below are about nodes, not how routes reach them: their routes carry their
+        // gateways, and the nexthop rules have a section of their own.
+        route_nexthops: false,
+        ..PlanConfig::default()
+    }
+}
+
+/// The key tag of the tests' one IPsec key.
+pub(crate) const TAG: KeyTag = KeyTag(0x1111);
+
+pub(crate) fn map(a: &str, v: u16) -> KernelObject {
+    KernelObject::MapEntry(MapEntry {
+        ip: ip(a),
+        node_id: id(v),
+        spi: 0,
+    })
+}
+pub(crate) fn route(dst: &str, gw: &str) -> KernelObject {
+    let dst = net(dst);
+    KernelObject::Route(Route {
+        dst,
+        via: Via::Gateway(ip(gw)),
+        metric: Route::default_metric(&dst),
+    })
+}
+
+/// The model kernel: our objects by identity, foreign objects by identity, ops applied as a
+/// backend would (a create onto a foreign object fails).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Kernel {
+    pub(crate) ours: BTreeMap<ObjectId, KernelObject>,
+    pub(crate) foreign: BTreeMap<ObjectId, String>,
+    /// Our objects that foreign ones use.
+    pub(crate) used_by: BTreeMap<ObjectId, String>,
+}
+
+impl Kernel {
+    pub(crate) fn apply(&mut self, ops: &[Op]) {
+        for op in ops {
+            match op {
+                Op::Create(o) => {
+                    assert!(
+                        !self.foreign.contains_key(&o.id()) && !self.ours.contains_key(&o.id()),
+                        "create onto an occupied identity: {o}"
+                    );
+                    self.ours.insert(o.id(), o.clone());
+                }
+                Op::Replace(o) => {
+                    assert!(self.ours.contains_key(&o.id()), "replace of nothing: {o}");
+                    self.ours.insert(o.id(), o.clone());
+                }
+                Op::Delete(o) => {
+                    assert!(
+                        self.ours.remove(&o.id()).is_some(),
+                        "delete of something not ours: {o}"
+                    );
+                    // The kernel deletes the routes through a nexthop with it.
+                    let users: Vec<&KernelObject> = self
+                        .ours
+                        .values()
+                        .filter(|u| u.uses() == Some(o.id()))
+                        .collect();
+                    assert!(users.is_empty(), "{o} deleted while {users:?} use it");
+                }
+            }
+        }
+    }
+    pub(crate) fn put(&mut self, o: KernelObject) {
+        self.ours.insert(o.id(), o);
+    }
+    pub(crate) fn inventory(&self) -> Inventory {
+        let mut inv: Inventory = self.ours.values().cloned().collect();
+        for (id, what) in &self.foreign {
+            inv.occupy(id.clone(), what.clone());
+        }
+        for (id, what) in &self.used_by {
+            inv.use_by_foreign(id.clone(), what.clone());
+        }
+        inv
+    }
+    pub(crate) fn has(&self, o: &KernelObject) -> bool {
+        self.ours.get(&o.id()) == Some(o)
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.ours.len()
+    }
+}
+
+/// How a test runs the planner: the config, and what the live view looks like besides the
+/// nodes it lists.
+pub(crate) struct Run {
+    pub(crate) cfg: PlanConfig,
+    pub(crate) synced: bool,
+    /// Whether the live view lists the local node (every real list does).
+    pub(crate) with_local: bool,
+    pub(crate) malformed: Vec<MalformedNode>,
+    pub(crate) relists: u64,
+    pub(crate) brake: BrakeMemory,
+    pub(crate) now: Duration,
+}
+
+impl Run {
+    pub(crate) fn new() -> Self {
+        Self {
+            cfg: cfg(),
+            synced: true,
+            with_local: true,
+            malformed: Vec::new(),
+            relists: 1,
+            brake: BrakeMemory::default(),
+            now: NOW,
+        }
+    }
+    pub(crate) fn view(&self, live: &[Node]) -> LiveView {
+        let mut nodes = live.to_vec();
+        if self.with_local {
+            nodes.push(local());
+        }
+        LiveView {
+            nodes: nodes.into_iter().map(Arc::new).collect(),
+            malformed: self.malformed.clone(),
+            synced: self.synced,
+            relists: self.relists,
+        }
+    }
+    pub(crate) fn plan(&self, record: Option<&Checkpoint>, live: &[Node], kernel: &Kernel) -> Plan {
+        let view = self.view(live);
+        let inventory = kernel.inventory();
+        let allocator = record.map(|c| c.ids.clone()).unwrap_or_default();
+        plan(&PlanInput {
+            record,
+            live: &view,
+            inventory: &inventory,
+            allocator: &allocator,
+            brake: &self.brake,
+            confirmed_hold: None,
+            now: self.now,
+            config: &self.cfg,
+        })
+    }
+    /// Plans, applies every op, and returns the checkpoint to write.
+    pub(crate) fn reconcile(
+        &self,
+        record: Option<&Checkpoint>,
+        live: &[Node],
+        kernel: &mut Kernel,
+    ) -> (Plan, Checkpoint) {
+        let p = self.plan(record, live, kernel);
+        kernel.apply(&p.ops());
+        let cp = p.checkpoint_after(&[]);
+        (p, cp)
+    }
+}
+
+pub(crate) fn deleted(p: &Plan) -> Vec<(ObjectId, DeleteReason)> {
+    let mut d: Vec<_> = p
+        .deletes
+        .iter()
+        .map(|d| (d.object.id(), d.reason))
+        .collect();
+    d.sort();
+    d
+}
+
+pub(crate) fn problems(p: &Plan) -> Vec<(&str, &InputProblem)> {
+    p.errors
+        .iter()
+        .map(|e| (e.node.as_str(), &e.problem))
+        .collect()
+}
+
+pub(crate) fn ids_of(cp: &Checkpoint) -> BTreeMap<String, u16> {
+    cp.nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.node_id.map_or(0, NodeId::get)))
+        .collect()
+}
+
+pub(crate) fn a() -> Node {
+    node("a", &["10.0.0.1"], &["10.1.1.0/24"])
+}
+pub(crate) fn b() -> Node {
+    node("b", &["10.0.0.2"], &["10.1.2.0/24"])
+}
+pub(crate) fn c() -> Node {
+    node("c", &["10.0.0.3"], &["10.1.3.0/24"])
+}
+pub(crate) fn d() -> Node {
+    node("d", &["10.0.0.4"], &["10.1.4.0/24"])
+}
