@@ -1,16 +1,26 @@
 //! Node-ID allocation.
 //!
-//! A node ID is written into the datapath (map values, xfrm marks), so handing a just-freed ID to
-//! a new node while stale copies of it may still exist somewhere (a peer's map, an xfrm state not
-//! yet expired) would route the new node's traffic as the old one's. Hence: IDs are restored
-//! before anything is allocated, a freed ID waits out a cool-down, and among reusable IDs the one
-//! freed longest ago goes first, so the most recently freed ones are reused last. IDs that were
-//! never used are preferred over any freed one.
+//! A node ID is written into the datapath (map values, packet marks, xfrm marks), so an ID handed
+//! to a new node while something still holds it for the old one would count, mark or match the
+//! new node's traffic as the old one's. Hence: IDs are restored before anything is allocated,
+//! never-used IDs come first, then a freed ID that has waited out the cool-down (15 minutes by
+//! default: ample for anything that reads IDs to let go of the old node), the one freed longest
+//! ago first.
+//!
+//! At the edge of the ID space (65,000 nodes leave about 535 IDs never used), a node-pool upgrade
+//! can replace more nodes within the cool-down than there are free IDs. Then the freed ID that
+//! has cooled longest is reused early, once it has cooled at least the floor (2 minutes by
+//! default, `--id-reuse-floor`): the agent deletes a node's map entries, routes and xfrm objects
+//! before it frees the ID, so what can still carry the old ID is what outlives those deletes:
+//! packets queued in the stack (milliseconds), a segment the old node's peer retransmits
+//! (TCP gives up within `TCP_RTO_MAX`, 120 s), and a reader that samples the per-ID counters or
+//! marks (a scrape interval, 15 to 60 s). Below the floor a new node waits, with an error that
+//! says when an ID comes free.
 //!
 //! Time is passed in (a [`Duration`] since the Unix epoch), never read here, so the allocator is
 //! pure and its tests are exact.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -40,20 +50,39 @@ pub struct AllocatorState {
 pub struct Allocated {
     pub id: NodeId,
     /// When the ID was freed, if it was used before: every never-used ID was taken, so a freed ID
-    /// whose cool-down has passed is reused, which is worth a warning.
+    /// is reused, which is worth a warning.
     pub reused_after: Option<Duration>,
+    /// Reused before its cool-down had passed (past the floor): worth a louder one.
+    pub early: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdError {
     #[error(
-        "allocating a node ID: all {limit} IDs are in use or cooling down ({cooling} freed less than {cooldown:?} ago)"
+        "allocating a node ID: all {limit} IDs are in use or cooling down ({cooling} freed less than {cooldown:?} ago){}",
+        next_free(*next_in, *floor)
     )]
     Exhausted {
         limit: u16,
         cooling: usize,
         cooldown: Duration,
+        /// The floor a cooling ID must reach before it is reused early.
+        floor: Duration,
+        /// When the freed ID that has cooled longest reaches the floor; `None` when none is
+        /// cooling (every ID is in use).
+        next_in: Option<Duration>,
     },
+}
+
+fn next_free(next_in: Option<Duration>, floor: Duration) -> String {
+    match next_in {
+        Some(d) => format!(
+            "; the next can be reused in {}s, once it has cooled {}s",
+            d.as_secs().max(1),
+            floor.as_secs()
+        ),
+        None => String::new(),
+    }
 }
 
 const WORDS: usize = (MAX_ID as usize + 1) / 64;
@@ -178,11 +207,16 @@ impl<T: Copy + Default> IdMap<T> {
 #[derive(Clone, Debug)]
 pub struct IdAllocator {
     cooldown: Duration,
+    /// How long a freed ID cools at least before it is reused early; at most `cooldown`.
+    floor: Duration,
     /// The highest ID handed out: [`MAX_ID`], or less where a test shrinks the ID space.
     max_id: u16,
     in_use: IdSet,
     /// Freed IDs and when; an ID is never both in use and here.
     freed: BTreeMap<NodeId, Duration>,
+    /// The same, oldest first: reuse takes the first, so an allocation at the edge costs a
+    /// lookup, not a walk of every freed ID.
+    by_age: BTreeSet<(Duration, NodeId)>,
     /// IDs below this were found used or freed by a fresh-ID scan; a hint, never a rule.
     fresh_cursor: u32,
 }
@@ -200,12 +234,28 @@ impl IdAllocator {
             let e = freed.entry(f.id).or_insert(f.freed_at);
             *e = (*e).max(f.freed_at);
         }
+        let by_age = freed.iter().map(|(id, at)| (*at, *id)).collect();
         Self {
             cooldown,
+            floor: cooldown,
             max_id: max_id.max(1),
             in_use: IdSet::new(),
             freed,
+            by_age,
             fresh_cursor: 1,
+        }
+    }
+
+    /// Lets a freed ID be reused once it has cooled `floor` (at most the cool-down), when no
+    /// never-used or fully cooled ID is left. Without it, the floor is the cool-down.
+    pub fn with_reuse_floor(mut self, floor: Duration) -> Self {
+        self.floor = floor.min(self.cooldown);
+        self
+    }
+
+    fn unfree(&mut self, id: NodeId) {
+        if let Some(at) = self.freed.remove(&id) {
+            self.by_age.remove(&(at, id));
         }
     }
 
@@ -219,7 +269,7 @@ impl IdAllocator {
         if self.is_in_use(id) {
             return false;
         }
-        self.freed.remove(&id);
+        self.unfree(id);
         self.in_use.insert(id);
         true
     }
@@ -228,11 +278,18 @@ impl IdAllocator {
     /// event-sized plan knows tens of thousands of IDs only as in use by the rest of the cluster.
     pub(crate) fn reserve_all(&mut self, ids: &IdSet) {
         self.in_use.union_with(ids);
-        self.freed.retain(|id, _| !ids.contains(*id));
+        let by_age = &mut self.by_age;
+        self.freed.retain(|id, at| {
+            let keep = !ids.contains(*id);
+            if !keep {
+                by_age.remove(&(*at, *id));
+            }
+            keep
+        });
     }
 
-    /// Hands out an ID: a never-used one if any, else the one freed longest ago whose cool-down
-    /// has passed at `now`.
+    /// Hands out an ID: a never-used one if any, else the one freed longest ago if it has cooled
+    /// the cool-down at `now`, or at least the floor (an early reuse).
     pub fn allocate(&mut self, now: Duration) -> Result<Allocated, IdError> {
         while let Some(c) = self.in_use.first_absent_from(self.fresh_cursor) {
             if c > u32::from(self.max_id) {
@@ -247,26 +304,28 @@ impl IdAllocator {
                 return Ok(Allocated {
                     id,
                     reused_after: None,
+                    early: false,
                 });
             }
         }
         self.fresh_cursor = u32::from(self.max_id) + 1;
-        let best = self
-            .freed
+        // Longest freed first; IDs above a shrunk space are never handed out.
+        let oldest = self
+            .by_age
             .iter()
-            .filter(|(id, at)| id.get() <= self.max_id && now.saturating_sub(**at) >= self.cooldown)
-            .min_by_key(|(id, at)| (**at, **id))
-            .map(|(id, at)| (*id, *at));
-        match best {
-            Some((id, freed_at)) => {
-                self.freed.remove(&id);
+            .find(|(_, id)| id.get() <= self.max_id)
+            .copied();
+        match oldest {
+            Some((freed_at, id)) if now.saturating_sub(freed_at) >= self.floor => {
+                self.unfree(id);
                 self.in_use.insert(id);
                 Ok(Allocated {
                     id,
                     reused_after: Some(freed_at),
+                    early: now.saturating_sub(freed_at) < self.cooldown,
                 })
             }
-            None => Err(IdError::Exhausted {
+            _ => Err(IdError::Exhausted {
                 limit: self.max_id,
                 cooling: self
                     .freed
@@ -276,14 +335,19 @@ impl IdAllocator {
                     })
                     .count(),
                 cooldown: self.cooldown,
+                floor: self.floor,
+                next_in: oldest.map(|(at, _)| (at + self.floor).saturating_sub(now)),
             }),
         }
     }
 
-    /// Returns an ID; it becomes reusable once the cool-down has passed after `now`.
+    /// Returns an ID; it becomes reusable once the cool-down has passed after `now` (the floor,
+    /// at the edge).
     pub fn free(&mut self, id: NodeId, now: Duration) {
         self.in_use.remove(id);
+        self.unfree(id);
         self.freed.insert(id, now);
+        self.by_age.insert((now, id));
     }
 
     /// The state to checkpoint. Freed IDs are kept after their cool-down too: they still order
@@ -403,7 +467,8 @@ mod tests {
             a.allocate(Duration::from_secs(1000)),
             Ok(Allocated {
                 id: id(2),
-                reused_after: None
+                reused_after: None,
+                early: false
             })
         );
     }
@@ -426,7 +491,8 @@ mod tests {
             a.allocate(Duration::from_secs(300)),
             Ok(Allocated {
                 id: id(7),
-                reused_after: Some(Duration::from_secs(100))
+                reused_after: Some(Duration::from_secs(100)),
+                early: false
             })
         );
         assert_eq!(
@@ -469,7 +535,9 @@ mod tests {
             IdError::Exhausted {
                 limit: 3,
                 cooling: 1,
-                cooldown: MIN
+                cooldown: MIN,
+                floor: MIN,
+                next_in: Some(Duration::from_secs(50)),
             }
         );
         assert!(e.to_string().contains("all 3 IDs"), "{e}");
@@ -477,6 +545,64 @@ mod tests {
             a.allocate(Duration::from_secs(100)).map(|a| a.reused_after),
             Ok(Some(Duration::from_secs(10)))
         );
+    }
+
+    /// Every rung of the ladder, in order, at the edge of a small space: never-used, cooled
+    /// (longest freed first), cooled past the floor only (early, longest freed first), and below
+    /// the floor an error that says when.
+    #[test]
+    fn at_the_edge_the_longest_cooled_id_is_reused_once_past_the_floor() {
+        const FLOOR: Duration = Duration::from_secs(20);
+        let secs = Duration::from_secs;
+        let mut a =
+            IdAllocator::with_max_id(MIN, 4, &AllocatorState::default()).with_reuse_floor(FLOOR);
+        for v in 1..=4 {
+            let got = a.allocate(secs(0)).unwrap();
+            assert_eq!((got.id, got.reused_after, got.early), (id(v), None, false));
+        }
+        a.free(id(3), secs(100));
+        a.free(id(1), secs(105));
+        a.free(id(4), secs(170));
+        let e = a.allocate(secs(110)).unwrap_err();
+        assert!(
+            matches!(e, IdError::Exhausted { cooling: 3, next_in: Some(d), .. } if d == secs(10)),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("reused in 10s, once it has cooled 20s"),
+            "{e}"
+        );
+        // 3 has cooled 60 s, a full cool-down; 1 only 55 s, past the floor: early.
+        let got = a.allocate(secs(160)).unwrap();
+        assert_eq!((got.id, got.early), (id(3), false));
+        let got = a.allocate(secs(160)).unwrap();
+        assert_eq!(
+            (got.id, got.reused_after, got.early),
+            (id(1), Some(secs(105)), true)
+        );
+        // 4 has cooled 0 s.
+        assert!(a.allocate(secs(170)).is_err());
+        let got = a.allocate(secs(190)).unwrap();
+        assert_eq!((got.id, got.early), (id(4), true));
+        let e = a.allocate(secs(190)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                IdError::Exhausted {
+                    cooling: 0,
+                    next_in: None,
+                    ..
+                }
+            ),
+            "every ID in use: {e:?}"
+        );
+        // Without a floor of its own, the floor is the cool-down: nothing early.
+        let mut b = IdAllocator::with_max_id(MIN, 1, &AllocatorState::default());
+        b.allocate(secs(0)).unwrap();
+        b.free(id(1), secs(0));
+        assert!(b.allocate(secs(59)).is_err());
+        assert_eq!(b.allocate(secs(60)).map(|g| g.early), Ok(false));
     }
 
     #[test]

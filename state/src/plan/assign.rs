@@ -126,7 +126,8 @@ impl<'p> Ids<'p> {
         } = *known;
         let cfg = input.config;
         let mut ids = Ids {
-            alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator),
+            alloc: IdAllocator::with_max_id(cfg.id_cooldown, cfg.max_node_id, input.allocator)
+                .with_reuse_floor(cfg.id_reuse_floor),
             claimed: IdSet::new(),
             recorded: IdSet::new(),
             elsewhere: elsewhere.map(|e| &e.ids),
@@ -187,6 +188,7 @@ impl<'p> Ids<'p> {
                 node: l.node.name.clone(),
                 id: a.id,
                 reused_after: a.reused_after,
+                early: a.early,
             }),
         ))
     }

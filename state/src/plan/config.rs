@@ -114,6 +114,9 @@ pub struct PlanConfig {
     /// Entries the node-ID map holds.
     pub map_capacity: usize,
     pub id_cooldown: Duration,
+    /// At the edge of the ID space, how long a freed ID cools at least before it is reused early
+    /// (`state::ids` says why 2 minutes).
+    pub id_reuse_floor: Duration,
     /// The highest node ID handed out: [`MAX_ID`] except where a test shrinks the ID space.
     pub max_node_id: u16,
     /// Whether ExternalIPs get map entries too (InternalIPs always do).
@@ -140,6 +143,7 @@ impl Default for PlanConfig {
             confirm_by_relist: false,
             map_capacity: 65_536,
             id_cooldown: Duration::from_secs(15 * 60),
+            id_reuse_floor: Duration::from_secs(2 * 60),
             max_node_id: MAX_ID,
             include_external_ips: true,
             route_nexthops: true,

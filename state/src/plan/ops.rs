@@ -79,4 +79,6 @@ pub struct Allocation {
     /// When the ID was freed, if it had been used before (worth a warning: every never-used ID
     /// is taken).
     pub reused_after: Option<Duration>,
+    /// Reused before its cool-down had passed, past the floor.
+    pub early: bool,
 }
