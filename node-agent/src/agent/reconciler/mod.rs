@@ -23,7 +23,9 @@ use state::plan::{
 };
 use state::rotation::rotation;
 
-use super::apply::{OpResult, apply_plan, routes_now};
+pub mod apply;
+
+use self::apply::{OpResult, apply_plan, routes_now};
 use super::clock::AgentClock;
 use super::config::AgentConfig;
 use super::drift::{Drift, Found};

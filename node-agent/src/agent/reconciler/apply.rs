@@ -20,7 +20,7 @@ use ipnet::IpNet;
 use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op};
 use state::plan::Plan;
 
-use super::kernel::Kernel;
+use crate::agent::kernel::Kernel;
 use crate::backends::OpError;
 
 /// One operation and what became of it.
