@@ -5,6 +5,7 @@
 
 pub mod http;
 pub mod metrics;
+pub mod reconcile;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
