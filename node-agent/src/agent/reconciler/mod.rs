@@ -41,7 +41,7 @@ use state::checkpoint::Checkpoint;
 use state::inventory::Inventory;
 use state::plan::{BrakeHold, BrakeMemory, Plan, PlanConfig};
 
-use self::apply::OpResult;
+use self::apply::{Applied, OpResult};
 use self::brake::Brake;
 use self::plan::EventPlans;
 use self::replan::Replanned;
@@ -290,21 +290,15 @@ impl<K: Kernel> Reconciler<K> {
             // apply builds the new view (at scale, the two would add up in the peak RSS).
             crate::memory::give_back();
         }
-        let applied = self.apply(&plan, &mut seen, &contested).await;
-        let Spliced { pruned, changed } = self.splice(&plan, &applied.failed);
-        if let Some(record) = &self.books.record {
-            let live_problems = self.live.errors().len() + self.live.duplicates().len();
-            let kernel = (&seen.inventory, self.config.datapath.node_map_max);
-            self.telemetry
-                .record_outcome(&plan, record, live_problems, kernel, started);
-        }
-        let clean = applied.failed.is_empty();
-        self.view.keep(seen.inventory, clean);
-        self.events.after(&plan, config, clean);
+        let Applied { writes, failed } = self.apply(&plan, &mut seen, &contested).await;
+        let Spliced { pruned, changed } = self.splice(&plan, &failed);
+        self.record_outcome(&plan, &seen.inventory, started);
+        self.view.keep(seen.inventory, failed.is_empty());
+        self.events.after(&plan, config, failed.is_empty());
         self.keep_brake(&plan);
-        self.totals.writes += applied.writes;
+        self.totals.writes += writes;
         self.totals.pruned.extend(pruned.iter().cloned());
-        let (writes, failures, dumped) = (applied.writes, applied.failed.len(), seen.dumped);
+        let (failures, dumped) = (failed.len(), seen.dumped);
         Reconciled {
             plan: &plan,
             writes,
@@ -315,11 +309,22 @@ impl<K: Kernel> Reconciler<K> {
         .log();
         Ok(Outcome {
             plan,
-            writes: applied.writes,
-            failed: applied.failed,
+            writes,
+            failed,
             pruned,
             record_changed: changed,
         })
+    }
+
+    /// Hands what a reconcile (started at `started`) left to telemetry: the record, `plan`'s
+    /// hold and problems, the live view's, and the kernel's objects (`inventory`).
+    fn record_outcome(&self, plan: &Plan, inventory: &Inventory, started: Instant) {
+        if let Some(record) = &self.books.record {
+            let live_problems = self.live.errors().len() + self.live.duplicates().len();
+            let kernel = (inventory, self.config.datapath.node_map_max);
+            self.telemetry
+                .record_outcome(plan, record, live_problems, kernel, started);
+        }
     }
 
     /// Sets the kernel-object gauges from what the kernel holds.
