@@ -1,12 +1,12 @@
 //! The agent: one reconciler that owns every kernel mutation, fed by a node source.
 //!
 //! [`reconciler::Reconciler`] joins the source's live view, the agent's record and the kernel
-//! (through the [`crate::kernel::Kernel`] seam) with the state crate's planner, and [`apply`] carries a
-//! plan out in phases. [`schedule::Schedule`] is the daemon's timers as data, [`checkpointer`]
-//! the checkpoint file, [`hold_file`] the operator's side of a held prune; [`runner`] is the
-//! daemon loop around them all, and the one-shot form (`--once`, `--dry-run`, `node-agent plan`).
+//! (through the [`crate::kernel::Kernel`] seam) with the state crate's planner, and
+//! [`reconciler::apply`] carries a plan out in phases. [`schedule::Schedule`] is the daemon's
+//! timers as data, [`checkpointer`] the checkpoint file, [`hold_file`] the operator's side of a
+//! held prune; [`runner`] is the daemon loop around them all, and the one-shot form (`--once`,
+//! `--dry-run`, `node-agent plan`).
 
-pub mod apply;
 pub mod checkpointer;
 pub mod config;
 pub mod deadline;

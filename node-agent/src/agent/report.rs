@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use state::objects::Op;
 use state::plan::{HoldKind, Plan};
 
-use super::apply::OpResult;
+use super::reconciler::apply::OpResult;
 use crate::source::live::LiveState;
 
 /// One line naming an object the way `ip` and `bpftool` users read it.

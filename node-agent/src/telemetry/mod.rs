@@ -2,9 +2,12 @@
 //!
 //! The reconciler and the source write into one shared [`Telemetry`]; the HTTP endpoints
 //! ([`http`]) only read it, so a slow scrape can never hold up a reconcile.
+//! [`reconcile`] is what the reconciler hands over of each reconcile: the metrics it sets and
+//! the lines it logs.
 
 pub mod http;
 pub mod metrics;
+pub mod reconcile;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
