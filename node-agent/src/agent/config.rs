@@ -38,6 +38,8 @@ pub struct AgentConfig {
     pub include_external_ips: bool,
     /// How long a freed node ID rests before reuse.
     pub id_cooldown: Duration,
+    /// At the edge of the ID space, how long a freed ID cools at least before an early reuse.
+    pub id_reuse_floor: Duration,
     /// The highest node ID handed out: 65535, or less where a test shrinks the ID space.
     pub max_node_id: u16,
     /// With `--once`: how long to wait for the source's first full list.
@@ -70,6 +72,7 @@ impl AgentConfig {
             checkpoint_interval: Duration::from_secs(1),
             include_external_ips: false,
             id_cooldown: Duration::from_secs(15 * 60),
+            id_reuse_floor: Duration::from_secs(2 * 60),
             max_node_id: state::ids::MAX_ID,
             sync_timeout: Duration::from_secs(120),
             ipsec_key_file: None,

@@ -121,6 +121,10 @@ pub struct AgentArgs {
     /// How long a freed node ID rests before it is handed out again.
     #[arg(long, env = "NODE_AGENT_ID_COOLDOWN", default_value = "15m", value_parser = parse_duration)]
     pub id_cooldown: Duration,
+    /// When every node ID is in use or cooling down, the freed ID that has cooled longest is
+    /// handed out early once it has cooled this long (at most `--id-cooldown`), with a warning.
+    #[arg(long, env = "NODE_AGENT_ID_REUSE_FLOOR", default_value = "2m", value_parser = parse_duration)]
+    pub id_reuse_floor: Duration,
     /// Tests only: hand out node IDs up to this one (65535 in real use), to reach the edge of the
     /// ID space with a few nodes.
     #[arg(long, env = "NODE_AGENT_TEST_MAX_NODE_ID", default_value_t = state::ids::MAX_ID, hide = true)]
@@ -393,6 +397,7 @@ impl AgentArgs {
         c.resync_interval = self.resync_interval;
         c.include_external_ips = self.include_external_ips;
         c.id_cooldown = self.id_cooldown;
+        c.id_reuse_floor = self.id_reuse_floor;
         c.max_node_id = self.max_node_id;
         c.sync_timeout = self.sync_timeout;
         c.checkpoint_interval = self.checkpoint_interval;

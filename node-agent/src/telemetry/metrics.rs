@@ -78,6 +78,7 @@ pub struct Metrics {
     pub local_node_missing: Gauge,
     pub conflicts: Gauge,
     pub id_exhausted: Gauge,
+    pub id_reuses: Family<KindLabel, Counter>,
     pub checkpoint_writes: Family<ResultLabel, Counter>,
     pub checkpoint_stale_seconds: Gauge<f64, AtomicU64>,
     pub drift_repaired: Family<KindLabel, Counter>,
@@ -105,6 +106,7 @@ impl Default for Metrics {
             local_node_missing: Gauge::default(),
             conflicts: Gauge::default(),
             id_exhausted: Gauge::default(),
+            id_reuses: Family::default(),
             checkpoint_writes: Family::default(),
             checkpoint_stale_seconds: Gauge::default(),
             drift_repaired: Family::default(),
@@ -163,6 +165,11 @@ impl Default for Metrics {
             "node_ids_exhausted",
             "Nodes held because no node ID is free (all in use or cooling down)",
             m.id_exhausted.clone(),
+        );
+        registry.register(
+            "node_id_reuses",
+            "Freed node IDs handed out again, by kind: cooled (after the cool-down) or early (past the floor, every ID in use or cooling)",
+            m.id_reuses.clone(),
         );
         registry.register(
             "checkpoint_writes",
@@ -230,6 +237,9 @@ impl Default for Metrics {
             drop(m.drift_repaired.get_or_create(&KindLabel {
                 kind: kind.name().into(),
             }));
+        }
+        for kind in ["cooled", "early"] {
+            drop(m.id_reuses.get_or_create(&KindLabel { kind: kind.into() }));
         }
         Self { registry, ..m }
     }

@@ -100,6 +100,13 @@ impl Telemetry {
             .map(|e| e.node.as_str())
             .collect();
         m.id_exhausted.set(no_id.len() as i64);
+        for a in plan.allocations.iter().filter(|a| a.reused_after.is_some()) {
+            m.id_reuses
+                .get_or_create(&KindLabel {
+                    kind: if a.early { "early" } else { "cooled" }.into(),
+                })
+                .inc();
+        }
         self.set_ids_exhausted(match no_id.as_slice() {
             [] => None,
             [first, ..] => Some(format!(
@@ -235,12 +242,22 @@ impl ProblemLog {
             now.insert(line);
         }
         for a in plan.allocations.iter().filter(|a| a.reused_after.is_some()) {
-            tracing::warn!(
-                target: RECONCILER,
-                node = %a.node,
-                id = a.id.get(),
-                "every never-used node ID is taken: reusing an ID whose cool-down has passed"
-            );
+            if a.early {
+                tracing::warn!(
+                    target: RECONCILER,
+                    node = %a.node,
+                    id = a.id.get(),
+                    "every node ID is in use or cooling down: reusing the one that has cooled \
+                     longest before its cool-down has passed (past --id-reuse-floor)"
+                );
+            } else {
+                tracing::warn!(
+                    target: RECONCILER,
+                    node = %a.node,
+                    id = a.id.get(),
+                    "every never-used node ID is taken: reusing an ID whose cool-down has passed"
+                );
+            }
         }
         if !plan.released_nodes.is_empty() && was_held {
             tracing::warn!(

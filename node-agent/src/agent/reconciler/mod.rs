@@ -135,6 +135,7 @@ impl<K: Kernel> Reconciler<K> {
             confirm_by_relist: false,
             map_capacity: config.datapath.node_map_max as usize,
             id_cooldown: config.id_cooldown,
+            id_reuse_floor: config.id_reuse_floor,
             max_node_id: config.max_node_id,
             include_external_ips: config.include_external_ips,
             route_nexthops: kernel.route_nexthops(),
