@@ -224,12 +224,29 @@ pub fn run(cmd: &mut Command) -> Output {
         .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
     assert!(
         out.status.success(),
-        "{cmd:?} failed ({}): {}{}",
+        "{cmd:?} failed ({}): {}",
         out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        output_text(&out)
     );
     out
+}
+
+/// What a finished command printed: its stdout, then its stderr.
+pub fn output_text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// This test executable, set to run only the test `name` (its full path, e.g.
+/// `datapath::child_cuts_a_pin_transaction`) with its output shown: for the tests that run a
+/// helper test in a child process with its own environment.
+pub fn child_test(name: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+    cmd.args(["--exact", name, "--nocapture"]);
+    cmd
 }
 
 /// `ip ARGS...`, which must succeed.

@@ -1103,23 +1103,14 @@ fn txn_child(
 ) -> (Option<String>, String) {
     use node_agent::datapath::txn::{CUT_ENV, CUT_EXIT};
 
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "datapath::child_cuts_a_pin_transaction",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = node_agent_tests::child_test("datapath::child_cuts_a_pin_transaction")
+        .arg("--test-threads=1")
         .env("TXN_CHILD_BPFFS", bpffs)
         .env("TXN_CHILD_ACTION", action)
         .env(CUT_ENV, format!("{what}:{step}:{how}"))
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = node_agent_tests::output_text(&out);
     let cut = text
         .lines()
         .find_map(|l| {

@@ -280,14 +280,7 @@ fn promtool(test: &str, dir: &Path, args: &[&str]) -> Option<(bool, String)> {
         .args(args)
         .output()
         .unwrap();
-    Some((
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    ))
+    Some((out.status.success(), node_agent_tests::output_text(&out)))
 }
 
 #[test]

@@ -3,7 +3,6 @@
 //! properties the operator's guide promises.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::Command;
 
 use clap::CommandFactory;
 use k8s_openapi::api::apps::v1::DaemonSet;
@@ -12,6 +11,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use node_agent::cli::{Cli, Command as AgentCommand};
 use node_agent_tests::fixture::workspace_root;
+use node_agent_tests::{child_test, output_text};
 
 use super::{kustomization, kustomization_in, load, read, workspace_field};
 
@@ -257,22 +257,13 @@ fn pod_environment(c: &Container, extra: &[(String, String)]) -> Vec<(String, St
 /// Runs [`child_parses_the_manifest_config`] in a child process whose environment is exactly
 /// `env`, and returns what it printed (or panics with its output when it failed).
 fn parse_in_child(args: &[String], env: &[(String, String)]) -> String {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "deploy::manifests::child_parses_the_manifest_config",
-            "--nocapture",
-        ])
+    let out = child_test("deploy::manifests::child_parses_the_manifest_config")
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k, v)))
         .env("DEPLOY_TEST_ARGS", args.join("\x1f"))
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = output_text(&out);
     assert!(
         out.status.success(),
         "the agent refused the manifest's configuration:\n{text}"
