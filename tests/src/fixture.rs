@@ -2,18 +2,10 @@
 //! backends. Nodes are built by [`crate::agent::TestNode`] (and [`crate::agent::k8s_node`] for
 //! the API server's objects).
 
-use std::path::{Path, PathBuf};
-
 use node_agent::backends::OpError;
 use state::objects::{KernelObject, Op};
 
-/// The workspace root (the tests crate lives in `tests/` inside it).
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ lives in the workspace")
-        .to_owned()
-}
+pub use xtask::host::workspace_root;
 
 /// A replace of each object.
 pub fn upserts(objs: &[KernelObject]) -> Vec<Op> {

@@ -12,6 +12,8 @@ pub mod checker;
 pub mod cluster;
 pub mod fixture;
 
+pub use xtask::host::which;
+
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -277,14 +279,6 @@ pub fn ip_batch(opts: &[&str], lines: &str) {
         "ip -batch failed: {}\n{lines}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-pub fn which(bin: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(bin))
-        .find(|p| p.is_file())
 }
 
 /// The `node-agent` binary cargo built next to this test executable.
