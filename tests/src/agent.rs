@@ -42,6 +42,31 @@ impl TestNode {
         n
     }
 
+    /// Node `i` of a large cluster (up to a few hundred thousand nodes): IPv4 in 100.64.0.0/10
+    /// and IPv6 in fd00:88::/64 (both on-link on the sandbox's `gw0`), a /26 pod CIDR in
+    /// 10.128.0.0/9 and a /64 in fd00:244::/32.
+    pub fn wide(name: &str, i: u32) -> Self {
+        let v4 = std::net::Ipv4Addr::from(0x6440_0000 + i + 2);
+        let v4_cidr = std::net::Ipv4Addr::from(0x0a80_0000 + (i << 6));
+        Self {
+            name: name.into(),
+            ips: vec![
+                v4.to_string(),
+                format!("fd00:88::{:x}:{:x}", (i >> 16) + 1, i & 0xffff),
+            ],
+            cidrs: vec![
+                format!("{v4_cidr}/26"),
+                format!("fd00:244:{:x}:{:x}::/64", i >> 16, i & 0xffff),
+            ],
+            ..Self::default()
+        }
+    }
+
+    /// This node as the Node object the API server holds (see [`k8s_node`]).
+    pub fn k8s(&self) -> k8s_openapi::api::core::v1::Node {
+        k8s_node(self)
+    }
+
     pub fn uid(&self) -> String {
         self.uid
             .clone()
@@ -407,10 +432,11 @@ pub fn k8s_node(n: &TestNode) -> k8s_openapi::api::core::v1::Node {
         .iter()
         .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip}))
         .collect();
+    // The hostname label is the one the kubelet sets on every node it registers.
     serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": n.name},
+        "metadata": {"name": n.name, "labels": {"kubernetes.io/hostname": n.name}},
         "spec": {"podCIDR": n.cidrs[0], "podCIDRs": n.cidrs},
         "status": {"addresses": addresses},
     }))
@@ -447,13 +473,22 @@ impl Drop for Daemon {
 pub fn expected_routes(nodes: &[TestNode]) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for n in nodes {
-        for c in &n.cidrs {
-            let v6 = c.contains(':');
-            let gw = n.ips.iter().find(|i| i.contains(':') == v6).unwrap();
-            out.insert(c.clone(), gw.clone());
+        for (c, gw) in node_routes(n) {
+            let gw = gw.unwrap_or_else(|| panic!("{}: no address of {c}'s family", n.name));
+            out.insert(c.to_owned(), gw.to_owned());
         }
     }
     out
+}
+
+/// The route each pod CIDR of `n` needs: through `n`'s first address of the CIDR's family
+/// (`None` when it has none). The one rule every expectation of routes is built from.
+pub fn node_routes(n: &TestNode) -> impl Iterator<Item = (&str, Option<&str>)> {
+    n.cidrs.iter().map(|c| {
+        let v6 = c.contains(':');
+        let gw = n.ips.iter().find(|i| i.contains(':') == v6);
+        (c.as_str(), gw.map(String::as_str))
+    })
 }
 
 pub fn expected_ips(nodes: &[TestNode]) -> Vec<String> {
@@ -512,6 +547,14 @@ pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The `/metrics` text of the agent listening on `addr`, or nothing while it does not answer
+/// (tests poll it while the agent starts).
+pub fn scrape_metrics(addr: &str) -> String {
+    http_get(addr, "/metrics")
+        .map(|(_, b)| b)
+        .unwrap_or_default()
 }
 
 /// `GET path` on the agent's metrics address inside the sandbox: status code and body.

@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use xtask::host::parse_ping;
+
 use crate::agent::{Daemon, TestNode, node_list, wait_for};
 use crate::{agent_bin, in_netns, ip, ip_batch, run, sysctl};
 
@@ -463,18 +465,6 @@ impl std::fmt::Display for Timeline {
         }
         Ok(())
     }
-}
-
-/// `N packets transmitted, M (packets) received`.
-pub fn parse_ping(text: &str) -> Option<(u64, u64)> {
-    let line = text.lines().find(|l| l.contains("transmitted"))?;
-    let nums: Vec<u64> = line
-        .split(|c: char| !c.is_ascii_digit())
-        .filter(|s| !s.is_empty())
-        .take(2)
-        .filter_map(|s| s.parse().ok())
-        .collect();
-    Some((*nums.first()?, *nums.get(1)?))
 }
 
 /// Sends `bytes` over TCP from pod `from` to `to` (an address in pod `to_ns`) and returns what

@@ -10,6 +10,9 @@ pub mod agent;
 pub mod apiserver;
 pub mod checker;
 pub mod cluster;
+pub mod fixture;
+
+pub use xtask::host::which;
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
@@ -32,12 +35,49 @@ pub fn skip(test: &str, why: &str) {
     report(&format!("SKIPPED {test}: {why}"));
 }
 
-/// Returns from the calling test, printing why, when this process cannot build sandboxes.
+/// Whether this runs in the VM tier (`NODE_AGENT_VM=1`), whose kernels have everything the
+/// tests need (ESP among it), so a missing feature there is a failure, not a skip.
+pub fn in_vm_tier() -> bool {
+    std::env::var("NODE_AGENT_VM").as_deref() == Ok("1")
+}
+
+/// Skips a test (or the part of it named by `test`) that needs ESP, printing why; in the VM
+/// tier reaching this is a failure.
+pub fn skip_without_esp(test: &str, why: &str) {
+    if in_vm_tier() {
+        panic!("{test}: the VM tier must have ESP, but: {why}");
+    }
+    report(&format!("SKIPPED {test}: {why}"));
+}
+
+/// The name of the function this is written in, as libtest names a test (its last path
+/// segment), so a test's skip line names it without the name being written twice.
+#[macro_export]
+macro_rules! test_name {
+    () => {{
+        // A local fn's type name is its full path: `<crate>::<module>::<fn>::here`.
+        fn here() {}
+        $crate::enclosing_fn(::std::any::type_name_of_val(&here))
+    }};
+}
+
+/// The enclosing function's name from the type name of a fn item declared in it (see
+/// [`test_name!`]); closures between the two (`{{closure}}`) are skipped.
+pub fn enclosing_fn(item_path: &'static str) -> &'static str {
+    item_path
+        .rsplit("::")
+        .skip(1)
+        .find(|seg| !seg.starts_with('{'))
+        .unwrap_or(item_path)
+}
+
+/// Returns from the calling test, printing why (under the test's own name), when this process
+/// cannot build sandboxes.
 #[macro_export]
 macro_rules! require_sandbox {
-    ($name:expr) => {
+    () => {
         if let Err(why) = $crate::can_sandbox() {
-            $crate::skip($name, &why);
+            $crate::skip($crate::test_name!(), &why);
             return;
         }
     };
@@ -186,12 +226,29 @@ pub fn run(cmd: &mut Command) -> Output {
         .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
     assert!(
         out.status.success(),
-        "{cmd:?} failed ({}): {}{}",
+        "{cmd:?} failed ({}): {}",
         out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        output_text(&out)
     );
     out
+}
+
+/// What a finished command printed: its stdout, then its stderr.
+pub fn output_text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// This test executable, set to run only the test `name` (its full path, e.g.
+/// `datapath::child_cuts_a_pin_transaction`) with its output shown: for the tests that run a
+/// helper test in a child process with its own environment.
+pub fn child_test(name: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+    cmd.args(["--exact", name, "--nocapture"]);
+    cmd
 }
 
 /// `ip ARGS...`, which must succeed.
@@ -222,14 +279,6 @@ pub fn ip_batch(opts: &[&str], lines: &str) {
         "ip -batch failed: {}\n{lines}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-pub fn which(bin: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(bin))
-        .find(|p| p.is_file())
 }
 
 /// The `node-agent` binary cargo built next to this test executable.
@@ -333,5 +382,17 @@ pub fn attached(iface: &str, dir: aya::programs::TcAttachType) -> usize {
                 .filter(|f| f["kind"] == "bpf" && f.get("options").is_some())
                 .count()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Skip lines name the test they skip: the macro finds its enclosing function from a plain
+    /// body and from a closure in it.
+    #[test]
+    fn test_name_is_the_enclosing_function() {
+        assert_eq!(test_name!(), "test_name_is_the_enclosing_function");
+        let in_closure = || test_name!();
+        assert_eq!(in_closure(), "test_name_is_the_enclosing_function");
     }
 }

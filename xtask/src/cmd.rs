@@ -7,10 +7,7 @@ use anyhow::{Context, bail};
 
 /// The workspace root (the parent of `xtask/`).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace root")
-        .to_owned()
+    xtask::host::workspace_root()
 }
 
 /// Prints a step heading the way every task does.

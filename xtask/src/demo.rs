@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+use xtask::host::parse_ping;
+
 use crate::cmd::{self, root, step};
 use crate::{build_ebpf, setup};
 
@@ -1044,16 +1046,6 @@ fn drop_nodes(text: &str, gone: &[&str]) -> String {
         .into_iter()
         .filter(|b| !gone.iter().any(|g| b.contains(&format!("{{name: {g},"))))
         .collect()
-}
-
-/// `N packets transmitted, M received`.
-fn parse_ping(text: &str) -> Option<(u64, u64)> {
-    let line = text.lines().find(|l| l.contains("transmitted"))?;
-    let mut nums = line
-        .split(|c: char| !c.is_ascii_digit())
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| s.parse().ok());
-    Some((nums.next()?, nums.next()?))
 }
 
 /// Runs a command without echoing it; fails with its stderr.

@@ -19,11 +19,13 @@ use crate::cmd::{self, output, root, step};
 use crate::{apt, build_ebpf, setup};
 
 /// The base the Dockerfile names by default; the stand-in replaces it only when it cannot be
-/// pulled. tests/tests/it/deploy.rs checks that the Dockerfile's `ARG BASE` default is this.
+/// pulled. The Dockerfile check (`dockerfile.rs`, run by the deploy tests) reads this constant
+/// from this file's text and requires the Dockerfile's `ARG BASE` default to be it.
 pub const REGISTRY_BASE: &str = "docker.io/library/debian:bookworm-slim";
 /// The stand-in's name in local podman storage.
 pub const STAND_IN_BASE: &str = "localhost/node-agent-base:bookworm-slim";
-/// The binary the Dockerfile copies; tests/tests/it/deploy.rs checks its `COPY` and .dockerignore.
+/// The binary the Dockerfile copies; the Dockerfile check (`dockerfile.rs`) checks its `COPY` and
+/// .dockerignore.
 pub const BINARY: &str = "target/release/node-agent";
 const SUITE: &str = "bookworm";
 

@@ -7,6 +7,8 @@ use std::process::Command;
 
 use anyhow::{Context, bail};
 
+use xtask::host::which;
+
 use crate::cmd::{self, output, step};
 
 /// Debian packages: LLVM 22 for bpf-linker, bpftool to inspect maps, iproute2 for the tests,
@@ -125,12 +127,4 @@ fn llvm_match() -> anyhow::Result<()> {
         "llvm: nightly and bpf-linker both on LLVM {nightly_llvm}"
     ));
     Ok(())
-}
-
-fn which(bin: &str) -> Option<std::path::PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| std::path::Path::new(d).join(bin))
-        .find(|p| p.is_file())
 }

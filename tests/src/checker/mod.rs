@@ -37,25 +37,35 @@ impl Budget {
     /// From the environment (`NODE_AGENT_CHECK_SEED`, `NODE_AGENT_CHECK_STEPS`: the total over
     /// all histories), with `steps` total by default and a seed from the clock.
     pub fn from_env(default_steps: usize, per_history: usize, profile: Profile) -> Self {
-        let seed = std::env::var("NODE_AGENT_CHECK_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(1, |d| d.as_nanos() as u64)
-            });
-        let total: usize = std::env::var("NODE_AGENT_CHECK_STEPS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(default_steps);
+        let total = steps_from_env(default_steps);
         Self {
-            seed,
+            seed: seed_from_env(),
             histories: total.div_ceil(per_history).max(1),
             steps: per_history,
             profile,
         }
     }
+}
+
+/// The seed of a random run: `NODE_AGENT_CHECK_SEED` replays one; otherwise it comes from the
+/// clock. Every user prints it, so any run can be replayed.
+pub fn seed_from_env() -> u64 {
+    std::env::var("NODE_AGENT_CHECK_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        })
+}
+
+/// How many steps a random run takes: `NODE_AGENT_CHECK_STEPS`, or `default`.
+pub fn steps_from_env(default: usize) -> usize {
+    std::env::var("NODE_AGENT_CHECK_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The agent's default confirm delay: removals within it are counted together.

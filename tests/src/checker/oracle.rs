@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use state::node::Family;
 use state::objects::{NexthopId, NodeId};
 
-use crate::agent::{AgentEnv, TestNode, local_node};
+use crate::agent::{AgentEnv, TestNode, local_node, node_routes};
 
 use super::model::slot_cidr4;
 
@@ -489,28 +489,28 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             }
             let routes = f.after.our_routes();
             let id = n.ips.first().and_then(|ip| f.after.map.get(ip)).copied();
-            for c in &n.cidrs {
-                let foreign = f.foreign_slots.iter().any(|s| slot_cidr4(*s) == *c);
+            for (c, gw) in node_routes(n) {
+                let foreign = f.foreign_slots.iter().any(|s| slot_cidr4(*s) == c);
                 let v6 = c.contains(':');
-                let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) else {
+                let Some(gw) = gw else {
                     continue;
                 };
                 if foreign {
-                    if routes.contains_key(c.as_str()) {
+                    if routes.contains_key(c) {
                         v.push(format!("our route {c} sits where a foreign one should"));
                     }
                 } else if id.is_some_and(|id| f.after.nexthop_taken(id, v6)) {
-                    if routes.contains_key(c.as_str()) {
+                    if routes.contains_key(c) {
                         v.push(format!(
                             "our route {c} is written though a foreign nexthop holds {}'s ID",
                             n.name
                         ));
                     }
-                } else if routes.get(c.as_str()) != Some(&gw.as_str()) {
+                } else if routes.get(c) != Some(&gw) {
                     v.push(format!(
                         "{}'s route {c} via {gw} is missing (found {:?})",
                         n.name,
-                        routes.get(c.as_str())
+                        routes.get(c)
                     ));
                 }
             }
@@ -590,15 +590,15 @@ pub fn wanted_routes<'a>(
     let mut want = BTreeMap::new();
     for n in remote {
         let id = n.ips.first().and_then(|ip| after.map.get(ip)).copied();
-        for c in &n.cidrs {
+        for (c, gw) in node_routes(n) {
             let v6 = c.contains(':');
-            if foreign_slots.iter().any(|s| slot_cidr4(*s) == *c)
+            if foreign_slots.iter().any(|s| slot_cidr4(*s) == c)
                 || id.is_some_and(|id| after.nexthop_taken(id, v6))
             {
                 continue;
             }
-            if let Some(gw) = n.ips.iter().find(|ip| ip.contains(':') == v6) {
-                want.insert(c.as_str(), gw.as_str());
+            if let Some(gw) = gw {
+                want.insert(c, gw);
             }
         }
     }

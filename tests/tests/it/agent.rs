@@ -27,7 +27,7 @@ fn ids_of(env: &AgentEnv, nodes: &[TestNode]) -> BTreeMap<String, u16> {
 
 #[test]
 fn restart_with_churn_leaves_exactly_the_live_nodes() {
-    require_sandbox!("restart_with_churn_leaves_exactly_the_live_nodes");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let before = cluster(10);
@@ -88,7 +88,7 @@ fn restart_with_churn_leaves_exactly_the_live_nodes() {
 
 #[test]
 fn sigterm_writes_the_final_checkpoint() {
-    require_sandbox!("sigterm_writes_the_final_checkpoint");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(3);
@@ -141,7 +141,7 @@ fn sigterm_writes_the_final_checkpoint() {
 
 #[test]
 fn kill_9_mid_reconcile_then_restart_converges_exactly() {
-    require_sandbox!("kill_9_mid_reconcile_then_restart_converges_exactly");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let big = cluster(2000);
@@ -177,7 +177,7 @@ fn kill_9_mid_reconcile_then_restart_converges_exactly() {
 
 #[test]
 fn corrupt_checkpoint_is_moved_aside_and_the_agent_converges() {
-    require_sandbox!("corrupt_checkpoint_is_moved_aside_and_the_agent_converges");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -207,7 +207,7 @@ fn corrupt_checkpoint_is_moved_aside_and_the_agent_converges() {
 
 #[test]
 fn lost_checkpoint_orphans_are_swept_and_foreign_objects_stay() {
-    require_sandbox!("lost_checkpoint_orphans_are_swept_and_foreign_objects_stay");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -246,7 +246,7 @@ fn lost_checkpoint_orphans_are_swept_and_foreign_objects_stay() {
 
 #[test]
 fn a_second_instance_is_refused() {
-    require_sandbox!("a_second_instance_is_refused");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         env.write_nodes(&cluster(2));
@@ -268,7 +268,7 @@ fn a_second_instance_is_refused() {
 
 #[test]
 fn the_brake_holds_and_force_prune_releases_it() {
-    require_sandbox!("the_brake_holds_and_force_prune_releases_it");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(10);
@@ -291,7 +291,7 @@ fn the_brake_holds_and_force_prune_releases_it() {
 
 #[test]
 fn the_daemon_deletes_held_nodes_after_a_confirming_relist() {
-    require_sandbox!("the_daemon_deletes_held_nodes_after_a_confirming_relist");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(10);
@@ -310,7 +310,7 @@ fn the_daemon_deletes_held_nodes_after_a_confirming_relist() {
 
 #[test]
 fn bad_nodes_are_reported_and_the_rest_are_programmed() {
-    require_sandbox!("bad_nodes_are_reported_and_the_rest_are_programmed");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let good = cluster(3);
@@ -430,7 +430,7 @@ fn expected_xfrm(env: &AgentEnv, nodes: &[TestNode]) -> Vec<(String, String, u16
 
 #[test]
 fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
-    require_sandbox!("ipsec_restart_with_churn_or_a_clear_error_without_esp");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let key = env.state_dir.with_file_name("ipsec.key");
@@ -464,11 +464,9 @@ fn ipsec_restart_with_churn_or_a_clear_error_without_esp() {
                 "key material in the error: {err}"
             );
             assert!(!env.checkpoint().exists(), "nothing was done");
-            if std::env::var("NODE_AGENT_VM").as_deref() == Ok("1") {
-                panic!("the VM tier must have ESP");
-            }
-            node_agent_tests::report(
-                "SKIPPED ipsec_restart_with_churn (the churn half): this kernel has no ESP support; the VM tier runs it",
+            node_agent_tests::skip_without_esp(
+                "ipsec_restart_with_churn (the churn half)",
+                "this kernel has no ESP support; the VM tier runs it",
             );
             return;
         }
@@ -538,9 +536,7 @@ fn pod_cidr_marks(bpffs: &std::path::Path) -> usize {
 fn a_map_an_earlier_release_created_keeps_its_capacity_grows_on_request_and_new_maps_hold_more_than_65535()
  {
     use node_agent::datapath::{node_ids_pin, pins::MapLayout};
-    require_sandbox!(
-        "a_map_an_earlier_release_created_keeps_its_capacity_grows_on_request_and_new_maps_hold_more_than_65535"
-    );
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(3);
@@ -594,9 +590,7 @@ fn a_map_an_earlier_release_created_keeps_its_capacity_grows_on_request_and_new_
 /// back to the first IDs; the other node is not touched.
 #[test]
 fn a_readdressed_nodes_routes_move_to_a_new_nexthop_at_the_other_id_of_its_pair() {
-    require_sandbox!(
-        "a_readdressed_nodes_routes_move_to_a_new_nexthop_at_the_other_id_of_its_pair"
-    );
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let mut nodes = cluster(2);
@@ -637,7 +631,7 @@ fn a_readdressed_nodes_routes_move_to_a_new_nexthop_at_the_other_id_of_its_pair(
 
 #[test]
 fn routes_with_their_own_gateway_move_to_nexthops_in_place_and_back() {
-    require_sandbox!("routes_with_their_own_gateway_move_to_nexthops_in_place_and_back");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(3);

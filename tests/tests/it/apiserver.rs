@@ -8,44 +8,23 @@
 use std::time::Duration;
 
 use futures::{Stream, StreamExt as _};
-use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeSpec, NodeStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::{WatchStreamExt as _, watcher as watch_nodes};
 use kube::{Client, Config};
+use node_agent_tests::agent::TestNode;
 use node_agent_tests::apiserver::{ApiServer, Requests};
 
 /// The longest any single step may take before the test fails instead of hanging.
 const STEP: Duration = Duration::from_secs(10);
 
-fn node(name: &str, i: u32) -> Node {
-    Node {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some([("kubernetes.io/hostname".to_owned(), name.to_owned())].into()),
-            ..Default::default()
-        },
-        spec: Some(NodeSpec {
-            pod_cidr: Some(format!("10.{}.{}.0/24", 100 + i / 256, i % 256)),
-            ..Default::default()
-        }),
-        status: Some(NodeStatus {
-            addresses: Some(vec![NodeAddress {
-                type_: "InternalIP".into(),
-                address: format!("192.168.{}.{}", i / 250, 1 + i % 250),
-            }]),
-            ..Default::default()
-        }),
-    }
-}
-
 /// A server holding `n-0 .. n-{count-1}`, and a kube client built from its kubeconfig.
 async fn setup(count: u32) -> (ApiServer, Client, tempfile::TempDir) {
     let server = ApiServer::start().expect("starting the stand-in");
     for i in 0..count {
-        server.apply(node(&format!("n-{i:03}"), i));
+        server.apply(TestNode::v4(&format!("n-{i:03}"), i).k8s());
     }
     let dir = tempfile::tempdir().unwrap();
     let path = server.kubeconfig(dir.path()).unwrap();
@@ -109,7 +88,7 @@ async fn watching<S>(server: &ApiServer, stream: &mut S)
 where
     S: Stream<Item = Result<Event<Node>, watcher::Error>> + Unpin,
 {
-    server.apply(node("w-open", 200));
+    server.apply(TestNode::v4("w-open", 200).k8s());
     match next(stream).await.unwrap() {
         Event::Apply(n) => assert_eq!(name(&n), "w-open"),
         other => panic!("expected Apply, got {other:?}"),
@@ -136,7 +115,7 @@ async fn paginated_list_is_complete_and_consistent() {
         pages.push(page.items.len());
         if seen.is_empty() {
             // Changes between pages must not show in them: the list is one snapshot.
-            server.apply(node("a-added-between-pages", 999));
+            server.apply(TestNode::v4("a-added-between-pages", 999).k8s());
             server.delete("n-249");
         }
         assert_eq!(page.metadata.resource_version.as_deref(), Some("250"));
@@ -195,7 +174,7 @@ async fn watcher_lists_then_follows_changes() {
     assert_eq!(listed, names(3));
     assert!(errors.is_empty(), "{errors:?}");
 
-    server.add(node("n-003", 3));
+    server.add(TestNode::v4("n-003", 3).k8s());
     match next(&mut stream).await.unwrap() {
         Event::Apply(n) => {
             assert_eq!(name(&n), "n-003");
@@ -203,7 +182,7 @@ async fn watcher_lists_then_follows_changes() {
         }
         other => panic!("expected Apply, got {other:?}"),
     }
-    let mut changed = node("n-001", 1);
+    let mut changed = TestNode::v4("n-001", 1).k8s();
     changed.spec.as_mut().unwrap().pod_cidr = Some("10.200.0.0/24".into());
     let rv = server.update(changed);
     match next(&mut stream).await.unwrap() {
@@ -256,7 +235,7 @@ async fn watcher_relists_after_compaction_and_sees_deletes_it_missed() {
     assert_eq!(after.watch, before.watch + 1, "one failed resume");
 
     // And it keeps following from the relist.
-    server.apply(node("n-009", 9));
+    server.apply(TestNode::v4("n-009", 9).k8s());
     match next_event(&mut stream).await.0 {
         Event::Apply(n) => assert_eq!(name(&n), "n-009"),
         other => panic!("expected Apply, got {other:?}"),
@@ -273,7 +252,7 @@ async fn watcher_resumes_a_dropped_watch_without_relisting() {
 
     server.drop_watches();
     server.delete("n-002");
-    server.apply(node("n-003", 3));
+    server.apply(TestNode::v4("n-003", 3).k8s());
 
     // kube reads a chunked body cut short as the end of the watch, not as an error: it just
     // watches again from the last version it saw.
@@ -304,7 +283,7 @@ async fn watcher_resumes_from_a_bookmark() {
     server.compact();
     server.bookmark();
     server.drop_watches();
-    server.apply(node("n-003", 3));
+    server.apply(TestNode::v4("n-003", 3).k8s());
     match next_event(&mut stream).await.0 {
         Event::Apply(n) => assert_eq!(name(&n), "n-003"),
         other => panic!("expected Apply, got {other:?}"),
@@ -357,7 +336,7 @@ async fn raw_watch_events_bookmarks_expiry_and_timeout() {
     let rv = list.metadata.resource_version.unwrap();
     let wp = WatchParams::default().timeout(2);
     let mut events = api.watch(&wp, &rv).await.unwrap().boxed();
-    server.apply(node("n-002", 2));
+    server.apply(TestNode::v4("n-002", 2).k8s());
     server.bookmark();
     server.delete("n-000");
     let added = next(&mut events).await.unwrap();
@@ -510,7 +489,7 @@ async fn bad_requests_get_status_objects() {
 #[test]
 fn listens_in_the_callers_network_namespace() {
     if let Err(why) = node_agent_tests::can_sandbox() {
-        node_agent_tests::skip("listens_in_the_callers_network_namespace", &why);
+        node_agent_tests::skip(node_agent_tests::test_name!(), &why);
         return;
     }
     // Spawned from the test's thread, so in the host's namespace.
@@ -524,7 +503,7 @@ fn listens_in_the_callers_network_namespace() {
     });
     let (listed, from_host) = node_agent_tests::sandbox(move |_| {
         let server = ApiServer::start().unwrap();
-        server.apply(node("n-000", 0));
+        server.apply(TestNode::v4("n-000", 0).k8s());
         let dir = tempfile::tempdir().unwrap();
         let path = server.kubeconfig(dir.path()).unwrap();
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -555,7 +534,7 @@ fn listens_in_the_callers_network_namespace() {
 fn drop_watches_cuts_the_chunked_body() {
     use std::io::{Read as _, Write as _};
     let server = ApiServer::start().unwrap();
-    server.apply(node("n-000", 0));
+    server.apply(TestNode::v4("n-000", 0).k8s());
     let mut conn = std::net::TcpStream::connect(server.addr()).unwrap();
     conn.set_read_timeout(Some(STEP)).unwrap();
     conn.write_all(get("/api/v1/nodes?watch=true&resourceVersion=0", true).as_bytes())

@@ -17,6 +17,7 @@ use node_agent::datapath::maps::NodeMap;
 use node_agent::datapath::{Datapath, DatapathConfig, node_ids_pin};
 use node_agent::kernel::OpError;
 use node_agent_common::NodeValue;
+use node_agent_tests::fixture::{all_ok, deletes, upserts};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
 use node_agent_tests::{ip, report, run, sandbox};
@@ -39,20 +40,6 @@ fn entry(ip: &str, id: u16) -> KernelObject {
     })
 }
 
-fn upserts(objs: &[KernelObject]) -> Vec<Op> {
-    objs.iter().cloned().map(Op::Replace).collect()
-}
-
-fn deletes(objs: &[KernelObject]) -> Vec<Op> {
-    objs.iter().cloned().map(Op::Delete).collect()
-}
-
-pub(crate) fn all_ok(results: Vec<Result<(), OpError>>) {
-    for r in results {
-        r.unwrap_or_else(|e| panic!("operation failed: {e}"));
-    }
-}
-
 pub(crate) fn sorted(mut v: Vec<KernelObject>) -> Vec<KernelObject> {
     v.sort();
     v
@@ -73,7 +60,7 @@ fn ip_routes(args: &[&str]) -> String {
 
 #[test]
 fn routes_round_trip_ipv4_and_ipv6_with_our_protocol() {
-    require_sandbox!("routes_round_trip_ipv4_and_ipv6_with_our_protocol");
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         runtime().block_on(async {
@@ -108,7 +95,7 @@ fn routes_round_trip_ipv4_and_ipv6_with_our_protocol() {
 
 #[test]
 fn foreign_routes_are_never_listed_nor_deleted() {
-    require_sandbox!("foreign_routes_are_never_listed_nor_deleted");
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         ip(&[
@@ -169,7 +156,7 @@ fn foreign_routes_are_never_listed_nor_deleted() {
 
 #[test]
 fn unreachable_gateway_is_reported_with_the_kernel_error() {
-    require_sandbox!("unreachable_gateway_is_reported_with_the_kernel_error");
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         runtime().block_on(async {
@@ -204,7 +191,7 @@ fn unreachable_gateway_is_reported_with_the_kernel_error() {
 
 #[test]
 fn routes_in_a_custom_table_and_protocol() {
-    require_sandbox!("routes_in_a_custom_table_and_protocol");
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         runtime().block_on(async {
@@ -236,7 +223,7 @@ fn load_map(bpffs: &Path, capacity: u32) -> (Datapath, MapBackend) {
 
 #[test]
 fn map_entries_round_trip_ipv4_and_ipv6() {
-    require_sandbox!("map_entries_round_trip_ipv4_and_ipv6");
+    require_sandbox!();
     sandbox(|sb| {
         let (_dp, mut b) = load_map(&sb.bpffs, 1024);
         runtime().block_on(async {
@@ -258,7 +245,7 @@ fn map_entries_round_trip_ipv4_and_ipv6() {
 
 #[test]
 fn full_map_is_a_typed_error_naming_the_flag() {
-    require_sandbox!("full_map_is_a_typed_error_naming_the_flag");
+    require_sandbox!();
     sandbox(|sb| {
         let (_dp, mut b) = load_map(&sb.bpffs, 4);
         runtime().block_on(async {
@@ -285,7 +272,7 @@ fn full_map_is_a_typed_error_naming_the_flag() {
 
 #[test]
 fn invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched() {
-    require_sandbox!("invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched");
+    require_sandbox!();
     sandbox(|sb| {
         let (_dp, mut b) = load_map(&sb.bpffs, 1024);
         // A second map with the same layout: not ours, whatever it holds.
@@ -356,9 +343,7 @@ fn invalid_entries_are_reported_and_purged_and_a_second_map_is_untouched() {
 /// drops some: then no request whose answer is missing passes for done.
 #[test]
 fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_success() {
-    require_sandbox!(
-        "batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_success"
-    );
+    require_sandbox!();
     sandbox(|_sb| {
         runtime().block_on(async {
             link_with_gateways();

@@ -76,7 +76,7 @@ fn has_esp() -> bool {
 
 #[test]
 fn the_agent_runs_under_exactly_the_manifests_capabilities() {
-    require_sandbox!("the_agent_runs_under_exactly_the_manifests_capabilities");
+    require_sandbox!();
     let (uid, names) = manifest();
     let caps: Vec<u32> = names.iter().map(|n| cap_number(n)).collect();
     report(&format!(
@@ -146,7 +146,7 @@ fn the_agent_runs_under_exactly_the_manifests_capabilities() {
 
 #[test]
 fn without_any_one_of_them_the_agent_stops_with_one_line_naming_it() {
-    require_sandbox!("without_any_one_of_them_the_agent_stops_with_one_line_naming_it");
+    require_sandbox!();
     let (uid, names) = manifest();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);

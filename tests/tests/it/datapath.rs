@@ -38,7 +38,7 @@ fn load(bpffs: &Path, ifaces: &[&str]) -> Datapath {
 
 #[test]
 fn pinned_entries_are_read_intact_by_the_next_loader() {
-    require_sandbox!("pinned_entries_are_read_intact_by_the_next_loader");
+    require_sandbox!();
     sandbox(|sb| {
         let first = load(&sb.bpffs, &[]);
         let mut map = NodeMap::open(&node_ids_pin(&sb.bpffs)).unwrap();
@@ -98,7 +98,7 @@ fn pinned_entries_are_read_intact_by_the_next_loader() {
 
 #[test]
 fn incompatible_pin_is_refused_and_left_in_place() {
-    require_sandbox!("incompatible_pin_is_refused_and_left_in_place");
+    require_sandbox!();
     sandbox(|sb| {
         let pin = node_ids_pin(&sb.bpffs);
         std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
@@ -130,7 +130,7 @@ fn incompatible_pin_is_refused_and_left_in_place() {
 
 #[test]
 fn pin_with_another_capacity_is_refused() {
-    require_sandbox!("pin_with_another_capacity_is_refused");
+    require_sandbox!();
     sandbox(|sb| {
         let mut small = DatapathConfig::new(&sb.bpffs);
         small.node_map_max = 1024;
@@ -155,7 +155,7 @@ fn pin_with_another_capacity_is_refused() {
 /// mappable copy holding every slot, through a staging pin that a crashed attempt may have left.
 #[test]
 fn a_freed_id_record_from_before_it_was_mappable_is_copied_into_a_mappable_one() {
-    require_sandbox!("a_freed_id_record_from_before_it_was_mappable_is_copied_into_a_mappable_one");
+    require_sandbox!();
     sandbox(|sb| {
         let pin = freed_ids::pin(&sb.bpffs);
         std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
@@ -257,9 +257,7 @@ fn a_freed_id_record_from_before_it_was_mappable_is_copied_into_a_mappable_one()
 /// and left alone.
 #[test]
 fn the_record_of_recent_removals_outlives_its_opener_and_refuses_another_layout() {
-    require_sandbox!(
-        "the_record_of_recent_removals_outlives_its_opener_and_refuses_another_layout"
-    );
+    require_sandbox!();
     sandbox(|sb| {
         let pin = recent_removals::pin(&sb.bpffs);
         std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
@@ -319,7 +317,7 @@ fn the_record_of_recent_removals_outlives_its_opener_and_refuses_another_layout(
 
 #[test]
 fn bpftool_dump_shows_field_names() {
-    require_sandbox!("bpftool_dump_shows_field_names");
+    require_sandbox!();
     sandbox(|sb| {
         let _dp = load(&sb.bpffs, &[]);
         let mut map = NodeMap::open(&node_ids_pin(&sb.bpffs)).unwrap();
@@ -494,25 +492,25 @@ fn counts_and_marks(family: &Family, mark_mask: u32, expected_mark: u32) {
 
 #[test]
 fn ipv4_peer_is_counted_and_marked_and_unknown_peer_is_not() {
-    require_sandbox!("ipv4_peer_is_counted_and_marked_and_unknown_peer_is_not");
+    require_sandbox!();
     counts_and_marks(&V4, 0xFFFF_0000, 7 << 16);
 }
 
 #[test]
 fn ipv6_peer_is_counted_and_marked_and_unknown_peer_is_not() {
-    require_sandbox!("ipv6_peer_is_counted_and_marked_and_unknown_peer_is_not");
+    require_sandbox!();
     counts_and_marks(&V6, 0xFFFF_0000, 7 << 16);
 }
 
 #[test]
 fn mark_mask_is_configurable() {
-    require_sandbox!("mark_mask_is_configurable");
+    require_sandbox!();
     counts_and_marks(&V4, 0x0FFF_F000, 7 << 12);
 }
 
 #[test]
 fn restart_keeps_the_programs_attached_and_the_next_agent_takes_them_over() {
-    require_sandbox!("restart_keeps_the_programs_attached_and_the_next_agent_takes_them_over");
+    require_sandbox!();
     sandbox(|sb| {
         VethPair::create();
         let first = load(&sb.bpffs, &["va"]);
@@ -580,7 +578,7 @@ fn has_tcx() -> bool {
 /// goes in beside it. Either way theirs stays.
 #[test]
 fn a_foreign_filter_at_the_classifiers_place_is_never_replaced() {
-    require_sandbox!("a_foreign_filter_at_the_classifiers_place_is_never_replaced");
+    require_sandbox!();
     sandbox(|sb| {
         VethPair::create();
         let tc = |args: &[&str]| run(Command::new("tc").args(args));
@@ -626,7 +624,7 @@ fn a_foreign_filter_at_the_classifiers_place_is_never_replaced() {
 
 #[test]
 fn independent_loader_accepts_the_object_and_its_maps_carry_btf() {
-    require_sandbox!("independent_loader_accepts_the_object_and_its_maps_carry_btf");
+    require_sandbox!();
     let object = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/ebpf/node-agent.bpf.o");
     assert!(
         object.is_file(),
@@ -727,7 +725,7 @@ fn pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it()
     use state::node::Family as IpFamily;
     use state::objects::{KernelObject, Op, XfrmDir, XfrmGuard, mark};
 
-    require_sandbox!("pod_traffic_toward_a_remote_pod_cidr_is_marked_and_the_block_guard_drops_it");
+    require_sandbox!();
     sandbox(|sb| {
         pod_behind_a_bridge();
         let remote_pod = "10.244.2.1";
@@ -824,7 +822,7 @@ fn missing(dp: &mut Datapath) -> Vec<String> {
 
 #[test]
 fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
-    require_sandbox!("a_pod_interface_that_appears_later_gets_its_classifier_then");
+    require_sandbox!();
     sandbox(|sb| {
         let mut config = DatapathConfig::new(&sb.bpffs);
         config.pod_ifaces = vec!["cni7".into()];
@@ -848,7 +846,7 @@ fn a_pod_interface_that_appears_later_gets_its_classifier_then() {
 /// past IPsec.
 #[test]
 fn a_pod_interface_deleted_and_made_again_gets_its_classifier_back() {
-    require_sandbox!("a_pod_interface_deleted_and_made_again_gets_its_classifier_back");
+    require_sandbox!();
     sandbox(|sb| {
         ip(&["link", "add", "cni8", "type", "bridge"]);
         let mut config = DatapathConfig::new(&sb.bpffs);
@@ -880,7 +878,7 @@ fn a_pod_interface_deleted_and_made_again_gets_its_classifier_back() {
 /// an old program reading a map no one updates.
 #[test]
 fn an_interface_no_longer_configured_loses_its_classifier() {
-    require_sandbox!("an_interface_no_longer_configured_loses_its_classifier");
+    require_sandbox!();
     sandbox(|sb| {
         for d in ["dk1", "dk2"] {
             ip(&["link", "add", d, "type", "bridge"]);
@@ -1105,23 +1103,14 @@ fn txn_child(
 ) -> (Option<String>, String) {
     use node_agent::datapath::txn::{CUT_ENV, CUT_EXIT};
 
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "datapath::child_cuts_a_pin_transaction",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = node_agent_tests::child_test("datapath::child_cuts_a_pin_transaction")
+        .arg("--test-threads=1")
         .env("TXN_CHILD_BPFFS", bpffs)
         .env("TXN_CHILD_ACTION", action)
         .env(CUT_ENV, format!("{what}:{step}:{how}"))
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = node_agent_tests::output_text(&out);
     let cut = text
         .lines()
         .find_map(|l| {
@@ -1184,7 +1173,7 @@ fn growth_case(bpffs: &Path, step: u32, how: &str) -> Option<(String, u32)> {
 /// covered by the same loop.
 #[test]
 fn every_cut_of_a_map_growth_is_recovered_by_the_next_start() {
-    require_sandbox!("every_cut_of_a_map_growth_is_recovered_by_the_next_start");
+    require_sandbox!();
     sandbox(|sb| {
         for d in ["tx0", "tx1"] {
             ip(&["link", "add", d, "type", "bridge"]);
@@ -1234,7 +1223,7 @@ fn recovery_case(bpffs: &Path, growth_step: u32, step: u32, how: &str) -> Option
 /// complete, both staging pins there) or forward (killed before its first rename).
 #[test]
 fn every_cut_of_a_recovery_is_recovered_by_the_next_start() {
-    require_sandbox!("every_cut_of_a_recovery_is_recovered_by_the_next_start");
+    require_sandbox!();
     sandbox(|sb| {
         for d in ["tx0", "tx1"] {
             ip(&["link", "add", d, "type", "bridge"]);
@@ -1277,7 +1266,7 @@ fn every_cut_of_a_recovery_is_recovered_by_the_next_start() {
 
 #[test]
 fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
-    require_sandbox!("the_maps_grow_online_while_packets_flow_and_no_lookup_misses");
+    require_sandbox!();
     sandbox(|sb| {
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, Ordering};
@@ -1386,9 +1375,7 @@ fn the_maps_grow_online_while_packets_flow_and_no_lookup_misses() {
 /// an uplink made again never got its classifiers back until a restart.
 #[test]
 fn every_interface_kind_deleted_and_made_again_under_a_daemon_gets_its_classifiers_back() {
-    const NAME: &str =
-        "every_interface_kind_deleted_and_made_again_under_a_daemon_gets_its_classifiers_back";
-    require_sandbox!(NAME);
+    require_sandbox!();
     use node_agent_tests::agent::{AgentEnv, cluster, http_get, wait_for};
     const ADDR: &str = "127.0.0.1:9965";
     const WAIT: Duration = Duration::from_secs(30);

@@ -19,6 +19,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use node_agent::cli::Cli;
+use node_agent_tests::fixture::workspace_root;
 use node_agent_tests::{agent_bin, can_sandbox, run, sandbox, skip};
 
 /// Run verbatim by [`doc_commands_run_in_a_sandbox`] (inside `kubectl exec` or on the node).
@@ -79,16 +80,9 @@ const CLUSTER_ONLY: &[(&str, &str)] = &[
 /// The prefix that runs a command in the agent's pod.
 const EXEC: &str = "kubectl -n node-agent exec ds/node-agent -- ";
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_owned()
-}
-
 /// `(file:line, command)` for every `$ ` line inside a `sh` block of `docs/*.md`.
 fn doc_commands() -> Vec<(String, String)> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+    let mut files: Vec<PathBuf> = std::fs::read_dir(workspace_root().join("docs"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "md"))
@@ -220,10 +214,10 @@ fn every_command_in_the_docs_is_parsed_or_run_by_a_test() {
     assert!(problems.is_empty(), "{problems:#?}");
     // xtask is a binary: ask its own parser, `xtask <args> --help`. It sits next to the agent
     // after `cargo xtask ...` (CI runs `cargo xtask test`, which builds it first).
-    let bin = root().join("target/debug/xtask");
+    let bin = workspace_root().join("target/debug/xtask");
     if !bin.is_file() {
         skip(
-            "every_command_in_the_docs_is_parsed_or_run_by_a_test",
+            node_agent_tests::test_name!(),
             &format!(
                 "{} is not built (run any `cargo xtask` first); xtask commands unchecked",
                 bin.display()
@@ -297,11 +291,11 @@ fn the_check_refuses_commands_nothing_vouches_for() {
 #[test]
 fn kubectl_commands_name_the_namespace_and_daemonset_deploy_creates() {
     let k: serde_json::Value = serde_saphyr::from_str(
-        &std::fs::read_to_string(root().join("deploy/kustomization.yaml")).unwrap(),
+        &std::fs::read_to_string(workspace_root().join("deploy/kustomization.yaml")).unwrap(),
     )
     .unwrap();
     let ds: serde_json::Value = serde_saphyr::from_str(
-        &std::fs::read_to_string(root().join("deploy/daemonset.yaml")).unwrap(),
+        &std::fs::read_to_string(workspace_root().join("deploy/daemonset.yaml")).unwrap(),
     )
     .unwrap();
     let ns = k["namespace"].as_str().unwrap();
@@ -324,7 +318,7 @@ fn kubectl_commands_name_the_namespace_and_daemonset_deploy_creates() {
             .iter()
             .any(|(c, _)| c.contains(&format!("generic {secret} --from-file=keys=")))
     );
-    let env = std::fs::read_to_string(root().join("deploy/node-agent.env")).unwrap();
+    let env = std::fs::read_to_string(workspace_root().join("deploy/node-agent.env")).unwrap();
     assert!(env.contains("NODE_AGENT_IPSEC_KEY_FILE=/etc/node-agent/ipsec/keys"));
 }
 
@@ -334,20 +328,20 @@ fn kubectl_commands_name_the_namespace_and_daemonset_deploy_creates() {
 /// tmpfs over `/run` and `/etc/iproute2/rt_protos.d`, so the host sees none of it.
 #[test]
 fn doc_commands_run_in_a_sandbox() {
-    const NAME: &str = "doc_commands_run_in_a_sandbox";
+    let name = node_agent_tests::test_name!();
     if let Err(why) = can_sandbox() {
-        skip(NAME, &why);
+        skip(name, &why);
         return;
     }
     for tool in ["bpftool", "curl"] {
         if node_agent_tests::which(tool).is_none() {
-            skip(NAME, &format!("needs `{tool}`"));
+            skip(name, &format!("needs `{tool}`"));
             return;
         }
     }
     let agent = agent_bin();
     let nodes = std::env::temp_dir().join(format!("node-agent-docs-{}.yaml", std::process::id()));
-    std::fs::copy(root().join("examples/nodes.yaml"), &nodes).unwrap();
+    std::fs::copy(workspace_root().join("examples/nodes.yaml"), &nodes).unwrap();
     let agent_commands: Vec<String> = doc_commands()
         .into_iter()
         .map(|(_, c)| c.strip_prefix(EXEC).unwrap_or(&c).to_owned())
@@ -454,7 +448,7 @@ fn doc_commands_run_in_a_sandbox() {
 /// exists in that file, so the list cannot point at a test that was renamed or removed.
 #[test]
 fn every_test_the_design_names_exists() {
-    let root = root();
+    let root = workspace_root();
     let design = std::fs::read_to_string(root.join("docs/design.md")).unwrap();
     let mut named = 0;
     for part in design.split('`').skip(1).step_by(2) {

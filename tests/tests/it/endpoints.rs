@@ -17,7 +17,7 @@ fn get(path: &str) -> (u16, String) {
 
 #[test]
 fn metrics_match_the_kernel_and_readiness_follows_sync_and_the_brake() {
-    require_sandbox!("metrics_match_the_kernel_and_readiness_follows_sync_and_the_brake");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         // No nodes file yet: alive, not ready, and it says why.
@@ -99,7 +99,7 @@ fn metrics_match_the_kernel_and_readiness_follows_sync_and_the_brake() {
 
 #[test]
 fn with_every_node_id_taken_a_new_node_is_held_counted_and_named_in_readiness() {
-    require_sandbox!("with_every_node_id_taken_a_new_node_is_held_counted_and_named_in_readiness");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(3);
@@ -141,9 +141,7 @@ fn with_every_node_id_taken_a_new_node_is_held_counted_and_named_in_readiness() 
 
 #[test]
 fn a_missing_pod_interface_is_waited_for_named_in_readiness_and_attached_when_it_appears() {
-    require_sandbox!(
-        "a_missing_pod_interface_is_waited_for_named_in_readiness_and_attached_when_it_appears"
-    );
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         env.write_nodes(&cluster(2));

@@ -3,18 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-use node_agent_tests::agent::{AgentEnv, assert_exact, cluster, http_get, metric};
+use node_agent_tests::agent::{AgentEnv, assert_exact, cluster, http_get, metric, scrape_metrics};
 use node_agent_tests::{ip, require_sandbox, run, sandbox};
 
 /// Generous: the same tests run under QEMU's TCG emulation in the VM tier.
 const TIMEOUT: Duration = Duration::from_secs(90);
 const METRICS: &str = "127.0.0.1:9965";
-
-fn metrics() -> String {
-    http_get(METRICS, "/metrics")
-        .map(|(_, b)| b)
-        .unwrap_or_default()
-}
 
 /// Mounts a tmpfs of `kib` KiB on the environment's state directory (the sandbox's mount
 /// namespace: gone with the test).
@@ -60,7 +54,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 
 #[test]
 fn a_full_state_dir_backs_off_keeps_programming_and_recovers() {
-    require_sandbox!("a_full_state_dir_backs_off_keeps_programming_and_recovers");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         small_tmpfs(&env, 64);
@@ -79,7 +73,7 @@ fn a_full_state_dir_backs_off_keeps_programming_and_recovers() {
         });
         env.wait("a failed write counted", TIMEOUT, || {
             metric(
-                &metrics(),
+                &scrape_metrics(METRICS),
                 "node_agent_checkpoint_writes_total{result=\"error\"}",
             )
             .is_some_and(|v| v >= 1.0)
@@ -93,13 +87,13 @@ fn a_full_state_dir_backs_off_keeps_programming_and_recovers() {
         // Waiting costs nothing: a few seconds see a few attempts, no busy loop.
         let cpu = cpu_seconds(child.id());
         let before = metric(
-            &metrics(),
+            &scrape_metrics(METRICS),
             "node_agent_checkpoint_writes_total{result=\"error\"}",
         )
         .unwrap();
         std::thread::sleep(Duration::from_secs(6));
         let attempts = metric(
-            &metrics(),
+            &scrape_metrics(METRICS),
             "node_agent_checkpoint_writes_total{result=\"error\"}",
         )
         .unwrap()
@@ -110,7 +104,13 @@ fn a_full_state_dir_backs_off_keeps_programming_and_recovers() {
             used / 6.0 * 100.0
         ));
         assert!(attempts <= 4.0, "{attempts} attempts in 6 s");
-        assert!(metric(&metrics(), "node_agent_checkpoint_stale_seconds").is_some_and(|s| s > 0.0));
+        assert!(
+            metric(
+                &scrape_metrics(METRICS),
+                "node_agent_checkpoint_stale_seconds"
+            )
+            .is_some_and(|s| s > 0.0)
+        );
         let log = std::fs::read_to_string(env.log()).unwrap();
         let failures = log.matches("checkpoint write failed").count();
         assert!(failures < 10, "{failures} lines: logged once per attempt");
@@ -128,7 +128,10 @@ fn a_full_state_dir_backs_off_keeps_programming_and_recovers() {
             http_get(METRICS, "/readyz").is_some_and(|(c, b)| c == 200 && b.trim() == "ready")
         });
         assert_eq!(
-            metric(&metrics(), "node_agent_checkpoint_stale_seconds"),
+            metric(
+                &scrape_metrics(METRICS),
+                "node_agent_checkpoint_stale_seconds"
+            ),
             Some(0.0)
         );
     });
@@ -136,7 +139,7 @@ fn a_full_state_dir_backs_off_keeps_programming_and_recovers() {
 
 #[test]
 fn sigterm_with_a_full_state_dir_says_so_and_exits_non_zero() {
-    require_sandbox!("sigterm_with_a_full_state_dir_says_so_and_exits_non_zero");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         small_tmpfs(&env, 64);
@@ -163,7 +166,7 @@ fn sigterm_with_a_full_state_dir_says_so_and_exits_non_zero() {
 
 #[test]
 fn a_full_state_dir_at_start_is_one_clear_error() {
-    require_sandbox!("a_full_state_dir_at_start_is_one_clear_error");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         small_tmpfs(&env, 16);
@@ -187,7 +190,7 @@ fn a_full_state_dir_at_start_is_one_clear_error() {
 
 #[test]
 fn a_nodes_file_that_does_not_parse_ends_a_one_shot_run_at_once() {
-    require_sandbox!("a_nodes_file_that_does_not_parse_ends_a_one_shot_run_at_once");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         std::fs::write(
@@ -225,7 +228,7 @@ fn a_nodes_file_that_does_not_parse_ends_a_one_shot_run_at_once() {
 /// for the settle period, here longer than the timeout), for `run --once` and `plan`.
 #[test]
 fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
-    require_sandbox!("every_wait_of_a_one_shot_run_ends_at_the_sync_timeout");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let mut covered = 0;
@@ -290,7 +293,7 @@ fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
 
 #[test]
 fn drift_in_routes_and_the_map_is_repaired_and_counted() {
-    require_sandbox!("drift_in_routes_and_the_map_is_repaired_and_counted");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -331,7 +334,7 @@ fn drift_in_routes_and_the_map_is_repaired_and_counted() {
         )
         .unwrap();
         env.wait("the repairs", TIMEOUT, || {
-            let m = metrics();
+            let m = scrape_metrics(METRICS);
             metric(&m, "node_agent_drift_repaired_total{kind=\"route\"}") == Some(2.0)
                 && metric(&m, "node_agent_drift_repaired_total{kind=\"map_entry\"}") == Some(2.0)
         });

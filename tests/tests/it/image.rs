@@ -12,6 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use node_agent_tests::agent::{AgentEnv, Daemon, assert_exact, cluster, is_exact};
+use node_agent_tests::fixture::workspace_root;
 use node_agent_tests::{report, require_sandbox, run, sandbox, skip, which};
 
 /// The tag the test builds; `cargo xtask image`'s default tag stays the user's.
@@ -20,13 +21,6 @@ const TAG: &str = "localhost/node-agent:test";
 /// is over 100 MB) cannot hide under it.
 const MAX_SIZE_MB: f64 = 150.0;
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ lives in the workspace")
-        .to_owned()
-}
 
 /// A container created from the image, its root filesystem mounted; removed when dropped.
 struct Mounted {
@@ -71,10 +65,10 @@ impl Drop for Mounted {
 
 #[test]
 fn the_image_builds_and_its_binaries_run_the_restart_scenario() {
-    const NAME: &str = "the_image_builds_and_its_binaries_run_the_restart_scenario";
-    require_sandbox!(NAME);
+    let name = node_agent_tests::test_name!();
+    require_sandbox!();
     if which("podman").is_none() {
-        skip(NAME, "needs podman (`cargo xtask test` installs it)");
+        skip(name, "needs podman (`cargo xtask test` installs it)");
         return;
     }
     let start = Instant::now();
@@ -82,7 +76,7 @@ fn the_image_builds_and_its_binaries_run_the_restart_scenario() {
     // The build, as users run it.
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
-        .current_dir(root())
+        .current_dir(workspace_root())
         .args(["xtask", "image", "--tag", TAG])
         .stdin(Stdio::null())
         .output()
@@ -119,7 +113,7 @@ fn the_image_builds_and_its_binaries_run_the_restart_scenario() {
     let rootfs = image.rootfs.clone();
     // Exactly the binary xtask built, and no toolchain beside it.
     let shipped = std::fs::read(rootfs.join("usr/local/bin/node-agent")).unwrap();
-    let built = std::fs::read(root().join("target/release/node-agent")).unwrap();
+    let built = std::fs::read(workspace_root().join("target/release/node-agent")).unwrap();
     assert!(
         shipped == built,
         "the image's node-agent is not target/release/node-agent"
@@ -145,7 +139,7 @@ fn the_image_builds_and_its_binaries_run_the_restart_scenario() {
     let bpftool = image.output("bpftool", &["version"]);
     assert!(bpftool.starts_with("bpftool v"), "{bpftool}");
     report(&format!(
-        "{NAME}: the image's `node-agent --version`: {}; `bpftool version`: {}",
+        "{name}: the image's `node-agent --version`: {}; `bpftool version`: {}",
         version.trim(),
         bpftool.lines().next().unwrap_or_default()
     ));

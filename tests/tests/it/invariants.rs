@@ -5,16 +5,16 @@
 use std::time::Duration;
 
 use node_agent_tests::agent::{
-    AgentEnv, TestNode, cluster, http_get, is_exact, k8s_node, local_node, metric,
+    AgentEnv, TestNode, cluster, is_exact, k8s_node, local_node, metric, scrape_metrics,
 };
 use node_agent_tests::apiserver::ApiServer;
 use node_agent_tests::checker::model::{Profile, Rng};
-use node_agent_tests::checker::{Budget, check};
+use node_agent_tests::checker::{Budget, check, seed_from_env, steps_from_env};
 use node_agent_tests::{require_sandbox, sandbox};
 
 #[test]
 fn random_histories_keep_every_invariant() {
-    require_sandbox!("random_histories_keep_every_invariant");
+    require_sandbox!();
     check("invariants", Budget::from_env(200, 25, Profile::INVARIANTS));
 }
 
@@ -25,7 +25,7 @@ fn random_histories_keep_every_invariant() {
 /// runs 50 rounds; `NODE_AGENT_CHECK_STEPS` (two steps a round) runs more.
 #[test]
 fn killed_mid_reconcile_the_agent_always_converges_exactly() {
-    require_sandbox!("killed_mid_reconcile_the_agent_always_converges_exactly");
+    require_sandbox!();
     check("torture", Budget::from_env(101, 101, Profile::TORTURE));
 }
 
@@ -37,20 +37,9 @@ fn killed_mid_reconcile_the_agent_always_converges_exactly() {
 /// what full plans would have left. `NODE_AGENT_CHECK_STEPS` runs more rounds (12 by default).
 #[test]
 fn event_sized_reconciles_leave_what_a_full_reconcile_would() {
-    require_sandbox!("event_sized_reconciles_leave_what_a_full_reconcile_would");
-    let rounds: u32 = std::env::var("NODE_AGENT_CHECK_STEPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(12);
-    let seed = std::env::var("NODE_AGENT_CHECK_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    require_sandbox!();
+    let rounds = steps_from_env(12) as u32;
+    let seed = seed_from_env();
     println!("event-sized: seed {seed} ({rounds} rounds; NODE_AGENT_CHECK_SEED replays it)");
     sandbox(|sb| {
         let mut rng = Rng::new(seed);
@@ -63,11 +52,7 @@ fn event_sized_reconciles_leave_what_a_full_reconcile_would() {
         let mut env = AgentEnv::new(&sb.bpffs);
         let dir = env.state_dir.parent().unwrap().to_owned();
         env.kubeconfig = Some(server.kubeconfig(&dir).unwrap());
-        let metrics = || {
-            http_get(METRICS, "/metrics")
-                .map(|(_, b)| b)
-                .unwrap_or_default()
-        };
+        let metrics = || scrape_metrics(METRICS);
         let reconciles = || metric(&metrics(), "node_agent_reconcile_duration_seconds_count");
         let (code, _, err) = env.once(&[]);
         assert_eq!(code, 0, "{err}");

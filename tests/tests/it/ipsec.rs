@@ -14,7 +14,7 @@ use node_agent_tests::agent::{TestNode, wait_for};
 use node_agent_tests::cluster::{
     Capture, Cluster, LongPing, SimNode, Timeline, ping, tcp_transfer, write_keys,
 };
-use node_agent_tests::{can_sandbox, report, runtime, sandbox, skip};
+use node_agent_tests::{can_sandbox, report, runtime, sandbox, skip, skip_without_esp};
 
 const KEY3: &str = "0102030405060708090a0b0c0d0e0f1011121314";
 const KEY4: &str = "a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4";
@@ -30,11 +30,8 @@ fn esp_missing(name: &str) -> bool {
     });
     match why {
         None => false,
-        Some(why) if std::env::var("NODE_AGENT_VM").as_deref() == Ok("1") => {
-            panic!("{name}: the VM tier must have ESP, but: {why}")
-        }
         Some(why) => {
-            report(&format!("SKIPPED {name}: {why}"));
+            skip_without_esp(name, &why);
             true
         }
     }
@@ -97,8 +94,7 @@ fn all_up(c: &Cluster, nodes: &[&SimNode], peers: usize, spi: u32) {
 
 #[test]
 fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
-    const NAME: &str = "pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it";
-    with_cluster(NAME, |c| {
+    with_cluster(node_agent_tests::test_name!(), |c| {
         let a = c.add_node("node-a", 1);
         let b = c.add_node("node-b", 2);
         for n in [&a, &b] {
@@ -283,9 +279,7 @@ fn watch_rotation(a: &SimNode, b: &SimNode, t: &Timeline, stop: &AtomicBool) {
 /// still sends with it.
 #[test]
 fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_key() {
-    const NAME: &str =
-        "a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_key";
-    with_cluster(NAME, |c| {
+    with_cluster(node_agent_tests::test_name!(), |c| {
         let a = c.add_node("node-a", 1);
         let b = c.add_node("node-b", 2);
         for n in [&a, &b] {
@@ -386,9 +380,7 @@ fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_k
 
 #[test]
 fn a_node_deleted_while_the_agent_is_down_and_its_ip_recycled_leaves_nothing_behind() {
-    const NAME: &str =
-        "a_node_deleted_while_the_agent_is_down_and_its_ip_recycled_leaves_nothing_behind";
-    with_cluster(NAME, |c| {
+    with_cluster(node_agent_tests::test_name!(), |c| {
         let a = c.add_node("node-a", 1);
         let b = c.add_node("node-b", 2);
         // node-c exists only in the list; node-d later gets its addresses and CIDRs.

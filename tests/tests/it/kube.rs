@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use node_agent::source::kube::MAX_BACKOFF;
 use node_agent_tests::agent::cluster;
-use node_agent_tests::agent::{AgentEnv, TestNode, http_get, k8s_node, local_node, metric};
+use node_agent_tests::agent::{
+    AgentEnv, TestNode, http_get, k8s_node, local_node, metric, scrape_metrics,
+};
 use node_agent_tests::agent::{assert_exact, is_exact};
 use node_agent_tests::apiserver::{ApiServer, Kind};
 use node_agent_tests::require_sandbox;
@@ -32,19 +34,13 @@ fn setup(sb: &node_agent_tests::Sandbox, remote: &[TestNode]) -> (ApiServer, Age
     (server, env)
 }
 
-fn metrics() -> String {
-    http_get(METRICS, "/metrics")
-        .map(|(_, b)| b)
-        .unwrap_or_default()
-}
-
 fn readyz() -> (u16, String) {
     http_get(METRICS, "/readyz").unwrap_or((0, String::new()))
 }
 
 #[test]
 fn forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list() {
-    require_sandbox!("forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list");
+    require_sandbox!();
     sandbox(|sb| {
         let nodes = cluster(10);
         let (server, env) = setup(sb, &nodes);
@@ -59,7 +55,8 @@ fn forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list() {
         server.set_forbidden(true);
         let mut child = env.spawn(&["--metrics-addr", METRICS]);
         env.wait("reported source errors", TIMEOUT, || {
-            metric(&metrics(), "node_agent_source_errors_total").is_some_and(|v| v >= 2.0)
+            metric(&scrape_metrics(METRICS), "node_agent_source_errors_total")
+                .is_some_and(|v| v >= 2.0)
         });
         let (code, body) = readyz();
         assert_eq!(code, 503);
@@ -84,7 +81,7 @@ fn forbidden_then_allowed_nothing_is_pruned_before_the_first_full_list() {
 
 #[test]
 fn a_node_deleted_while_the_watch_is_broken_is_pruned_after_the_410_relist() {
-    require_sandbox!("a_node_deleted_while_the_watch_is_broken_is_pruned_after_the_410_relist");
+    require_sandbox!();
     sandbox(|sb| {
         let nodes = cluster(10);
         let (server, env) = setup(sb, &nodes);
@@ -117,7 +114,7 @@ fn a_node_deleted_while_the_watch_is_broken_is_pruned_after_the_410_relist() {
 
 #[test]
 fn a_dropped_watch_resumes_and_prunes_nothing_extra() {
-    require_sandbox!("a_dropped_watch_resumes_and_prunes_nothing_extra");
+    require_sandbox!();
     sandbox(|sb| {
         let nodes = cluster(6);
         let (server, env) = setup(sb, &nodes);
@@ -147,7 +144,7 @@ fn a_dropped_watch_resumes_and_prunes_nothing_extra() {
 
 #[test]
 fn restart_with_churn_through_the_api() {
-    require_sandbox!("restart_with_churn_through_the_api");
+    require_sandbox!();
     sandbox(|sb| {
         let before = cluster(10);
         let (server, env) = setup(sb, &before);
@@ -205,7 +202,7 @@ fn restart_with_churn_through_the_api() {
 /// stayed not ready until the next node event: a flake in the 6.12 guest.)
 #[test]
 fn readiness_follows_the_api_server_after_sync() {
-    require_sandbox!("readiness_follows_the_api_server_after_sync");
+    require_sandbox!();
     sandbox(|sb| {
         let nodes = cluster(4);
         let (server, env) = setup(sb, &nodes);
@@ -229,7 +226,7 @@ fn readiness_follows_the_api_server_after_sync() {
                 code == 503 && body.contains(says) && body.contains("node source failing")
             });
             assert_eq!(
-                metric(&metrics(), "node_agent_source_failing"),
+                metric(&scrape_metrics(METRICS), "node_agent_source_failing"),
                 Some(1.0),
                 "{what}"
             );
@@ -252,7 +249,10 @@ fn readiness_follows_the_api_server_after_sync() {
                 after.probe > before.probe,
                 "no node event came: only a probe can have made the agent ready"
             );
-            assert_eq!(metric(&metrics(), "node_agent_source_failing"), Some(0.0));
+            assert_eq!(
+                metric(&scrape_metrics(METRICS), "node_agent_source_failing"),
+                Some(0.0)
+            );
         }
     });
 }
@@ -262,15 +262,14 @@ fn readiness_follows_the_api_server_after_sync() {
 /// one per backoff period, and the third makes it ready; no node event ever comes.
 #[test]
 fn a_watch_that_resumes_quietly_after_a_failed_probe_is_ready_by_the_next_probe() {
-    require_sandbox!(
-        "a_watch_that_resumes_quietly_after_a_failed_probe_is_ready_by_the_next_probe"
-    );
+    require_sandbox!();
     sandbox(|sb| {
         let nodes = cluster(2);
         let (server, env) = setup(sb, &nodes);
         let _child = env.spawn(&["--metrics-addr", METRICS]);
         env.wait("readiness", TIMEOUT, || readyz().0 == 200);
-        let errors = || metric(&metrics(), "node_agent_source_errors_total").unwrap_or(0.0);
+        let errors =
+            || metric(&scrape_metrics(METRICS), "node_agent_source_errors_total").unwrap_or(0.0);
         let errors_before = errors();
         let before = server.requests();
         const FAILED_PROBES: u64 = 2;
@@ -314,7 +313,7 @@ fn a_watch_that_resumes_quietly_after_a_failed_probe_is_ready_by_the_next_probe(
 /// reset the backoff, and the agent listed the whole cluster about every second.
 #[test]
 fn lists_that_succeed_before_watches_that_fail_do_not_reset_the_backoff() {
-    require_sandbox!("lists_that_succeed_before_watches_that_fail_do_not_reset_the_backoff");
+    require_sandbox!();
     sandbox(|sb| {
         let nodes = cluster(2);
         let (server, env) = setup(sb, &nodes);
@@ -343,7 +342,7 @@ fn lists_that_succeed_before_watches_that_fail_do_not_reset_the_backoff() {
 
 #[test]
 fn a_failing_api_server_is_retried_with_growing_waits() {
-    require_sandbox!("a_failing_api_server_is_retried_with_growing_waits");
+    require_sandbox!();
     sandbox(|sb| {
         let nodes = cluster(2);
         let (server, env) = setup(sb, &nodes);

@@ -16,7 +16,9 @@ use state::inventory::Inventory;
 use state::node::Family;
 use state::objects::{KernelObject, Nexthop, NexthopId, NodeId, ObjectId, Op, Route, Via};
 
-use crate::backends::{all_ok, link_with_gateways, sorted};
+use node_agent_tests::fixture::all_ok;
+
+use crate::backends::{link_with_gateways, sorted};
 
 fn nh(node: u16, gw: &str) -> KernelObject {
     KernelObject::Nexthop(Nexthop {
@@ -61,7 +63,7 @@ async fn open() -> NexthopBackend {
 
 #[test]
 fn routes_go_through_our_nexthops_and_a_readdress_rewrites_one_nexthop() {
-    require_sandbox!("routes_go_through_our_nexthops_and_a_readdress_rewrites_one_nexthop");
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         runtime().block_on(async {
@@ -109,7 +111,7 @@ fn routes_go_through_our_nexthops_and_a_readdress_rewrites_one_nexthop() {
 
 #[test]
 fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
-    require_sandbox!("foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched");
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         // In our range but not ours; outside our range; ours with a foreign user.
@@ -211,9 +213,7 @@ fn foreign_nexthops_and_routes_through_ours_are_reported_and_never_touched() {
 
 #[test]
 fn a_nexthop_gateway_on_no_connected_prefix_is_unreachable_and_the_others_go_in() {
-    require_sandbox!(
-        "a_nexthop_gateway_on_no_connected_prefix_is_unreachable_and_the_others_go_in"
-    );
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         // A gateway only reachable through another gateway is no nexthop of a connected link.
@@ -247,7 +247,7 @@ fn a_nexthop_gateway_on_no_connected_prefix_is_unreachable_and_the_others_go_in(
 
 #[test]
 fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
-    require_sandbox!("a_nexthop_a_route_or_a_group_goes_through_is_never_deleted");
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         runtime().block_on(async {
@@ -292,9 +292,7 @@ fn a_nexthop_a_route_or_a_group_goes_through_is_never_deleted() {
 /// tables or with our own routes, and nowhere once announcements were lost.
 #[test]
 fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dump() {
-    require_sandbox!(
-        "the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dump"
-    );
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         let mut w = UsersWatch::open(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
@@ -379,9 +377,7 @@ fn the_watch_tells_where_in_our_table_someone_else_changed_a_route_since_the_dum
 
 #[test]
 fn routes_and_groups_are_read_before_a_nexthop_delete_only_when_something_not_ours_changed() {
-    require_sandbox!(
-        "routes_and_groups_are_read_before_a_nexthop_delete_only_when_something_not_ours_changed"
-    );
+    require_sandbox!();
     sandbox(|_| {
         link_with_gateways();
         runtime().block_on(async {

@@ -70,7 +70,7 @@ fn map_capacity(env: &AgentEnv) -> u64 {
 
 #[test]
 fn the_documented_rollback_leaves_what_the_previous_release_cleans_up() {
-    require_sandbox!("the_documented_rollback_leaves_what_the_previous_release_cleans_up");
+    require_sandbox!();
     let previous = std::env::var("NODE_AGENT_PREVIOUS_RELEASE").ok();
     if std::env::var_os("NODE_AGENT_RECORD_PREVIOUS").is_some() {
         let bin = previous.expect("NODE_AGENT_RECORD_PREVIOUS needs NODE_AGENT_PREVIOUS_RELEASE");

@@ -38,7 +38,7 @@ fn errors_of(report: &serde_json::Value) -> Vec<(String, String)> {
 
 #[test]
 fn a_foreign_route_at_a_remote_pod_cidr_is_reported_and_never_replaced() {
-    require_sandbox!("a_foreign_route_at_a_remote_pod_cidr_is_reported_and_never_replaced");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -128,7 +128,7 @@ fn routes_at(dst: &str) -> Vec<String> {
 /// blackhole, which stays.
 #[test]
 fn a_blackhole_in_our_table_is_someone_elses() {
-    require_sandbox!("a_blackhole_in_our_table_is_someone_elses");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let mut nodes = cluster(3);
@@ -172,7 +172,7 @@ fn a_blackhole_in_our_table_is_someone_elses() {
 
 #[test]
 fn a_malformed_node_keeps_its_objects_across_a_restart() {
-    require_sandbox!("a_malformed_node_keeps_its_objects_across_a_restart");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -198,7 +198,7 @@ fn a_malformed_node_keeps_its_objects_across_a_restart() {
 
 #[test]
 fn a_list_without_the_local_node_changes_nothing() {
-    require_sandbox!("a_list_without_the_local_node_changes_nothing");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -223,7 +223,7 @@ fn a_list_without_the_local_node_changes_nothing() {
 
 #[test]
 fn the_incumbent_keeps_its_address_and_id_against_a_newcomer() {
-    require_sandbox!("the_incumbent_keeps_its_address_and_id_against_a_newcomer");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(5);
@@ -252,7 +252,7 @@ fn the_incumbent_keeps_its_address_and_id_against_a_newcomer() {
 
 #[test]
 fn drift_in_the_map_is_rewritten_not_adopted() {
-    require_sandbox!("drift_in_the_map_is_rewritten_not_adopted");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(3);
@@ -280,7 +280,7 @@ fn drift_in_the_map_is_rewritten_not_adopted() {
 
 #[test]
 fn the_cooldown_of_a_freed_id_survives_a_lost_checkpoint() {
-    require_sandbox!("the_cooldown_of_a_freed_id_survives_a_lost_checkpoint");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(3);
@@ -314,7 +314,7 @@ fn the_cooldown_of_a_freed_id_survives_a_lost_checkpoint() {
 
 #[test]
 fn a_near_total_wipe_waits_for_the_operator() {
-    require_sandbox!("a_near_total_wipe_waits_for_the_operator");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(10);
@@ -345,7 +345,7 @@ fn a_near_total_wipe_waits_for_the_operator() {
 
 #[test]
 fn a_full_map_never_displaces_a_programmed_node() {
-    require_sandbox!("a_full_map_never_displaces_a_programmed_node");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(2);
@@ -372,7 +372,7 @@ fn a_full_map_never_displaces_a_programmed_node() {
 #[test]
 fn a_map_that_fills_grows_online_and_a_smaller_request_never_shrinks_it() {
     use node_agent::datapath::{node_ids_pin, pins::MapLayout};
-    require_sandbox!("a_map_that_fills_grows_online_and_a_smaller_request_never_shrinks_it");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let capacity = || {
@@ -408,7 +408,7 @@ fn a_map_that_fills_grows_online_and_a_smaller_request_never_shrinks_it() {
 
 #[test]
 fn removals_split_over_runs_are_counted_together() {
-    require_sandbox!("removals_split_over_runs_are_counted_together");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(10);
@@ -445,10 +445,10 @@ fn removals_split_over_runs_are_counted_together() {
 /// four removals still count with the second run's two.
 #[test]
 fn a_wall_clock_step_forward_keeps_the_window() {
-    require_sandbox!("a_wall_clock_step_forward_keeps_the_window");
+    require_sandbox!();
     let lib = match faketime_lib() {
         Ok(lib) => lib,
-        Err(why) => return skip("a_wall_clock_step_forward_keeps_the_window", &why),
+        Err(why) => return skip(node_agent_tests::test_name!(), &why),
     };
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
@@ -475,7 +475,7 @@ fn a_wall_clock_step_forward_keeps_the_window() {
 /// held ones have one address and no pod CIDR (one map entry each).
 #[test]
 fn a_held_removal_stays_held_after_the_checkpoint_is_lost() {
-    require_sandbox!("a_held_removal_stays_held_after_the_checkpoint_is_lost");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -513,7 +513,7 @@ fn a_held_removal_stays_held_after_the_checkpoint_is_lost() {
 /// the operator releases it.
 #[test]
 fn a_hold_survives_restarts_while_newcomers_dilute_its_ratio() {
-    require_sandbox!("a_hold_survives_restarts_while_newcomers_dilute_its_ratio");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(10);
@@ -541,7 +541,7 @@ fn a_hold_survives_restarts_while_newcomers_dilute_its_ratio() {
 
 #[test]
 fn another_cluster_with_more_nodes_or_the_same_names_is_held() {
-    require_sandbox!("another_cluster_with_more_nodes_or_the_same_names_is_held");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(4);
@@ -584,7 +584,7 @@ fn another_cluster_with_more_nodes_or_the_same_names_is_held() {
 
 #[test]
 fn orphans_without_a_checkpoint_are_held_when_most_would_go() {
-    require_sandbox!("orphans_without_a_checkpoint_are_held_when_most_would_go");
+    require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
         let nodes = cluster(6);

@@ -9,36 +9,18 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use node_agent::source::kube::{KubeSource, MAX_BACKOFF};
 use node_agent::source::live::LiveState;
 use node_agent::source::{SourceEvent, SourceRequest};
 use node_agent::telemetry::Telemetry;
+use node_agent_tests::agent::TestNode;
 use node_agent_tests::apiserver::{ApiServer, Kind};
 use tokio::sync::mpsc;
 
 /// Room for a slow machine on top of the backoff's own waits.
 const SLACK: Duration = Duration::from_secs(30);
-
-fn node(name: &str, i: u8) -> Node {
-    Node {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        status: Some(NodeStatus {
-            addresses: Some(vec![NodeAddress {
-                type_: "InternalIP".into(),
-                address: format!("192.168.0.{i}"),
-            }]),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
 
 /// The source running against `server`, and what the daemon would make of its events.
 struct Agent {
@@ -112,7 +94,7 @@ impl Agent {
         assert!(self.ready(), "{:?}", self.telemetry.ready());
         // The watcher opens its watch when polled after `InitDone`; a change it passes on says
         // the watch is open, so the test's drop does cut it.
-        server.apply(node("n-9", 9));
+        server.apply(TestNode::v4("n-9", 9).k8s());
         let ev = self
             .next(until)
             .await
@@ -128,8 +110,8 @@ impl Agent {
 /// A stand-in holding two nodes, and an agent settled on it (its state directory kept with it).
 async fn settled_on_two_nodes() -> (ApiServer, tempfile::TempDir, Agent) {
     let server = ApiServer::start().unwrap();
-    server.apply(node("n-0", 1));
-    server.apply(node("n-1", 2));
+    server.apply(TestNode::v4("n-0", 1).k8s());
+    server.apply(TestNode::v4("n-1", 2).k8s());
     let dir = tempfile::tempdir().unwrap();
     let mut agent = Agent::start(&server, dir.path()).await;
     agent.settle(&server).await;

@@ -20,10 +20,10 @@ use ipnet::IpNet;
 use node_agent::backends::Backend;
 use node_agent::backends::xfrm::{IpsecKey, KeyBook, KeyFile};
 use node_agent::backends::xfrm::{ProbeError, XfrmBackend};
-use node_agent::kernel::OpError;
+use node_agent_tests::fixture::{all_ok, deletes, upserts};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
-use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip};
+use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip, skip_without_esp};
 use state::objects::{KernelObject, NodeId, Op, XfrmDir, XfrmPolicy, XfrmState, mark};
 
 /// A key whose hex the tests look for in every message they see.
@@ -34,16 +34,7 @@ fn key() -> IpsecKey {
     IpsecKey::parse(&format!("{SPI} rfc4106(gcm(aes)) 0x{KEY_HEX} 128\n"), None).unwrap()
 }
 
-/// Skips a test that needs ESP, printing why; in the VM tier (`NODE_AGENT_VM=1`) the kernel
-/// has ESP, so reaching this is a failure.
-fn esp_skip(name: &str, why: &str) {
-    if std::env::var("NODE_AGENT_VM").as_deref() == Ok("1") {
-        panic!("{name}: the VM tier must have ESP, but: {why}");
-    }
-    report(&format!("SKIPPED {name}: {why}"));
-}
-
-fn node(id: u16) -> NodeId {
+fn node_id(id: u16) -> NodeId {
     NodeId::new(id).unwrap()
 }
 
@@ -61,7 +52,7 @@ fn policy(id: u16, dst: &str, tmpl_dst: &str) -> XfrmPolicy {
         src: net(if v6 { "::/0" } else { "0.0.0.0/0" }),
         dst: net(dst),
         dir: XfrmDir::Out,
-        node_id: node(id),
+        node_id: node_id(id),
         tmpl_src: addr(if v6 { "fd00::1" } else { "10.0.0.1" }),
         tmpl_dst: addr(tmpl_dst),
         spi: SPI,
@@ -74,7 +65,7 @@ fn state(id: u16, src: &str, dst: &str, dir: XfrmDir) -> XfrmState {
         dst: addr(dst),
         spi: SPI,
         dir,
-        node_id: node(id),
+        node_id: node_id(id),
         key: key().tag(),
     }
 }
@@ -104,24 +95,8 @@ fn our_states() -> Vec<KernelObject> {
     v.into_iter().map(KernelObject::XfrmState).collect()
 }
 
-fn upserts(objs: &[KernelObject]) -> Vec<Op> {
-    objs.iter().cloned().map(Op::Replace).collect()
-}
-
-fn deletes(objs: &[KernelObject]) -> Vec<Op> {
-    objs.iter().cloned().map(Op::Delete).collect()
-}
-
 fn set(objs: impl IntoIterator<Item = KernelObject>) -> BTreeSet<KernelObject> {
     objs.into_iter().collect()
-}
-
-fn all_ok(results: Vec<Result<(), OpError>>) {
-    for r in results {
-        if let Err(e) = r {
-            panic!("op failed: {e}");
-        }
-    }
 }
 
 fn ip_text(args: &[&str]) -> String {
@@ -185,7 +160,7 @@ fn ip_says_esp() -> Result<bool, String> {
 
 #[test]
 fn policies_round_trip_v4_and_v6() {
-    require_sandbox!("policies_round_trip_v4_and_v6");
+    require_sandbox!();
     sandbox(|_| {
         runtime().block_on(async {
             let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
@@ -197,7 +172,7 @@ fn policies_round_trip_v4_and_v6() {
             // The kernel sees exactly what we meant.
             let listing = ip_text(&["xfrm", "policy"]);
             assert_eq!(count(&listing), 4, "{listing}");
-            let m7 = mark::encode(node(7), SPI, XfrmDir::Out);
+            let m7 = mark::encode(node_id(7), SPI, XfrmDir::Out);
             assert!(
                 listing.contains(&format!("mark {m7:#x}/0xffffff00")),
                 "{listing}"
@@ -228,7 +203,7 @@ fn policies_round_trip_v4_and_v6() {
 
 #[test]
 fn policy_upserts_are_idempotent_and_replace_in_place() {
-    require_sandbox!("policy_upserts_are_idempotent_and_replace_in_place");
+    require_sandbox!();
     sandbox(|_| {
         runtime().block_on(async {
             let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
@@ -259,7 +234,7 @@ fn policy_upserts_are_idempotent_and_replace_in_place() {
 
 #[test]
 fn foreign_policies_are_never_listed_nor_touched() {
-    require_sandbox!("foreign_policies_are_never_listed_nor_touched");
+    require_sandbox!();
     sandbox(|_| {
         runtime().block_on(async {
             let tmpl = [
@@ -286,7 +261,7 @@ fn foreign_policies_are_never_listed_nor_touched() {
             ]
             .concat());
             // Our mark's value under another mask is not ours either.
-            let m7 = format!("{:#x}", mark::encode(node(7), SPI, XfrmDir::Out));
+            let m7 = format!("{:#x}", mark::encode(node_id(7), SPI, XfrmDir::Out));
             ip(&[
                 &base[..],
                 &["out", "mark", &m7, "mask", "0xffffffff"],
@@ -369,7 +344,7 @@ where
             let b = XfrmBackend::new(KeyBook::new(vec![key()])).unwrap();
             match b.probe_esp().await {
                 Ok(()) => body(b).await,
-                Err(e) => esp_skip(name, &e.to_string()),
+                Err(e) => skip_without_esp(name, &e.to_string()),
             }
         })
     });
@@ -377,14 +352,14 @@ where
 
 #[test]
 fn states_round_trip_v4_and_v6() {
-    with_esp("states_round_trip_v4_and_v6", |mut b| async move {
+    with_esp(node_agent_tests::test_name!(), |mut b| async move {
         let ours = our_states();
         assert!(b.dump().await.unwrap().is_empty());
         all_ok(b.apply(&upserts(&ours)).await);
         assert_eq!(set(b.dump().await.unwrap()), set(ours.clone()));
         let listing = ip_text(&["xfrm", "state"]);
         assert_eq!(count(&listing), 8, "{listing}");
-        let m = mark::encode(node(8), SPI, XfrmDir::In);
+        let m = mark::encode(node_id(8), SPI, XfrmDir::In);
         assert!(
             listing.contains(&format!("mark {m:#x}/0xffffff00")),
             "{listing}"
@@ -402,7 +377,7 @@ fn states_round_trip_v4_and_v6() {
 
 #[test]
 fn state_upserts_are_idempotent() {
-    with_esp("state_upserts_are_idempotent", |mut b| async move {
+    with_esp(node_agent_tests::test_name!(), |mut b| async move {
         let ours = our_states();
         all_ok(b.apply(&upserts(&ours)).await);
         let writes = b.writes();
@@ -477,7 +452,7 @@ fn state_upserts_are_idempotent() {
 
 #[test]
 fn foreign_states_are_left_alone() {
-    with_esp("foreign_states_are_left_alone", |mut b| async move {
+    with_esp(node_agent_tests::test_name!(), |mut b| async move {
         let hex = format!("0x{}", "11".repeat(20));
         let aead = ["aead", "rfc4106(gcm(aes))", hex.as_str(), "128"];
         let add = |spi: &str, extra: &[&str]| {
@@ -532,7 +507,7 @@ fn foreign_states_are_left_alone() {
 
 #[test]
 fn probe_esp_tells_the_truth_about_this_kernel() {
-    require_sandbox!("probe_esp_tells_the_truth_about_this_kernel");
+    require_sandbox!();
     sandbox(|_| {
         let expected = ip_says_esp();
         let probed = runtime().block_on(async {
@@ -550,7 +525,7 @@ fn probe_esp_tells_the_truth_about_this_kernel() {
                 assert!(msg.contains("Requested type not found"), "{msg}");
                 assert!(!msg.contains(KEY_HEX) && !format!("{e:?}").contains(KEY_HEX));
                 report(&format!("probe_esp on this kernel: {msg}"));
-                if std::env::var("NODE_AGENT_VM").as_deref() == Ok("1") {
+                if node_agent_tests::in_vm_tier() {
                     panic!("the VM tier must have ESP: {msg}");
                 }
             }
@@ -568,7 +543,7 @@ fn probe_esp_tells_the_truth_about_this_kernel() {
 
 #[test]
 fn state_errors_and_logs_never_show_the_key() {
-    require_sandbox!("state_errors_and_logs_never_show_the_key");
+    require_sandbox!();
     sandbox(|_| {
         runtime().block_on(async {
             let mut b = XfrmBackend::new(KeyBook::new(vec![key()])).unwrap();
@@ -678,13 +653,13 @@ fn bench_policies_against_ip_batch() {
         report("SKIPPED bench_policies_against_ip_batch: set NODE_AGENT_BENCH=1 to run it");
         return;
     }
-    require_sandbox!("bench_policies_against_ip_batch");
+    require_sandbox!();
     let policies: Vec<XfrmPolicy> = (1..=N)
         .map(|i| XfrmPolicy {
             src: net("0.0.0.0/0"),
             dst: IpNet::new(IpAddr::from([10, (i >> 8) as u8, i as u8, 0]), 24).unwrap(),
             dir: XfrmDir::Out,
-            node_id: node(i),
+            node_id: node_id(i),
             tmpl_src: addr("172.16.0.1"),
             tmpl_dst: IpAddr::from([172, 17, (i >> 8) as u8, i as u8]),
             spi: SPI,
@@ -774,7 +749,7 @@ fn bench_xfrm_scaling() {
         .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![5_000, 20_000]);
     for n in sizes {
-        with_esp("bench_xfrm_scaling", |mut b| async move {
+        with_esp(node_agent_tests::test_name!(), |mut b| async move {
             let remote = |i: u16| IpAddr::from([172, 16, (i >> 8) as u8, i as u8]);
             let mut states = Vec::new();
             let mut policies = Vec::new();

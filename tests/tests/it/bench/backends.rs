@@ -28,7 +28,7 @@ fn cidr(i: u32) -> String {
 
 #[test]
 fn bench_backends_against_their_floors() {
-    if !enabled("bench_backends_against_their_floors") {
+    if !enabled(node_agent_tests::test_name!()) {
         return;
     }
     sandbox(|sb| {

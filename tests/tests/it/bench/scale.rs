@@ -24,13 +24,13 @@
 //! machine's kernel lacks: `cargo xtask bench` runs it in the VM tier (release builds, under
 //! emulation, so its figures compare with each other, not with the host's).
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use node_agent::datapath::node_ids_pin;
 use node_agent_common::{NodeKey, NodeValue};
-use node_agent_tests::agent::{AgentEnv, TestNode, http_get, k8s_node, local_node};
+use node_agent_tests::agent::{AgentEnv, TestNode, http_get, k8s_node, local_node, node_routes};
 use node_agent_tests::apiserver::ApiServer;
 use node_agent_tests::{ip, ip_batch, report, sandbox};
 
@@ -43,27 +43,10 @@ fn sizes(var: &str, default: &[u32]) -> Vec<u32> {
         .unwrap_or_else(|| default.to_vec())
 }
 
-/// Node `i` of a large cluster: IPv4 in 100.64.0.0/10 and IPv6 in fd00:88::/64 (both on-link on
-/// the sandbox's `gw0`), a /26 pod CIDR in 10.128.0.0/9 and a /64 in fd00:244::/32.
-fn node(name: &str, i: u32) -> TestNode {
-    let v4 = Ipv4Addr::from(0x6440_0000 + i + 2);
-    let v4_cidr = Ipv4Addr::from(0x0a80_0000 + (i << 6));
-    TestNode {
-        name: name.into(),
-        ips: vec![
-            v4.to_string(),
-            format!("fd00:88::{:x}:{:x}", (i >> 16) + 1, i & 0xffff),
-        ],
-        cidrs: vec![
-            format!("{v4_cidr}/26"),
-            format!("fd00:244:{:x}:{:x}::/64", i >> 16, i & 0xffff),
-        ],
-        ..TestNode::default()
-    }
-}
-
 fn cluster(n: u32) -> Vec<TestNode> {
-    (0..n).map(|i| node(&format!("node-{i:05}"), i)).collect()
+    (0..n)
+        .map(|i| TestNode::wide(&format!("node-{i:05}"), i))
+        .collect()
 }
 
 /// Makes the stand-in hold `nodes` (and the local node) instead of `before`, and gives each node
@@ -92,7 +75,7 @@ fn churned(nodes: &[TestNode]) -> (Vec<TestNode>, usize) {
         match k % 20 {
             0 => changed += 1,
             1 => {
-                out.push(node(&node_.name, n + k as u32));
+                out.push(TestNode::wide(&node_.name, n + k as u32));
                 changed += 1;
             }
             _ => out.push(node_.clone()),
@@ -100,7 +83,7 @@ fn churned(nodes: &[TestNode]) -> (Vec<TestNode>, usize) {
     }
     let deleted = nodes.len() - out.len();
     for k in 0..deleted as u32 {
-        out.push(node(&format!("new-{k:05}"), 2 * n + k));
+        out.push(TestNode::wide(&format!("new-{k:05}"), 2 * n + k));
         changed += 1;
     }
     (out, changed)
@@ -110,10 +93,8 @@ fn churned(nodes: &[TestNode]) -> (Vec<TestNode>, usize) {
 fn routes_of(nodes: &[TestNode]) -> Vec<(String, String)> {
     let mut out = Vec::with_capacity(2 * nodes.len());
     for n in nodes {
-        for c in &n.cidrs {
-            let v6 = c.contains(':');
-            let gw = n.ips.iter().find(|ip| ip.contains(':') == v6).unwrap();
-            out.push((c.clone(), gw.clone()));
+        for (c, gw) in node_routes(n) {
+            out.push((c.to_owned(), gw.unwrap().to_owned()));
         }
     }
     out
@@ -341,7 +322,7 @@ fn ratio(a: Duration, b: Duration) -> f64 {
 
 #[test]
 fn bench_agent_at_scale() {
-    if !enabled("bench_agent_at_scale") {
+    if !enabled(node_agent_tests::test_name!()) {
         return;
     }
     let figures: Vec<Figures> = sizes("NODE_AGENT_BENCH_SIZES", &[5_000, 65_000])
@@ -370,7 +351,7 @@ fn bench_agent_at_scale() {
 
 #[test]
 fn bench_agent_at_scale_ipsec() {
-    if !enabled("bench_agent_at_scale_ipsec") {
+    if !enabled(node_agent_tests::test_name!()) {
         return;
     }
     if !sandbox(|_| crate::agent::kernel_has_esp()) {
@@ -725,7 +706,7 @@ fn events(
         t.elapsed()
     };
     for k in 0..10u32 {
-        let added = node(&format!("event-{k:02}"), 3 * n + k);
+        let added = TestNode::wide(&format!("event-{k:02}"), 3 * n + k);
         let t = Instant::now();
         server.apply(k8s_node(&added));
         kinds[0].push(t.elapsed() + wait("an added node", &added.ips[0], true));
@@ -736,7 +717,7 @@ fn events(
         kinds[1].push(t.elapsed() + wait("a removed node", &gone.ips[0], false));
 
         let moved = &nodes[k as usize * 7 + 3];
-        let readdressed = node(&moved.name, 4 * n + k);
+        let readdressed = TestNode::wide(&moved.name, 4 * n + k);
         let t = Instant::now();
         server.apply(k8s_node(&readdressed));
         kinds[2].push(t.elapsed() + wait("a readdressed node", &readdressed.ips[0], true));

@@ -15,7 +15,7 @@ const NODES: u32 = 5000;
 /// tight timer.
 #[test]
 fn bench_daemon_cpu_while_waiting() {
-    if !enabled("bench_daemon_cpu_while_waiting") {
+    if !enabled(node_agent_tests::test_name!()) {
         return;
     }
     let secs: u64 = std::env::var("NODE_AGENT_BENCH_IDLE_SECS")
