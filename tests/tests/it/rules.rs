@@ -312,6 +312,38 @@ fn the_cooldown_of_a_freed_id_survives_a_lost_checkpoint() {
     });
 }
 
+/// At the edge of the ID space, a freed ID that has cooled the floor (not the cool-down) goes to
+/// the newcomer that waits for one, with a warning; before the floor the newcomer is held with an
+/// error that says when.
+#[test]
+fn at_the_edge_an_id_cooled_past_the_floor_is_reused_early() {
+    require_sandbox!();
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        assert_eq!(env.once(&[]).0, 0);
+        let freed = env.map()[&nodes[2].ips[0]];
+        let newcomer = TestNode::dual("node-0100", 100);
+        env.write_nodes(&[nodes[0].clone(), nodes[1].clone(), newcomer.clone()]);
+        let edge = ["--max-node-id", "3", "--id-reuse-floor", "2s"];
+        let (code, report, err) = env.once(&edge);
+        assert_eq!(code, 0, "{err}");
+        assert!(!env.map().contains_key(&newcomer.ips[0]), "{report}");
+        assert!(
+            errors_of(&report)
+                .iter()
+                .any(|(n, e)| n == "node-0100" && e.contains("once it has cooled 2s")),
+            "{report}"
+        );
+        std::thread::sleep(Duration::from_millis(2500));
+        let (code, report, err) = env.once(&edge);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(env.map()[&newcomer.ips[0]], freed, "{report}");
+        assert!(err.contains("before its cool-down has passed"), "{err}");
+    });
+}
+
 #[test]
 fn a_near_total_wipe_waits_for_the_operator() {
     require_sandbox!();
