@@ -48,6 +48,12 @@ pub(crate) fn sorted(mut v: Vec<KernelObject>) -> Vec<KernelObject> {
 /// A veth pair with both ends up, so gateways in 10.88.0.0/16 and fd00:88::/64 are on-link.
 pub(crate) fn link_with_gateways() {
     ip(&["link", "add", "gw0", "type", "veth", "peer", "name", "gw1"]);
+    // No IPv6 link-local addresses: the kernel adds them, and their routes, a moment after the
+    // link comes up (after duplicate address detection), so they would land in the middle of a
+    // test that watches the routing table for changes that are not ours.
+    for link in ["gw0", "gw1"] {
+        ip(&["link", "set", link, "addrgenmode", "none"]);
+    }
     ip(&["addr", "add", "10.88.0.1/16", "dev", "gw0"]);
     ip(&["addr", "add", "fd00:88::1/64", "dev", "gw0", "nodad"]);
     ip(&["link", "set", "gw0", "up"]);
