@@ -28,3 +28,15 @@ pub fn parse_ping(text: &str) -> Option<(u64, u64)> {
         .filter_map(|s| s.parse().ok());
     Some((nums.next()?, nums.next()?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ping_summaries() {
+        let iputils = "3 packets transmitted, 2 received, 33% packet loss, time 405ms\n";
+        assert_eq!(parse_ping(iputils), Some((3, 2)));
+        assert_eq!(parse_ping("ping: connect: Network is unreachable\n"), None);
+    }
+}
