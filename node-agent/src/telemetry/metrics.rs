@@ -94,6 +94,8 @@ pub struct Metrics {
 }
 
 impl Default for Metrics {
+    /// Every metric registered, one call each, in the order of the exposition: long, but one list
+    /// to read against the table of docs/metrics.md; split, it would only be scattered.
     fn default() -> Self {
         let mut registry = Registry::with_prefix("node_agent");
         let m = Self {

@@ -106,9 +106,89 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
         (Some(v), false) => v,
         _ => &k.bzimage,
     };
+    let accel = accel();
+    let mut qemu = command(b, image, &initrd, accel);
+    step(&format!(
+        "vm-test: booting {} ({}) from {} ({} {})",
+        k.series,
+        k.release,
+        image.display(),
+        accel[1],
+        accel[3]
+    ));
+    let started = Instant::now();
+    let mut child = qemu.spawn().context("starting qemu-system-x86_64")?;
+    let console = watch(&mut child, started + b.timeout)?;
+    let Console {
+        tail,
+        begin,
+        done,
+        smoke_ok,
+        failed,
+        esp_skips,
+        timed_out,
+        status,
+    } = console;
+    let Some((rc, end)) = done else {
+        let what = if timed_out {
+            format!("timed out after {} s (--timeout)", b.timeout.as_secs())
+        } else {
+            format!(
+                "crashed: QEMU exited ({status}) after {:.1} s",
+                started.elapsed().as_secs_f64()
+            )
+        };
+        let tail = if tail.is_empty() {
+            "(no console output)".to_owned()
+        } else {
+            Vec::from(tail).join("\n")
+        };
+        let message =
+            format!("the guest {what} without printing `{DONE}N`; last console lines:\n{tail}");
+        if !timed_out && begin.is_none() {
+            return Err(BootCrashed(message).into());
+        }
+        bail!("{message}");
+    };
+    let begin = begin.unwrap_or(end);
+    let timing = Timing {
+        boot: begin - started,
+        tests: end - begin,
+    };
+    step(&format!(
+        "vm-test: {} boot {:.1} s, tests {:.1} s",
+        k.series,
+        timing.boot.as_secs_f64(),
+        timing.tests.as_secs_f64()
+    ));
+    if !failed.is_empty() {
+        bail!("in the guest: {}", failed.join("; "));
+    }
+    if !smoke_ok {
+        bail!("the ESP smoke test did not report success");
+    }
+    if !esp_skips.is_empty() {
+        bail!(
+            "ESP tests skipped inside the VM, where ESP exists: {}",
+            esp_skips.join("; ")
+        );
+    }
+    if rc != 0 {
+        return Err(TestsFailed(rc).into());
+    }
+    Ok(timing)
+}
+
+/// The QEMU command line: the kernel and the initramfs, the payload shared read-only, the
+/// console on stdio.
+fn command(
+    b: &Boot,
+    image: &std::path::Path,
+    initrd: &std::path::Path,
+    accel: [&str; 4],
+) -> Command {
     // Two vCPUs: libtest then runs two tests at once, and one that waits (a timeout, a
     // debounce) leaves the other the host thread.
-    let accel = accel();
     let mut qemu = Command::new("qemu-system-x86_64");
     qemu.args([
         "-nodefaults",
@@ -125,7 +205,7 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
     .arg("-kernel")
     .arg(image)
     .arg("-initrd")
-    .arg(&initrd)
+    .arg(initrd)
     .args(["-append", CMDLINE])
     .arg("-virtfs")
     .arg(format!(
@@ -135,17 +215,27 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
-    step(&format!(
-        "vm-test: booting {} ({}) from {} ({} {})",
-        k.series,
-        k.release,
-        image.display(),
-        accel[1],
-        accel[3]
-    ));
-    let started = Instant::now();
-    let mut child = qemu.spawn().context("starting qemu-system-x86_64")?;
+    qemu
+}
 
+/// What the guest's console said, and how QEMU ended.
+struct Console {
+    /// The last 30 lines, for an error.
+    tail: VecDeque<String>,
+    /// When the first test began.
+    begin: Option<Instant>,
+    /// The guest's test status and when it came.
+    done: Option<(i32, Instant)>,
+    smoke_ok: bool,
+    failed: Vec<String>,
+    esp_skips: Vec<String>,
+    timed_out: bool,
+    status: std::process::ExitStatus,
+}
+
+/// Echoes the console and reads what it says until QEMU ends or `deadline` passes (then QEMU is
+/// killed); waits a short grace for QEMU to exit after its last line.
+fn watch(child: &mut std::process::Child, deadline: Instant) -> anyhow::Result<Console> {
     let (tx, rx) = mpsc::channel::<String>();
     let stdout = child.stdout.take().expect("piped");
     let stderr = child.stderr.take().expect("piped");
@@ -153,7 +243,6 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
     std::thread::spawn(move || forward(stdout, tx));
     std::thread::spawn(move || forward(stderr, tx2));
 
-    let deadline = started + b.timeout;
     let mut tail = VecDeque::new();
     let mut begin = None;
     let mut done: Option<(i32, Instant)> = None;
@@ -204,55 +293,16 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-
-    let Some((rc, end)) = done else {
-        let what = if timed_out {
-            format!("timed out after {} s (--timeout)", b.timeout.as_secs())
-        } else {
-            format!(
-                "crashed: QEMU exited ({status}) after {:.1} s",
-                started.elapsed().as_secs_f64()
-            )
-        };
-        let tail = if tail.is_empty() {
-            "(no console output)".to_owned()
-        } else {
-            Vec::from(tail).join("\n")
-        };
-        let message =
-            format!("the guest {what} without printing `{DONE}N`; last console lines:\n{tail}");
-        if !timed_out && begin.is_none() {
-            return Err(BootCrashed(message).into());
-        }
-        bail!("{message}");
-    };
-    let begin = begin.unwrap_or(end);
-    let timing = Timing {
-        boot: begin - started,
-        tests: end - begin,
-    };
-    step(&format!(
-        "vm-test: {} boot {:.1} s, tests {:.1} s",
-        k.series,
-        timing.boot.as_secs_f64(),
-        timing.tests.as_secs_f64()
-    ));
-    if !failed.is_empty() {
-        bail!("in the guest: {}", failed.join("; "));
-    }
-    if !smoke_ok {
-        bail!("the ESP smoke test did not report success");
-    }
-    if !esp_skips.is_empty() {
-        bail!(
-            "ESP tests skipped inside the VM, where ESP exists: {}",
-            esp_skips.join("; ")
-        );
-    }
-    if rc != 0 {
-        return Err(TestsFailed(rc).into());
-    }
-    Ok(timing)
+    Ok(Console {
+        tail,
+        begin,
+        done,
+        smoke_ok,
+        failed,
+        esp_skips,
+        timed_out,
+        status,
+    })
 }
 
 fn forward(pipe: impl std::io::Read, tx: mpsc::Sender<String>) {
