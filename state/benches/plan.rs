@@ -19,7 +19,7 @@ use state::node::RawNode;
 use state::node::{AddressKind, Node, NodeAddress};
 use state::plan::{BrakeMemory, ClaimIndex, LiveView, PlanConfig, PlanInput, plan, plan_scoped};
 
-fn node(i: usize, slot: usize) -> Node {
+fn bench_node(i: usize, slot: usize) -> Node {
     let v4 = Ipv4Addr::new(10, (slot >> 16) as u8 | 0x80, (slot >> 8) as u8, slot as u8);
     let v6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, (slot >> 16) as u16, slot as u16);
     Node {
@@ -158,7 +158,7 @@ fn run(nodes: usize) -> Figures {
     };
     let now = Duration::from_secs(1_750_000_000);
     // Converge once on the original cluster.
-    let before: Vec<Node> = (0..nodes).map(|i| node(i, i)).collect();
+    let before: Vec<Node> = (0..nodes).map(|i| bench_node(i, i)).collect();
     // In name order, as the agent's views come (its live state is a map by name).
     let with_local = |mut nodes: Vec<Node>| {
         nodes.push(local());
@@ -188,9 +188,9 @@ fn run(nodes: usize) -> Figures {
     // deleted IPs).
     let five = nodes / 20;
     let mut live: Vec<Node> = before[2 * five..].to_vec();
-    live.extend((five..2 * five).map(|i| node(i, nodes + i)));
+    live.extend((five..2 * five).map(|i| bench_node(i, nodes + i)));
     live.extend((0..five).map(|k| {
-        node(
+        bench_node(
             nodes + 2 * five + k,
             if k % 2 == 0 { k } else { nodes + 2 * five + k },
         )
@@ -264,16 +264,16 @@ fn run(nodes: usize) -> Figures {
         assert_eq!(p.errors.len(), usize::from(unsettled.is_some()));
         time(runs * 4, || plan_scoped(&input, &index, &touched))
     };
-    let readdressed = node(2 * five + 7, 3 * nodes + 7);
+    let readdressed = bench_node(2 * five + 7, 3 * nodes + 7);
     let plan_event_readdress = event(readdressed.name.clone(), Some(readdressed), None);
-    let added = node(4 * nodes, 4 * nodes);
+    let added = bench_node(4 * nodes, 4 * nodes);
     let plan_event_add = event(added.name.clone(), Some(added.clone()), None);
-    let plan_event_remove = event(node(2 * five + 9, 0).name, None, None);
+    let plan_event_remove = event(bench_node(2 * five + 9, 0).name, None, None);
     // A node that claims another's addresses stays held: the cluster is steady, not settled,
     // and events are still planned event-sized, with the held node beside them.
     let held = Node {
         name: "claims-another-nodes-addresses".into(),
-        ..node(4 * nodes + 1, 2 * five + 11)
+        ..bench_node(4 * nodes + 1, 2 * five + 11)
     };
     let mut with_held = unchanged.live.nodes.clone();
     with_held.push(Arc::new(held.clone()));

@@ -12,6 +12,9 @@ pub mod node;
 pub mod objects;
 pub mod plan;
 pub mod rotation;
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
+pub mod testing;
 pub mod text;
 
 /// Public at the crate's top, where the tests' oracle and the backends' tooling derive the

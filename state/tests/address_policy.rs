@@ -123,7 +123,10 @@ fn prefix() -> impl Strategy<Value = (bool, u128, u8)> {
         })
 }
 
-fn node(addresses: Vec<(String, String)>, pod_cidrs: Vec<String>) -> Result<Node, NodeError> {
+fn validated_node(
+    addresses: Vec<(String, String)>,
+    pod_cidrs: Vec<String>,
+) -> Result<Node, NodeError> {
     Node::from_raw(RawNode {
         name: "n".into(),
         uid: "u".into(),
@@ -162,7 +165,7 @@ fn the_policy_judges_generated_addresses_and_prefixes_of_both_families_as_the_ta
             // An address, as a source writes it (IPv4-mapped ones included).
             let ip = ip_of(v6, x);
             let refused = oracle_refuses_ip(ip);
-            let got = node(vec![("InternalIP".into(), ip.to_string())], vec![]);
+            let got = validated_node(vec![("InternalIP".into(), ip.to_string())], vec![]);
             match &got {
                 Ok(_) => prop_assert!(!refused, "{ip} passed"),
                 Err(NodeError::UnusableAddress { why, .. }) => {
@@ -183,7 +186,7 @@ fn the_policy_judges_generated_addresses_and_prefixes_of_both_families_as_the_ta
             let refused = oracle_refuses_net(pv6, start, len);
             prop_assert_eq!(address_policy::judge_net(net).is_err(), refused, "{}", net);
             let gateway = if pv6 { "fd00::1" } else { "10.0.0.1" };
-            let got = node(
+            let got = validated_node(
                 vec![("InternalIP".into(), gateway.into())],
                 vec![net.to_string()],
             );

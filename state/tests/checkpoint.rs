@@ -31,7 +31,7 @@ const FIXTURE_V4: &str = concat!(
     "/tests/fixtures/checkpoint-v4.bin"
 );
 
-fn node(name: &str, addrs: &[(&str, &str)], cidrs: &[&str], id: u16) -> Node {
+fn fixture_node(name: &str, addrs: &[(&str, &str)], cidrs: &[&str], id: u16) -> Node {
     let mut n = Node::from_raw(RawNode {
         name: name.into(),
         uid: format!("uid-{name}"),
@@ -50,7 +50,7 @@ fn node(name: &str, addrs: &[(&str, &str)], cidrs: &[&str], id: u16) -> Node {
 /// The content of the v1 fixture. Never change it: the fixture file is frozen. One node has
 /// UUIDs for UID and boot ID and the others plain text, so both ways of storing them are pinned.
 fn v1_content() -> Checkpoint {
-    let mut uuids = node(
+    let mut uuids = fixture_node(
         "worker-a",
         &[
             ("InternalIP", "10.0.0.1"),
@@ -69,7 +69,7 @@ fn v1_content() -> Checkpoint {
         local_node: "local".into(),
         nodes: vec![
             uuids,
-            node(
+            fixture_node(
                 "worker-b",
                 &[("InternalIP", "10.0.0.2")],
                 &["10.1.2.0/24"],
@@ -77,7 +77,7 @@ fn v1_content() -> Checkpoint {
             ),
         ],
         pending_deletes: vec![PendingDelete {
-            node: node(
+            node: fixture_node(
                 "worker-gone",
                 &[("InternalIP", "10.0.0.3")],
                 &["10.1.3.0/24"],
@@ -133,7 +133,7 @@ fn v3_content() -> Checkpoint {
         ..v2_content()
     };
     cp.pending_deletes.push(PendingDelete {
-        node: node(
+        node: fixture_node(
             "worker-held",
             &[("InternalIP", "10.0.0.5")],
             &["10.1.5.0/24"],

@@ -59,7 +59,7 @@ fn v6(i: u64) -> IpAddr {
     format!("fd00::{}", i + 1).parse().unwrap()
 }
 
-fn node(rng: &mut Rng, name: &str) -> Node {
+fn random_node(rng: &mut Rng, name: &str) -> Node {
     let mut addresses = Vec::new();
     let mut pod_cidrs = Vec::new();
     // One in eight registers with no address yet.
@@ -214,7 +214,7 @@ impl World {
             let name = format!("n{}", rng.below(NAMES));
             match rng.below(8) {
                 0 | 1 => {
-                    let n = node(rng, &name);
+                    let n = random_node(rng, &name);
                     self.malformed.remove(&name);
                     self.live.insert(name.clone(), n);
                 }
@@ -228,7 +228,7 @@ impl World {
                         continue;
                     };
                     let uid = old.uid.clone();
-                    let mut n = node(rng, &name);
+                    let mut n = random_node(rng, &name);
                     n.uid = uid;
                     self.live.insert(name.clone(), n);
                 }
@@ -336,7 +336,7 @@ fn history(seed: u64, steps: usize) -> (usize, usize) {
     world.live.insert(LOCAL.into(), local_node());
     for i in 0..(3 + rng.below(NAMES)) {
         let name = format!("n{i}");
-        let n = node(&mut rng, &name);
+        let n = random_node(&mut rng, &name);
         world.live.insert(name, n);
     }
     let view = world.view(None);

@@ -38,13 +38,13 @@ pub fn raw_node(node: &Node) -> RawNode {
 mod tests {
     use super::*;
 
-    fn node(yaml: &str) -> RawNode {
+    fn parsed_node(yaml: &str) -> RawNode {
         raw_node(&serde_saphyr::from_str::<Node>(yaml).unwrap())
     }
 
     #[test]
     fn maps_the_fields_the_agent_uses() {
-        let raw = node(
+        let raw = parsed_node(
             "apiVersion: v1\nkind: Node\nmetadata: {name: n1, uid: u-1}\n\
              spec: {podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24, 'fd00:244:1::/64']}\n\
              status:\n  addresses: [{type: InternalIP, address: 10.0.0.1}, {type: Hostname, address: n1}]\n\
@@ -60,7 +60,7 @@ mod tests {
 
     #[test]
     fn falls_back_to_the_single_pod_cidr() {
-        let raw = node(
+        let raw = parsed_node(
             "apiVersion: v1\nkind: Node\nmetadata: {name: n1}\nspec: {podCIDR: 10.244.1.0/24}\n",
         );
         assert_eq!(raw.pod_cidrs, ["10.244.1.0/24"]);

@@ -479,9 +479,10 @@ mod tests {
     use state::checkpoint::Checkpoint;
     use state::inventory::Inventory;
     use state::node::Family;
-    use state::node::{AddressKind, Node, NodeAddress};
+    use state::node::Node;
     use state::objects::{KernelObject, NexthopId, NodeId, ObjectId};
     use state::plan::{BrakeMemory, LiveView, PlanConfig, PlanInput, plan};
+    use state::testing::node;
 
     use super::*;
 
@@ -501,21 +502,6 @@ mod tests {
     }
     use crate::kernel::fake::FakeKernel;
 
-    fn node(name: &str, ip: &str, cidr: &str) -> Node {
-        Node {
-            name: name.into(),
-            uid: format!("uid-{name}").into(),
-            addresses: vec![NodeAddress {
-                kind: AddressKind::InternalIP,
-                ip: ip.parse().unwrap(),
-            }]
-            .into(),
-            pod_cidrs: vec![cidr.parse().unwrap()].into(),
-            boot_id: Default::default(),
-            node_id: None,
-        }
-    }
-
     #[tokio::test(flavor = "current_thread")]
     async fn a_node_whose_map_entry_fails_gets_no_route() {
         let cfg = PlanConfig {
@@ -524,9 +510,9 @@ mod tests {
         };
         let live = LiveView {
             nodes: vec![
-                node("local", "10.0.0.100", "10.1.100.0/24").into(),
-                node("a", "10.0.0.1", "10.1.1.0/24").into(),
-                node("b", "10.0.0.2", "10.1.2.0/24").into(),
+                node("local", &["10.0.0.100"], &["10.1.100.0/24"]).into(),
+                node("a", &["10.0.0.1"], &["10.1.1.0/24"]).into(),
+                node("b", &["10.0.0.2"], &["10.1.2.0/24"]).into(),
             ],
             synced: true,
             ..LiveView::default()
@@ -578,7 +564,7 @@ mod tests {
         k: &FakeKernel,
         record: Option<&Checkpoint>,
     ) -> Plan {
-        let mut all = vec![node("local", "10.0.0.100", "10.1.100.0/24")];
+        let mut all = vec![node("local", &["10.0.0.100"], &["10.1.100.0/24"])];
         all.extend(nodes);
         let live = LiveView {
             nodes: all.into_iter().map(Into::into).collect(),
@@ -605,8 +591,8 @@ mod tests {
             .map(|(i, n)| {
                 node(
                     n,
-                    &format!("10.0.0.{}", i + 1),
-                    &format!("10.1.{}.0/24", i + 1),
+                    &[&format!("10.0.0.{}", i + 1)],
+                    &[&format!("10.1.{}.0/24", i + 1)],
                 )
             })
             .collect()
@@ -662,7 +648,7 @@ mod tests {
         // b is gone; a newcomer e's nexthop cannot be made, so its route is not tried.
         let mut nodes = cluster();
         nodes.remove(1);
-        nodes.push(node("e", "10.0.0.5", "10.1.5.0/24"));
+        nodes.push(node("e", &["10.0.0.5"], &["10.1.5.0/24"]));
         let second = plan_for(nodes, &k, Some(&record));
         let e_nexthop = second
             .upserts

@@ -3,11 +3,8 @@
 //! test beside any step builds its nodes the same way.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
-
-use ipnet::IpNet;
 
 use super::{
     BrakeMemory, DeleteReason, InputProblem, LiveView, MalformedNode, Plan, PlanConfig, PlanInput,
@@ -15,51 +12,11 @@ use super::{
 };
 use crate::checkpoint::Checkpoint;
 use crate::inventory::Inventory;
-use crate::node::{AddressKind, Node, NodeAddress};
+use crate::node::Node;
 use crate::objects::{KernelObject, KeyTag, MapEntry, NodeId, ObjectId, Op, Route, Via};
+pub(crate) use crate::testing::{external, id, ip, net, node, with_id};
 
 pub(crate) const NOW: Duration = Duration::from_secs(1_000_000);
-
-pub(crate) fn id(v: u16) -> NodeId {
-    NodeId::new(v).unwrap()
-}
-pub(crate) fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap()
-}
-pub(crate) fn net(s: &str) -> IpNet {
-    s.parse().unwrap()
-}
-
-/// A node with InternalIPs and pod CIDRs.
-pub(crate) fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> Node {
-    Node {
-        name: name.into(),
-        uid: format!("uid-{name}").into(),
-        addresses: ips
-            .iter()
-            .map(|s| NodeAddress {
-                kind: AddressKind::InternalIP,
-                ip: ip(s),
-            })
-            .collect(),
-        pod_cidrs: cidrs.iter().map(|s| net(s)).collect(),
-        boot_id: Default::default(),
-        node_id: None,
-    }
-}
-
-pub(crate) fn with_id(mut n: Node, v: u16) -> Node {
-    n.node_id = Some(id(v));
-    n
-}
-
-pub(crate) fn external(mut n: Node, addr: &str) -> Node {
-    n.addresses.push(NodeAddress {
-        kind: AddressKind::ExternalIP,
-        ip: ip(addr),
-    });
-    n
-}
 
 pub(crate) fn local() -> Node {
     node("local", &["10.0.0.100", "fd00::100"], &["10.1.100.0/24"])

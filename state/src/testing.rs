@@ -1,0 +1,53 @@
+//! Builders the workspace's tests share, so a node is made one way everywhere: the state crate's
+//! own tests, its integration tests and benchmarks, and the agent's unit tests (through the
+//! `testing` feature, which only dev-dependencies turn on).
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use crate::node::{AddressKind, Node, NodeAddress};
+use crate::objects::NodeId;
+
+pub fn id(v: u16) -> NodeId {
+    NodeId::new(v).unwrap()
+}
+
+pub fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+pub fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+/// A node with InternalIPs and pod CIDRs, its UID derived from its name, no ID yet.
+pub fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> Node {
+    Node {
+        name: name.into(),
+        uid: format!("uid-{name}").into(),
+        addresses: ips
+            .iter()
+            .map(|s| NodeAddress {
+                kind: AddressKind::InternalIP,
+                ip: ip(s),
+            })
+            .collect(),
+        pod_cidrs: cidrs.iter().map(|s| net(s)).collect(),
+        boot_id: Default::default(),
+        node_id: None,
+    }
+}
+
+pub fn with_id(mut n: Node, v: u16) -> Node {
+    n.node_id = Some(id(v));
+    n
+}
+
+pub fn external(mut n: Node, addr: &str) -> Node {
+    n.addresses.push(NodeAddress {
+        kind: AddressKind::ExternalIP,
+        ip: ip(addr),
+    });
+    n
+}
