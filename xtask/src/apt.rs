@@ -28,8 +28,8 @@ pub fn ensure(what: &str, packages: &[&str], hint: &str) -> anyhow::Result<()> {
             missing.join(" ")
         );
     }
-    cmd::run(Command::new("apt-get").args(["update", "-qq"])).context("apt-get update")?;
-    cmd::run(
+    cmd::fetch(Command::new("apt-get").args(["update", "-qq"])).context("apt-get update")?;
+    cmd::fetch(
         Command::new("apt-get")
             .args(["install", "-y", "-qq", "--no-install-recommends"])
             .args(&missing)

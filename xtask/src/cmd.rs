@@ -27,6 +27,25 @@ pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `cmd`, which fetches from a package registry, as [`run`] does, trying again after 2, 8
+/// and 30 s: a registry or its name server that fails for a moment (it happens on CI machines)
+/// must not fail the whole run. A failure that lasts is returned after the fourth attempt.
+pub fn fetch(cmd: &mut Command) -> anyhow::Result<()> {
+    let mut waits = [2, 8, 30].into_iter();
+    loop {
+        match run(cmd) {
+            Ok(()) => return Ok(()),
+            Err(e) => match waits.next() {
+                Some(secs) => {
+                    eprintln!("  ({e:#}; trying again in {secs} s)");
+                    std::thread::sleep(std::time::Duration::from_secs(secs));
+                }
+                None => return Err(e),
+            },
+        }
+    }
+}
+
 /// Runs `cmd` quietly and returns its stdout, or `None` if it cannot start or fails.
 pub fn output(cmd: &mut Command) -> Option<String> {
     let out = cmd.output().ok()?;

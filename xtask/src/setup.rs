@@ -63,8 +63,14 @@ fn nightly() -> anyhow::Result<()> {
         return Ok(());
     }
     step("nightly: adding rust-src");
-    cmd::run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))
-        .context("adding rust-src to the nightly (needed for -Z build-std=core)")
+    cmd::fetch(Command::new("rustup").args([
+        "component",
+        "add",
+        "rust-src",
+        "--toolchain",
+        NIGHTLY,
+    ]))
+    .context("adding rust-src to the nightly (needed for -Z build-std=core)")
 }
 
 fn bpf_linker_version() -> Option<String> {

@@ -235,7 +235,7 @@ fn fetch(series: Series, dir: &Path) -> anyhow::Result<PathBuf> {
         step(&format!(
             "vm-test: kernel {series}: apt-get update (private config)"
         ));
-        cmd::run(Command::new("apt-get").args(&opts).args(["update", "-qq"]))
+        cmd::fetch(Command::new("apt-get").args(&opts).args(["update", "-qq"]))
             .context("apt-get update with the private bookworm-backports config")?;
     }
     let depends = || {
@@ -248,7 +248,7 @@ fn fetch(series: Series, dir: &Path) -> anyhow::Result<PathBuf> {
     let mut out = depends();
     if out.is_none() && !private {
         step("vm-test: the host's apt lists lack linux-image-amd64; apt-get update");
-        cmd::run(Command::new("apt-get").args(["update", "-qq"])).context("apt-get update")?;
+        cmd::fetch(Command::new("apt-get").args(["update", "-qq"])).context("apt-get update")?;
         out = depends();
     }
     let out = out.context("apt-cache depends linux-image-amd64 failed")?;
@@ -268,7 +268,7 @@ fn fetch(series: Series, dir: &Path) -> anyhow::Result<PathBuf> {
         std::fs::remove_dir_all(&deb_dir)?;
     }
     std::fs::create_dir_all(&deb_dir)?;
-    cmd::run(
+    cmd::fetch(
         Command::new("apt-get")
             .current_dir(&deb_dir)
             .args(&opts)
