@@ -109,18 +109,73 @@ fn in_sandbox(dir: &Path, agent: &Path, scripts: &[OnNode]) -> anyhow::Result<Tr
     step(
         "demo: 1. a sandbox: every node of examples/nodes.yaml is a network namespace on one wire",
     );
+    let home = Home::save()?;
     // SAFETY: the task is single-threaded here; unshare moves only this process.
     if unsafe { libc::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWNS) } != 0 {
         bail!("unshare: {}", std::io::Error::last_os_error());
     }
-    quiet(&["mount", "--make-rprivate", "/"])?;
-    let mut s = Sandbox::new(dir, agent)?;
-    let result = s.act(scripts);
-    if result.is_err() {
-        s.print_logs();
+    let outcome = (|| {
+        quiet(&["mount", "--make-rprivate", "/"])?;
+        let mut s = Sandbox::new(dir, agent)?;
+        let result = s.act(scripts);
+        if result.is_err() {
+            s.print_logs();
+        }
+        let left = s.teardown();
+        result?;
+        left?;
+        Ok(std::mem::take(&mut s.transcript))
+    })();
+    home.restore()?;
+    outcome
+}
+
+/// The namespaces and directory the task left for the sandbox. `cargo xtask test` goes on after
+/// the demo (the VM tier downloads its kernels): it must be back on the host's network and
+/// mounts, or it would go on in an empty network namespace.
+struct Home {
+    net: std::fs::File,
+    mnt: std::fs::File,
+    cwd: PathBuf,
+}
+
+impl Home {
+    fn save() -> anyhow::Result<Self> {
+        let open = |ns: &str| {
+            std::fs::File::open(format!("/proc/self/ns/{ns}"))
+                .with_context(|| format!("opening this task's {ns} namespace"))
+        };
+        Ok(Self {
+            net: open("net")?,
+            mnt: open("mnt")?,
+            cwd: std::env::current_dir()?,
+        })
     }
-    let left = s.teardown();
-    result?;
-    left?;
-    Ok(std::mem::take(&mut s.transcript))
+
+    /// Back into the saved namespaces (the sandbox's threads have all ended: a task with other
+    /// threads cannot change its mount namespace), checked by the namespaces' identities.
+    fn restore(self) -> anyhow::Result<()> {
+        use std::os::fd::AsRawFd as _;
+        use std::os::unix::fs::MetadataExt as _;
+        for (file, kind, name) in [
+            (&self.mnt, libc::CLONE_NEWNS, "mount"),
+            (&self.net, libc::CLONE_NEWNET, "network"),
+        ] {
+            // SAFETY: setns(2) on a namespace file we hold open.
+            if unsafe { libc::setns(file.as_raw_fd(), kind) } != 0 {
+                bail!(
+                    "returning to the host's {name} namespace after the demo: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+        for (file, ns) in [(&self.net, "net"), (&self.mnt, "mnt")] {
+            let now = std::fs::metadata(format!("/proc/self/ns/{ns}"))?.ino();
+            if now != file.metadata()?.ino() {
+                bail!("still outside the host's {ns} namespace after the demo");
+            }
+        }
+        std::env::set_current_dir(&self.cwd)?;
+        Ok(())
+    }
 }
