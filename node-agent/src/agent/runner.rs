@@ -556,15 +556,7 @@ mod tests {
     use super::*;
     use crate::kernel::fake::FakeKernel;
 
-    fn raw(name: &str, ip: &str, cidr: &str) -> RawNode {
-        RawNode {
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            addresses: vec![("InternalIP".into(), ip.into())],
-            pod_cidrs: vec![cidr.into()],
-            boot_id: String::new(),
-        }
-    }
+    use crate::agent::reconciler::testing::raw;
 
     fn list(rec: &mut Reconciler<FakeKernel>, nodes: &[RawNode]) -> bool {
         let mut due = rec.on_event(SourceEvent::Init);

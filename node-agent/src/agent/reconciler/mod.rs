@@ -30,7 +30,7 @@ mod replan;
 mod rotation;
 mod splice;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 mod view;
 
 use std::collections::BTreeSet;
