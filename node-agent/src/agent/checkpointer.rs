@@ -2,17 +2,21 @@
 //! says so. The store does the file work (lock, atomic replace, corrupt files moved aside); this
 //! adds what the agent does about each outcome.
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 use state::checkpoint::{self, Checkpoint, CheckpointStore, LoadOutcome, StoreError, Unusable};
 use state::input::Problem;
 
 use super::AgentError;
+use crate::runtime::cut::Counted;
 
 pub struct Checkpointer {
     /// `None` in a dry run: nothing is locked and nothing is written.
     store: Option<CheckpointStore>,
     dir: PathBuf,
+    /// The writes so far, where a test may cut one ([`crate::runtime::cut`]).
+    writes: RefCell<Counted>,
 }
 
 impl Checkpointer {
@@ -25,6 +29,7 @@ impl Checkpointer {
                 Self {
                     store: None,
                     dir: dir.to_owned(),
+                    writes: RefCell::new(Counted::new("checkpoint")),
                 },
                 cp,
             ));
@@ -45,6 +50,7 @@ impl Checkpointer {
             Self {
                 store: Some(store),
                 dir: dir.to_owned(),
+                writes: RefCell::new(Counted::new("checkpoint")),
             },
             restored,
         ))
@@ -62,7 +68,16 @@ impl Checkpointer {
     /// Writes `cp`; returns its size. Nothing happens in a dry run.
     pub fn write(&self, cp: &Checkpoint) -> Result<usize, StoreError> {
         match &self.store {
-            Some(store) => store.write(cp),
+            Some(store) => {
+                if let Err(injected) = self.writes.borrow_mut().next("write the checkpoint") {
+                    return Err(StoreError::Io {
+                        what: "writing checkpoint",
+                        path: store.path(),
+                        source: std::io::Error::other(injected),
+                    });
+                }
+                store.write(cp)
+            }
             None => Ok(0),
         }
     }

@@ -36,6 +36,7 @@ use crate::datapath::pins::RecordError;
 use crate::datapath::records::{FreedIds, RecentRemovalsRecord};
 use crate::datapath::{Datapath, node_ids_pin, pod_cidrs_pin};
 use crate::kernel::{DumpError, Kernel, KeyRead, OpError, RoutesSinceDump};
+use crate::runtime::cut::Counted;
 
 /// One kind of kernel state.
 pub trait Backend {
@@ -93,9 +94,53 @@ pub struct Backends {
     /// Whether anything could have come to use our nexthops since the last dump; `None` where
     /// the announcements cannot be joined, and then every nexthop delete reads the routes.
     pub watch: Option<UsersWatch>,
+    /// The kernel operations applied so far, where a test may cut one ([`crate::runtime::cut`]).
+    ops: Counted,
 }
 
 impl Backends {
+    /// Applies `ops` through the backend of each one's kind, in order.
+    async fn apply_kinds(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
+        let mut results = Vec::with_capacity(ops.len());
+        for chunk in ops.chunk_by(|a, b| a.object().kind() == b.object().kind()) {
+            let kind = chunk[0].object().kind();
+            let disabled = || chunk.iter().map(|_| Err(OpError::Disabled { kind }));
+            match kind {
+                ObjectKind::MapEntry => match &mut self.map {
+                    Some(m) => results.extend(m.apply(chunk).await),
+                    None => results.extend(disabled()),
+                },
+                ObjectKind::PodCidrEntry => match &mut self.pod_cidrs {
+                    Some(p) => results.extend(p.apply(chunk).await),
+                    None => results.extend(disabled()),
+                },
+                ObjectKind::Nexthop => match &mut self.nexthops {
+                    Some(n) => results.extend(
+                        nexthops::apply_nexthops(
+                            n,
+                            self.routes.as_mut(),
+                            self.watch.as_mut(),
+                            chunk,
+                        )
+                        .await,
+                    ),
+                    None => results.extend(disabled()),
+                },
+                ObjectKind::Route => match &mut self.routes {
+                    Some(r) => results.extend(r.apply(chunk).await),
+                    None => results.extend(disabled()),
+                },
+                ObjectKind::XfrmState | ObjectKind::XfrmPolicy | ObjectKind::XfrmGuard => {
+                    match &mut self.xfrm {
+                        Some(x) => results.extend(x.apply(chunk).await),
+                        None => results.extend(disabled()),
+                    }
+                }
+            }
+        }
+        results
+    }
+
     /// Reads the key file again; new keys go to the xfrm backend.
     fn reload_keys(&mut self) -> Option<KeyRead> {
         let state = self.key_file.as_mut()?;
@@ -169,46 +214,21 @@ impl Kernel for Backends {
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
-        let mut results = Vec::with_capacity(ops.len());
-        for chunk in ops.chunk_by(|a, b| a.object().kind() == b.object().kind()) {
-            let kind = chunk[0].object().kind();
-            let disabled = || chunk.iter().map(|_| Err(OpError::Disabled { kind }));
-            match kind {
-                ObjectKind::MapEntry => match &mut self.map {
-                    Some(m) => results.extend(m.apply(chunk).await),
-                    None => results.extend(disabled()),
-                },
-                ObjectKind::PodCidrEntry => match &mut self.pod_cidrs {
-                    Some(p) => results.extend(p.apply(chunk).await),
-                    None => results.extend(disabled()),
-                },
-                ObjectKind::Nexthop => match &mut self.nexthops {
-                    Some(n) => results.extend(
-                        nexthops::apply_nexthops(
-                            n,
-                            self.routes.as_mut(),
-                            self.watch.as_mut(),
-                            chunk,
-                        )
-                        .await,
-                    ),
-                    None => results.extend(disabled()),
-                },
-                ObjectKind::Route => match &mut self.routes {
-                    Some(r) => results.extend(r.apply(chunk).await),
-                    None => results.extend(disabled()),
-                },
-                ObjectKind::XfrmState | ObjectKind::XfrmPolicy | ObjectKind::XfrmGuard => {
-                    match &mut self.xfrm {
-                        Some(x) => results.extend(x.apply(chunk).await),
-                        None => results.extend(disabled()),
-                    }
-                }
-            }
-        }
+        let Some((at, cut)) = self.ops.within(ops.len()) else {
+            return self.apply_kinds(ops).await;
+        };
+        // A test's cut: the operations before it are applied, then it ends the process or
+        // fails that one operation, and those after it are applied.
+        let mut results = self.apply_kinds(&ops[..at]).await;
+        let object = ops[at].object().to_string();
+        let injected = cut.apply(self.ops.sequence(), &object);
+        results.push(Err(OpError::Kernel {
+            what: object,
+            source: std::io::Error::other(injected),
+        }));
+        results.extend(self.apply_kinds(&ops[at + 1..]).await);
         results
     }
-
     async fn purge_junk(&mut self) -> Result<usize, OpError> {
         let mut purged = 0;
         if let Some(m) = &mut self.map {

@@ -146,6 +146,7 @@ impl Backends {
             removals,
             datapath,
             watch,
+            ops: crate::runtime::cut::Counted::new("ops"),
         })
     }
 }

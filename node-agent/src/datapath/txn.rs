@@ -22,10 +22,9 @@
 //! Each step of the rule is idempotent (a rename of a staging pin already renamed, or an unpin
 //! of a pin already gone, is skipped), so a crash within the recovery is recovered the same way.
 //!
-//! Debug builds only: `NODE_AGENT_TEST_PIN_TXN_CUT=<kind>:<step>:<kill|fail>` ends the process
-//! (a crash) or fails (a refused syscall) at the transaction's step `<step>` (from 1), before
-//! the step does anything; `recovery:<step>:...` cuts the recovery likewise. The kernel tier
-//! enumerates every step with it.
+//! A test cuts step `<step>` (from 1) of a transaction, or of a recovery, with
+//! `NODE_AGENT_TEST_CUT=<kind>:<step>:<kill|fail>` or `recovery:<step>:...`
+//! ([`crate::runtime::cut`]); the kernel tier enumerates every step with it.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -34,14 +33,13 @@ use aya::maps::{Array, MapData, MapError, MapType};
 
 use super::pins::{MapLayout, RecordError, open_record};
 use super::{node_ids_pin, pin_dir, pod_cidrs_pin};
+use crate::runtime::cut::Counted;
 
 const RECORD: &str = "the pin transaction's intent";
 /// `NATX`.
 const MAGIC: u32 = 0x4e41_5458;
 /// `[magic, kind, phase, capacity]`.
 type Intent = [u32; 4];
-/// The exit status of a process a test cut at a step with `kill`.
-pub const CUT_EXIT: i32 = 86;
 
 /// The intent's pin.
 pub fn intent_pin(bpffs: &Path) -> PathBuf {
@@ -307,20 +305,13 @@ pub fn recover(bpffs: &Path) -> Result<Recovery, TxnError> {
     }
 }
 
-/// The steps of a transaction (or of a recovery), counted from 1, where a test may cut one.
-struct Steps {
-    what: &'static str,
-    step: u32,
-    cut: Option<Cut>,
-}
+/// The steps of a transaction (or of a recovery), counted from 1, where a test may cut one
+/// ([`crate::runtime::cut`]).
+struct Steps(Counted);
 
 impl Steps {
     fn new(what: &'static str) -> Self {
-        Self {
-            what,
-            step: 0,
-            cut: Cut::from_env(what),
-        }
+        Self(Counted::new(what))
     }
 
     /// Runs `op` as the next step, named `name`.
@@ -329,61 +320,14 @@ impl Steps {
         name: &'static str,
         op: impl FnOnce() -> Result<T, String>,
     ) -> Result<T, TxnError> {
-        self.step += 1;
+        let cut = self.0.next(name);
         let err = |what: String| TxnError::Step {
-            kind: self.what,
-            step: self.step,
+            kind: self.0.sequence(),
+            step: self.0.done() as u32,
             name,
             what,
         };
-        if let Some(cut) = self.cut.filter(|c| c.step == self.step) {
-            cut.apply(self.what, self.step, name).map_err(err)?;
-        }
+        cut.map_err(err)?;
         op().map_err(err)
-    }
-}
-
-/// Where a test cuts a transaction short.
-#[derive(Clone, Copy, Debug)]
-struct Cut {
-    step: u32,
-    kill: bool,
-}
-
-/// Set in debug builds only (tests); a release build never reads it.
-pub const CUT_ENV: &str = "NODE_AGENT_TEST_PIN_TXN_CUT";
-
-impl Cut {
-    #[cfg(debug_assertions)]
-    fn from_env(what: &str) -> Option<Self> {
-        let v = std::env::var(CUT_ENV).ok()?;
-        let mut parts = v.split(':');
-        let (k, step, how) = (parts.next()?, parts.next()?, parts.next()?);
-        (k == what).then_some(())?;
-        Some(Self {
-            step: step.parse().ok()?,
-            kill: match how {
-                "kill" => true,
-                "fail" => false,
-                _ => return None,
-            },
-        })
-    }
-
-    #[cfg(not(debug_assertions))]
-    fn from_env(_: &str) -> Option<Self> {
-        None
-    }
-
-    fn apply(self, what: &str, step: u32, name: &str) -> Result<(), String> {
-        eprintln!(
-            "{CUT_ENV}: {what} step {step} ({name}): {}",
-            if self.kill { "kill" } else { "fail" }
-        );
-        if self.kill {
-            // SAFETY: _exit(2) ends the process at once, as a crash would: nothing after runs.
-            unsafe { libc::_exit(CUT_EXIT) };
-        }
-        Err("failed by the test (injected)".into())
     }
 }

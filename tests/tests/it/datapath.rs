@@ -913,7 +913,7 @@ fn an_interface_no_longer_configured_loses_its_classifier() {
 /// [`every_cut_of_a_recovery_is_recovered_by_the_next_start`]: with `TXN_CHILD_BPFFS` set (in
 /// the sandbox's namespaces, which it inherits), it loads the datapath at 4 entries and grows
 /// it to 16 (`TXN_CHILD_ACTION=grow`) or starts as the agent does (`start`), under the cut
-/// `NODE_AGENT_TEST_PIN_TXN_CUT` names; alone it says so and passes.
+/// `NODE_AGENT_TEST_CUT` names; alone it says so and passes.
 #[test]
 fn child_cuts_a_pin_transaction() {
     let Ok(bpffs) = std::env::var("TXN_CHILD_BPFFS") else {
@@ -1101,7 +1101,7 @@ fn txn_child(
     step: u32,
     how: &str,
 ) -> (Option<String>, String) {
-    use node_agent::datapath::txn::{CUT_ENV, CUT_EXIT};
+    use node_agent::runtime::cut::{CUT_ENV, CUT_EXIT};
 
     let out = node_agent_tests::child_test("datapath::child_cuts_a_pin_transaction")
         .arg("--test-threads=1")
