@@ -321,9 +321,14 @@ impl AgentEnv {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let code = out.status.code().unwrap_or(-1);
+        // A run that failed as a whole (an error at its end, or a test's cut) prints no report.
+        if code != 0 && out.stdout.is_empty() {
+            return (code, serde_json::Value::Null, stderr);
+        }
         let report = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr:\n{stderr}"));
-        (out.status.code().unwrap_or(-1), report, stderr)
+        (code, report, stderr)
     }
 
     /// Starts the daemon in the background, its log going to [`Self::log`] (a file, not a pipe:

@@ -15,14 +15,16 @@
 pub mod model;
 pub mod oracle;
 
+use std::collections::BTreeSet;
 use std::io::Write as _;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use self::model::{Action, Change, Profile, Rng, Step, Truth, View, slot_cidr4};
+use self::model::{Action, Change, Modes, Profile, Rng, Step, Truth, View, slot_cidr4};
 use self::oracle::{Recorded, Snapshot, StepFacts};
 use crate::agent::{AgentEnv, TestNode};
 use crate::{ip, report, sandbox};
+use node_agent::runtime::cut::CUT_ENV;
 
 /// How much to run.
 #[derive(Clone, Copy, Debug)]
@@ -86,6 +88,33 @@ pub struct Outcome {
     /// Where the kills landed: before the kernel changed, after it changed but before the
     /// checkpoint did, after the checkpoint was written.
     pub kills: [usize; 3],
+    /// Runs ended at once (a daemon killed, a test cut's `kill`), and operations or checkpoint
+    /// writes failed by a test cut.
+    pub crashes: usize,
+    pub failed_ops: usize,
+    /// Runs that reported a brake hold, and forced (`--force-prune`) runs.
+    pub holds: usize,
+    pub confirmations: usize,
+    /// Steps at rest compared with a fresh agent's kernel.
+    pub differential: usize,
+}
+
+impl Outcome {
+    fn add(&mut self, o: &Outcome) {
+        self.steps += o.steps;
+        self.rounds += o.rounds;
+        self.leaked += o.leaked;
+        self.missing += o.missing;
+        self.id_changes += o.id_changes;
+        for (t, k) in self.kills.iter_mut().zip(o.kills) {
+            *t += k;
+        }
+        self.crashes += o.crashes;
+        self.failed_ops += o.failed_ops;
+        self.holds += o.holds;
+        self.confirmations += o.confirmations;
+        self.differential += o.differential;
+    }
 }
 
 /// Runs the histories of `budget`; panics with the (shrunk) history of the first failure.
@@ -96,31 +125,33 @@ pub fn check(name: &str, budget: Budget) {
         budget.seed, budget.histories, budget.steps
     ));
     let mut total = Outcome::default();
+    let mut modes_run: std::collections::BTreeSet<&str> = Default::default();
     for h in 0..budget.histories {
         let mut rng = Rng::new(budget.seed.wrapping_add(h as u64));
+        let modes = Modes::draw(&mut rng, &budget.profile);
+        modes_run.extend(modes.names());
         let steps = model::history(&mut rng, budget.profile, budget.steps);
         let list_seed = rng.next_u64();
         let evidence =
             std::env::temp_dir().join(format!("node-agent-check-{name}-{}-{h}", budget.seed));
-        let outcome = run_history(&steps, list_seed, budget.profile, Some(&evidence));
-        total.steps += outcome.steps;
-        total.rounds += outcome.rounds;
-        total.leaked += outcome.leaked;
-        total.missing += outcome.missing;
-        total.id_changes += outcome.id_changes;
-        for (t, k) in total.kills.iter_mut().zip(outcome.kills) {
-            *t += k;
-        }
+        let run = Run {
+            profile: budget.profile,
+            modes,
+            list_seed,
+        };
+        let outcome = run.history(&steps, Some(&evidence));
+        total.add(&outcome);
         if let Some((at, broke)) = outcome.failure {
             // Shrinking replays the history up to 40 times; NODE_AGENT_CHECK_SHRINK=0 skips it.
             let shrunk = if std::env::var("NODE_AGENT_CHECK_SHRINK").as_deref() == Ok("0") {
                 "  (not shrunk: NODE_AGENT_CHECK_SHRINK=0)".to_owned()
             } else {
-                listing(&shrink(&steps, list_seed, budget.profile))
+                listing(&shrink(&steps, &run))
             };
             panic!(
-                "{name}: seed {} history {h} broke invariants at step {at}:\n  {}\nevidence (agent log, records, kernel before and after): {}\nhistory:\n{}\nshrunk to:\n{}",
+                "{name}: seed {} history {h} (modes: {}) broke invariants at step {at}:\n  {}\nevidence (agent log, records, kernel before and after): {}\nhistory:\n{}\nshrunk to:\n{}",
                 budget.seed,
+                modes.names().join(" "),
                 broke.join("\n  "),
                 evidence.display(),
                 listing(&steps),
@@ -134,16 +165,27 @@ pub fn check(name: &str, budget: Budget) {
         total.steps,
         started.elapsed().as_secs_f64()
     ));
+    report(&format!(
+        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, differential {}",
+        budget.seed,
+        total.steps,
+        modes_run.into_iter().collect::<Vec<_>>().join(" "),
+        total.crashes,
+        total.failed_ops,
+        total.holds,
+        total.confirmations,
+        total.differential
+    ));
     if budget.profile.torture {
         report(&format!(
             "{name}: {} restarts after SIGKILL checked: {} leaked, {} missing, {} ID changes (seed {})",
             total.rounds, total.leaked, total.missing, total.id_changes, budget.seed
         ));
-        report(&format!(
-            "{name}: kills landed {} before the kernel changed, {} between the apply and the checkpoint, {} after the checkpoint",
-            total.kills[0], total.kills[1], total.kills[2]
-        ));
     }
+    report(&format!(
+        "{name}: kills landed {} before the kernel changed, {} between the apply and the checkpoint, {} after the checkpoint",
+        total.kills[0], total.kills[1], total.kills[2]
+    ));
 }
 
 fn listing(steps: &[Step]) -> String {
@@ -157,7 +199,7 @@ fn listing(steps: &[Step]) -> String {
 
 /// Replays `steps` without one step at a time, keeping each removal that still fails; at most
 /// a few dozen replays.
-fn shrink(steps: &[Step], list_seed: u64, profile: Profile) -> Vec<Step> {
+fn shrink(steps: &[Step], run: &Run) -> Vec<Step> {
     let mut current = steps.to_vec();
     let mut replays = 0;
     let mut i = current.len();
@@ -166,10 +208,7 @@ fn shrink(steps: &[Step], list_seed: u64, profile: Profile) -> Vec<Step> {
         let mut candidate = current.clone();
         candidate.remove(i);
         replays += 1;
-        if run_history(&candidate, list_seed, profile, None)
-            .failure
-            .is_some()
-        {
+        if run.history(&candidate, None).failure.is_some() {
             current = candidate;
             i = i.min(current.len());
         }
@@ -240,25 +279,61 @@ fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
     *planted = want.to_vec();
 }
 
-/// Runs the agent as `action` says, with `args`; the exit status, or `None` for a killed
-/// daemon.
-fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
+/// Runs the agent as `action` says, with `args`; the exit status, or `None` for a run that was
+/// ended (a daemon killed, a test cut) or cut short by a failure a test injected (judged as a
+/// crash: what it must not break it must not break, and the next run mends the rest).
+fn act(env: &AgentEnv, action: &Action, args: &[&str], seen: &mut Outcome) -> Acted {
     // A one-shot run's log joins the daemons' in the agent log: the evidence of a failure.
-    let once = |args: &[&str]| {
-        let (code, _, stderr) = env.once(args);
+    let mut waiting = BTreeSet::new();
+    let mut once = |args: &[&str], cut: Option<String>| {
+        let cut_env = cut
+            .as_ref()
+            .map(|c| (CUT_ENV, std::ffi::OsStr::new(c.as_str())));
+        let (code, report, stderr) = env.once_with_env(cut_env.as_slice(), args);
         let _ = std::fs::OpenOptions::new()
             .append(true)
             .create(true)
             .open(env.log())
             .and_then(|mut f| std::io::Write::write_all(&mut f, stderr.as_bytes()));
-        Some(code)
+        if !report["brake"].is_null() {
+            seen.holds += 1;
+        }
+        waiting = report["errors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| {
+                e["error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("allocating a node ID"))
+            })
+            .filter_map(|e| Some(e["node"].as_str()?.to_owned()))
+            .collect();
+        let fired = stderr.lines().find_map(|l| {
+            l.strip_prefix(&format!("{CUT_ENV}: "))
+                .map(|l| l.ends_with(": kill"))
+        });
+        match fired {
+            Some(true) => {
+                seen.crashes += 1;
+                None
+            }
+            Some(false) => {
+                seen.failed_ops += 1;
+                None
+            }
+            None => Some(code),
+        }
     };
-    match action {
-        Action::Once => once(args),
-        Action::OnceForced => once(&[args, &["--force-prune"]].concat()),
+    let exit = match action {
+        Action::Once => once(args, None),
+        Action::OnceForced => {
+            seen.confirmations += 1;
+            once(&[args, &["--force-prune"]].concat(), None)
+        }
         Action::LoseCheckpoint => {
             let _ = std::fs::remove_file(env.checkpoint());
-            once(args)
+            once(args, None)
         }
         Action::CorruptCheckpoint { at } => {
             if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
@@ -268,9 +343,14 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
                 }
                 let _ = std::fs::write(env.checkpoint(), bytes);
             }
-            once(args)
+            once(args, None)
+        }
+        Action::Cut { sequence, at, kill } => {
+            let how = if *kill { "kill" } else { "fail" };
+            once(args, Some(format!("{sequence}:{at}:{how}")))
         }
         Action::KilledDaemon { ms } => {
+            seen.crashes += 1;
             let mut d = env.spawn(args);
             std::thread::sleep(Duration::from_millis(*ms));
             let _ = d.kill();
@@ -278,6 +358,7 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
             None
         }
         Action::KilledAfterApply { us } => {
+            seen.crashes += 1;
             let reconciled = || {
                 std::fs::read_to_string(env.log())
                     .unwrap_or_default()
@@ -296,7 +377,16 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str]) -> Option<i32> {
             let _ = d.wait();
             None
         }
-    }
+    };
+    Acted { exit, waiting }
+}
+
+/// What a step's run did.
+struct Acted {
+    /// Its exit status; `None` for a run ended or cut short.
+    exit: Option<i32>,
+    /// The nodes it reported waiting for a node ID (every ID in use or cooling).
+    waiting: BTreeSet<String>,
 }
 
 /// Keeps what a failing step leaves for a post-mortem in `dir`: the agent's log (every run's,
@@ -323,174 +413,257 @@ fn keep_evidence(dir: &std::path::Path, env: &AgentEnv, facts: &StepFacts<'_>) {
     let _ = std::fs::write(dir.join("list.txt"), list);
 }
 
-/// Runs one history in a fresh sandbox; stops at the first step that breaks an invariant, and
-/// keeps its evidence in `keep` if given.
-pub fn run_history(
-    steps: &[Step],
-    list_seed: u64,
-    profile: Profile,
-    keep: Option<&std::path::Path>,
-) -> Outcome {
-    sandbox(|sb| {
-        let env = AgentEnv::new(&sb.bpffs);
-        let mut rng = Rng::new(list_seed);
-        let mut truth = Truth::new(&profile);
-        let mut ids: std::collections::BTreeMap<String, (TestNode, u16)> = Default::default();
-        let mut planted = Vec::new();
-        let mut previous_clean: Vec<TestNode> = Vec::new();
-        let mut window: Vec<(Instant, usize, usize)> = Vec::new();
-        let mut before = Snapshot::take(&env);
-        let mut outcome = Outcome::default();
-        for (i, step) in steps.iter().enumerate() {
-            truth.apply(&step.change);
-            sync_foreign(&mut planted, &truth.foreign);
-            // Planting a foreign object over ours is someone else's change, not the agent's.
-            before = before.with_foreign_of(&env);
-            let list = truth.list(&step.view, &mut rng);
-            env.write_list(&list);
-            let record_before = oracle::record(&env);
-            let _ = std::fs::OpenOptions::new()
-                .append(true)
-                .create(true)
-                .open(env.log())
-                .and_then(|mut f| writeln!(f, "=== step {i}: {step}"));
-            let exit = act(&env, &step.action, profile.agent_args);
-            let after = Snapshot::take(&env);
-            if exit.is_none() {
-                let kernel_changed = after != before;
-                let record_changed = oracle::record(&env) != record_before;
-                let phase = match (kernel_changed, record_changed) {
-                    (_, true) => 2,
-                    (true, false) => 1,
-                    (false, false) => 0,
-                };
-                outcome.kills[phase] += 1;
-            }
-            let now = Instant::now();
-            window.retain(|(t, ..)| now.duration_since(*t) < WINDOW);
-            let facts = StepFacts {
-                list: &list,
-                previous_clean: &previous_clean,
-                record_before: record_before.as_deref(),
-                record_lost: matches!(
-                    step.action,
-                    Action::LoseCheckpoint | Action::CorruptCheckpoint { .. }
-                ),
-                before: &before,
-                after: &after,
-                exit,
-                forced: step.action == Action::OnceForced,
-                no_local: step.view == View::NoLocal,
-                foreign_slots: &truth.foreign,
-                window: window
-                    .iter()
-                    .fold((0, 0), |(n, o), (_, dn, dobj)| (n + dn, o + dobj)),
-                max_ratio: profile.max_ratio,
-            };
-            let mut broke = oracle::violations(&facts);
-            if profile.torture && exit.is_some() {
-                let (leaked, missing) = oracle::exactness(&list, &after);
-                let changed = oracle::id_changes(&list, &after, &mut ids);
-                outcome.rounds += 1;
-                outcome.leaked += leaked;
-                outcome.missing += missing;
-                outcome.id_changes += changed;
-                if leaked + missing + changed > 0 {
-                    broke.push(format!(
-                        "after the restart: {leaked} objects leaked, {missing} missing, {changed} IDs changed"
-                    ));
-                }
-            }
-            let (nodes, objects) = oracle::removals(&facts);
-            window.push((now, nodes, objects));
-            outcome.steps += 1;
-            if !broke.is_empty() {
-                if let Some(dir) = keep {
-                    keep_evidence(dir, &env, &facts);
-                }
-                outcome.failure = Some((i, broke));
-                return outcome;
-            }
-            previous_clean = oracle::clean(&list, record_before.as_deref())
-                .into_iter()
-                .cloned()
-                .collect();
-            before = after;
-        }
-        if let Some(broke) = converge(&env, &mut truth, &mut planted, &mut rng, profile) {
-            outcome.failure = Some((steps.len(), broke));
-        }
-        outcome
-    })
+/// How one history runs: its profile, the agent's modes, the seed of its lists.
+pub struct Run {
+    pub profile: Profile,
+    pub modes: Modes,
+    pub list_seed: u64,
 }
 
-/// The end of a history: the cluster mended, two forced runs; the kernel must hold exactly what
-/// the mended cluster needs, and the second run must write nothing.
-fn converge(
-    env: &AgentEnv,
-    truth: &mut Truth,
-    planted: &mut Vec<usize>,
-    rng: &mut Rng,
-    profile: Profile,
-) -> Option<Vec<String>> {
-    let forced = [profile.agent_args, &["--force-prune"]].concat();
-    truth.apply(&Change::Mend);
-    sync_foreign(planted, &truth.foreign);
-    let list = truth.list(&View::Full, rng);
-    env.write_list(&list);
-    let mut broke = Vec::new();
-    let (code, _, err) = env.once(&forced);
-    if code != 0 {
-        broke.push(format!("the converging run exited {code}: {err}"));
+impl Run {
+    /// Runs `steps` in a fresh sandbox; stops at the first step that breaks an invariant, and
+    /// keeps its evidence in `keep` if given.
+    pub fn history(&self, steps: &[Step], keep: Option<&std::path::Path>) -> Outcome {
+        let args = self.modes.args();
+        sandbox(|sb| {
+            let env = AgentEnv::new(&sb.bpffs);
+            let mut rng = Rng::new(self.list_seed);
+            let mut truth = Truth::new(&self.profile);
+            let mut ids: std::collections::BTreeMap<String, (TestNode, u16)> = Default::default();
+            let mut planted = Vec::new();
+            let mut previous_clean: Vec<TestNode> = Vec::new();
+            let mut window: Vec<(Instant, usize, usize)> = Vec::new();
+            let mut before = Snapshot::take(&env);
+            let mut outcome = Outcome::default();
+            for (i, step) in steps.iter().enumerate() {
+                truth.apply(&step.change);
+                sync_foreign(&mut planted, &truth.foreign);
+                // Planting a foreign object over ours is someone else's change, not the agent's.
+                before = before.with_foreign_of(&env);
+                let list = truth.list(&step.view, &mut rng);
+                env.write_list(&list);
+                let record_before = oracle::record(&env);
+                let _ = std::fs::OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .open(env.log())
+                    .and_then(|mut f| writeln!(f, "=== step {i}: {step}"));
+                let Acted { exit, waiting } = act(&env, &step.action, &args, &mut outcome);
+                let after = Snapshot::take(&env);
+                if exit.is_none() {
+                    let kernel_changed = after != before;
+                    let record_changed = oracle::record(&env) != record_before;
+                    let phase = match (kernel_changed, record_changed) {
+                        (_, true) => 2,
+                        (true, false) => 1,
+                        (false, false) => 0,
+                    };
+                    outcome.kills[phase] += 1;
+                }
+                let now = Instant::now();
+                window.retain(|(t, ..)| now.duration_since(*t) < WINDOW);
+                let facts = StepFacts {
+                    list: &list,
+                    previous_clean: &previous_clean,
+                    record_before: record_before.as_deref(),
+                    record_lost: matches!(
+                        step.action,
+                        Action::LoseCheckpoint | Action::CorruptCheckpoint { .. }
+                    ),
+                    before: &before,
+                    after: &after,
+                    exit,
+                    forced: step.action == Action::OnceForced,
+                    no_local: step.view == View::NoLocal,
+                    foreign_slots: &truth.foreign,
+                    window: window
+                        .iter()
+                        .fold((0, 0), |(n, o), (_, dn, dobj)| (n + dn, o + dobj)),
+                    max_ratio: self.modes.max_ratio(),
+                    nexthops: !self.modes.nexthops_off,
+                    waiting: &waiting,
+                };
+                let mut broke = oracle::violations(&facts);
+                if self.profile.torture && exit.is_some() {
+                    let (leaked, missing) =
+                        oracle::exactness(&list, &after, !self.modes.nexthops_off);
+                    let changed = oracle::id_changes(&list, &after, &mut ids);
+                    outcome.rounds += 1;
+                    outcome.leaked += leaked;
+                    outcome.missing += missing;
+                    outcome.id_changes += changed;
+                    if leaked + missing + changed > 0 {
+                        broke.push(format!(
+                            "after the restart: {leaked} objects leaked, {missing} missing, {changed} IDs changed"
+                        ));
+                    }
+                }
+                // At rest (a run that finished on a list with the local node), the kernel is
+                // what a fresh agent programs from the same record, list and foreign objects.
+                if exit == Some(0) && step.view != View::NoLocal && !self.profile.torture {
+                    outcome.differential += 1;
+                    broke.extend(self.differential(&env, &list, &truth.foreign, &after));
+                }
+                let (nodes, objects) = oracle::removals(&facts);
+                window.push((now, nodes, objects));
+                outcome.steps += 1;
+                if !broke.is_empty() {
+                    if let Some(dir) = keep {
+                        keep_evidence(dir, &env, &facts);
+                    }
+                    outcome.failure = Some((i, broke));
+                    return outcome;
+                }
+                previous_clean = oracle::clean(&list, record_before.as_deref())
+                    .into_iter()
+                    .cloned()
+                    .collect();
+                before = after;
+            }
+            if let Some(broke) = self.converge(&env, &mut truth, &mut planted, &mut rng) {
+                outcome.failure = Some((steps.len(), broke));
+            }
+            outcome
+        })
     }
-    let (code, report, _) = env.once(&forced);
-    if code != 0 || report["kernel_writes"] != 0 {
-        broke.push(format!(
-            "a second converging run was not idle: exit {code}, {report}"
-        ));
-    }
-    let after = Snapshot::take(env);
-    let remote: Vec<&TestNode> = list.iter().filter(|n| n.name != "local").collect();
-    let want_ips: std::collections::BTreeSet<&str> = remote
-        .iter()
-        .flat_map(|n| n.ips.iter().map(String::as_str))
-        .collect();
-    let have_ips: std::collections::BTreeSet<&str> = after.map.keys().map(String::as_str).collect();
-    if want_ips != have_ips {
-        broke.push(format!(
-            "map entries after converging: want {want_ips:?}, have {have_ips:?}"
-        ));
-    }
-    let want_routes = oracle::wanted_routes(&remote, &after, &truth.foreign);
-    if after.our_routes() != want_routes {
-        broke.push(format!(
-            "routes after converging: want {want_routes:?}, have {:?}",
-            after.our_routes()
-        ));
-    }
-    let astray = after.astray_nexthops();
-    if !astray.is_empty() {
-        broke.push(format!(
-            "nexthops of ours after converging that no route uses or that name another node: {astray:?}"
-        ));
-    }
-    let ids: std::collections::BTreeSet<u16> = remote
-        .iter()
-        .filter_map(|n| after.map.get(&n.ips[0]).copied())
-        .collect();
-    if ids.len() != remote.len() {
-        broke.push(format!("{} nodes share {} IDs", remote.len(), ids.len()));
-    }
-    match oracle::record(env) {
-        Some(rec)
-            if rec
-                .iter()
-                .any(|r: &Recorded| r.attempts > 0 || r.id.is_none()) =>
-        {
-            broke.push("pending deletes or ID-less records after converging".into());
+
+    /// The differential oracle: a fresh agent in a sandbox of its own, given the record `env`'s
+    /// agent wrote, the same list and the same foreign objects, programs an empty kernel. For
+    /// every clean listed node (valid, claiming nothing another claims), its map entries,
+    /// routes and nexthops must be those `env`'s kernel holds (`after`), and the fresh agent's
+    /// record must give it the same ID. Exempt, and why: what broken, unlisted or held nodes
+    /// left (a broken node keeps what it had, a held removal keeps its objects: both depend on
+    /// the history by design); the record's times (holds, freed IDs) and counters (cleanup
+    /// attempts, list counts), which say when, not what; and foreign routes through our
+    /// nexthops, which cannot be planted before the nexthop exists.
+    fn differential(
+        &self,
+        env: &AgentEnv,
+        list: &[TestNode],
+        foreign: &[usize],
+        after: &Snapshot,
+    ) -> Vec<String> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let checkpoint = std::fs::read(env.checkpoint()).ok();
+        let args = self.modes.args();
+        let record = oracle::record(env);
+        let (code, err, fresh, fresh_record) = sandbox(|sb| {
+            let fresh = AgentEnv::new(&sb.bpffs);
+            if let Some(bytes) = &checkpoint {
+                std::fs::create_dir_all(&fresh.state_dir).unwrap();
+                let path = fresh.checkpoint();
+                std::fs::write(&path, bytes).unwrap();
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            }
+            sync_foreign(&mut Vec::new(), foreign);
+            fresh.write_list(list);
+            let (code, _, err) = fresh.once(&args);
+            (code, err, Snapshot::take(&fresh), oracle::record(&fresh))
+        });
+        let mut broke = Vec::new();
+        if !matches!(code, 0 | 3) {
+            broke.push(format!(
+                "differential: the fresh agent exited {code}: {err}"
+            ));
+            return broke;
         }
-        None => broke.push("no checkpoint after converging".into()),
-        _ => {}
+        let id = |r: &Option<Vec<oracle::Recorded>>, name: &str| {
+            r.as_deref()
+                .unwrap_or_default()
+                .iter()
+                .find(|r| r.name == name)
+                .and_then(|r| r.id)
+        };
+        for n in oracle::clean(list, record.as_deref()) {
+            let diff = oracle::node_difference(n, after, &fresh);
+            if !diff.is_empty() {
+                broke.push(format!(
+                    "differential: {} differs from what a fresh agent programs from the same record: {}",
+                    n.name,
+                    diff.join("; ")
+                ));
+            }
+            let (ours, theirs) = (id(&record, &n.name), id(&fresh_record, &n.name));
+            if ours != theirs {
+                broke.push(format!(
+                    "differential: the record gives {} ID {ours:?}, a fresh agent's record {theirs:?}",
+                    n.name
+                ));
+            }
+        }
+        broke
     }
-    (!broke.is_empty()).then_some(broke)
+
+    /// The end of a history: the cluster mended, two forced runs; the kernel must hold exactly
+    /// what the mended cluster needs, and the second run must write nothing.
+    fn converge(
+        &self,
+        env: &AgentEnv,
+        truth: &mut Truth,
+        planted: &mut Vec<usize>,
+        rng: &mut Rng,
+    ) -> Option<Vec<String>> {
+        let forced = [self.modes.args().as_slice(), &["--force-prune"]].concat();
+        let nexthops = !self.modes.nexthops_off;
+        truth.apply(&Change::Mend);
+        sync_foreign(planted, &truth.foreign);
+        let list = truth.list(&View::Full, rng);
+        env.write_list(&list);
+        let mut broke = Vec::new();
+        let (code, _, err) = env.once(&forced);
+        if code != 0 {
+            broke.push(format!("the converging run exited {code}: {err}"));
+        }
+        let (code, report, _) = env.once(&forced);
+        if code != 0 || report["kernel_writes"] != 0 {
+            broke.push(format!(
+                "a second converging run was not idle: exit {code}, {report}"
+            ));
+        }
+        let after = Snapshot::take(env);
+        let remote: Vec<&TestNode> = list.iter().filter(|n| n.name != "local").collect();
+        let want_ips: std::collections::BTreeSet<&str> = remote
+            .iter()
+            .flat_map(|n| n.ips.iter().map(String::as_str))
+            .collect();
+        let have_ips: std::collections::BTreeSet<&str> =
+            after.map.keys().map(String::as_str).collect();
+        if want_ips != have_ips {
+            broke.push(format!(
+                "map entries after converging: want {want_ips:?}, have {have_ips:?}"
+            ));
+        }
+        let want_routes = oracle::wanted_routes(&remote, &after, &truth.foreign, nexthops);
+        if after.our_routes() != want_routes {
+            broke.push(format!(
+                "routes after converging: want {want_routes:?}, have {:?}",
+                after.our_routes()
+            ));
+        }
+        let astray = after.astray_nexthops();
+        if !astray.is_empty() {
+            broke.push(format!(
+                "nexthops of ours after converging that no route uses or that name another node: {astray:?}"
+            ));
+        }
+        let ids: std::collections::BTreeSet<u16> = remote
+            .iter()
+            .filter_map(|n| after.map.get(&n.ips[0]).copied())
+            .collect();
+        if ids.len() != remote.len() {
+            broke.push(format!("{} nodes share {} IDs", remote.len(), ids.len()));
+        }
+        match oracle::record(env) {
+            Some(rec)
+                if rec
+                    .iter()
+                    .any(|r: &Recorded| r.attempts > 0 || r.id.is_none()) =>
+            {
+                broke.push("pending deletes or ID-less records after converging".into());
+            }
+            None => broke.push("no checkpoint after converging".into()),
+            _ => {}
+        }
+        (!broke.is_empty()).then_some(broke)
+    }
 }

@@ -140,6 +140,88 @@ pub enum Action {
     LoseCheckpoint,
     /// The checkpoint has a byte flipped, then `run --once`.
     CorruptCheckpoint { at: usize },
+    /// `run --once` cut by the agent's own test cut (`NODE_AGENT_TEST_CUT`) at the `at`th point
+    /// of `sequence`: before its `at`th kernel operation (`ops`) or its checkpoint write
+    /// (`checkpoint`, after every kernel write of the run), ended there (`kill`) or failed there.
+    /// A run with fewer points than `at` is not cut.
+    Cut {
+        sequence: &'static str,
+        at: u64,
+        kill: bool,
+    },
+}
+
+/// The agent's modes, drawn for each history and printed with it: each is a way the agent runs
+/// that changes which code a history exercises.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Modes {
+    /// `--route-nexthops false`: routes carry their gateways.
+    pub nexthops_off: bool,
+    /// A node-ID map of 4 entries that grows online as the cluster does.
+    pub growth: bool,
+    /// The brake held at `--max-prune-ratio 1` (crash torture's setting): every removal goes
+    /// through.
+    pub brake_off: bool,
+    /// An ID space of 12 for up to 10 nodes, with a 3 s cool-down and a 1 s reuse floor: IDs
+    /// run out, cool down and come back within a history.
+    pub small_ids: bool,
+}
+
+impl Modes {
+    /// The modes of a history of `p`: half of the histories in each mode. Crash torture keeps
+    /// its brake off (its oracle is exactness after every restart).
+    pub fn draw(rng: &mut Rng, p: &Profile) -> Self {
+        Self {
+            nexthops_off: rng.chance(50),
+            growth: rng.chance(50),
+            brake_off: p.torture || rng.chance(30),
+            small_ids: !p.torture && rng.chance(40),
+        }
+    }
+
+    /// The agent's arguments for these modes.
+    pub fn args(&self) -> Vec<&'static str> {
+        let mut a = Vec::new();
+        if self.nexthops_off {
+            a.extend(["--route-nexthops", "false"]);
+        }
+        if self.growth {
+            a.extend(["--node-map-max", "4"]);
+        }
+        if self.brake_off {
+            a.extend(["--max-prune-ratio", "1"]);
+        }
+        if self.small_ids {
+            a.extend(["--max-node-id", "12", "--id-cooldown", "3s"]);
+            a.extend(["--id-reuse-floor", "1s"]);
+        }
+        a
+    }
+
+    /// The brake's ratio in these modes (the agent's default is 0.5).
+    pub fn max_ratio(&self) -> f64 {
+        if self.brake_off { 1.0 } else { 0.5 }
+    }
+
+    /// Their names, as the coverage line prints them.
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut n = vec!["full"];
+        if self.nexthops_off {
+            n.push("nexthops-off");
+        }
+        if self.growth {
+            n.push("growth");
+        }
+        if self.small_ids {
+            n.push("small-id-space");
+        }
+        n.push(if self.brake_off {
+            "brake-off"
+        } else {
+            "brake-on"
+        });
+        n
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -161,10 +243,6 @@ pub struct Profile {
     /// Node names and address slots to draw from.
     pub names: usize,
     pub slots: usize,
-    /// Extra arguments for every run of the agent.
-    pub agent_args: &'static [&'static str],
-    /// The brake's ratio under those arguments.
-    pub max_ratio: f64,
     /// Crash torture: rounds of churn, a daemon killed at a random moment, a restart that must
     /// converge exactly; rather than random steps of every kind.
     pub torture: bool,
@@ -176,19 +254,20 @@ pub struct Profile {
     pub kills: u64,
     /// Percent of steps that lose or corrupt the checkpoint.
     pub lost: u64,
+    /// Percent of steps whose run is cut at a kernel operation or its checkpoint write.
+    pub cuts: u64,
 }
 
 impl Profile {
     pub const INVARIANTS: Self = Self {
         names: 10,
         slots: 14,
-        agent_args: &[],
-        max_ratio: 0.5,
         torture: false,
         trouble: 25,
         distortion: 20,
-        kills: 15,
+        kills: 10,
         lost: 8,
+        cuts: 15,
     };
 
     /// A cluster large enough that the apply takes a while, churned by a tenth each round; the
@@ -196,13 +275,12 @@ impl Profile {
     pub const TORTURE: Self = Self {
         names: 120,
         slots: 160,
-        agent_args: &["--max-prune-ratio", "1"],
-        max_ratio: 1.0,
         torture: true,
         trouble: 0,
         distortion: 0,
         kills: 100,
         lost: 0,
+        cuts: 0,
     };
 }
 
@@ -315,6 +393,20 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
     let action = if rng.chance(p.kills) {
         Action::KilledDaemon {
             ms: 30 + rng.below(400) as u64,
+        }
+    } else if rng.chance(p.cuts) {
+        // Most land inside the apply; a quarter between the apply and the checkpoint write.
+        match rng.below(4) {
+            0 => Action::Cut {
+                sequence: "checkpoint",
+                at: 1,
+                kill: rng.chance(70),
+            },
+            _ => Action::Cut {
+                sequence: "ops",
+                at: 1 + rng.below(6) as u64,
+                kill: rng.chance(60),
+            },
         }
     } else if rng.chance(p.lost) {
         if rng.chance(50) {

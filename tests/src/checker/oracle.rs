@@ -288,6 +288,11 @@ pub struct StepFacts<'a> {
     /// Removals done by earlier steps within the brake's window: nodes, objects.
     pub window: (usize, usize),
     pub max_ratio: f64,
+    /// Routes go through nexthop objects (else they carry their gateways, and a foreign
+    /// nexthop at a node's nexthop ID is in nobody's way).
+    pub nexthops: bool,
+    /// Nodes the run reported waiting for a node ID: every ID in use or cooling.
+    pub waiting: &'a BTreeSet<String>,
 }
 
 /// What a step removed: nodes (known, no longer listed, whose entries went) and orphan objects
@@ -474,7 +479,9 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
         for n in &clean_now {
             let ids: BTreeSet<Option<&u16>> = n.ips.iter().map(|ip| f.after.map.get(ip)).collect();
             if ids.contains(&None) {
-                v.push(format!("{} lacks a map entry: {ids:?}", n.name));
+                if !f.waiting.contains(&n.name) {
+                    v.push(format!("{} lacks a map entry: {ids:?}", n.name));
+                }
                 continue;
             }
             if ids.len() > 1 {
@@ -499,7 +506,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
                     if routes.contains_key(c) {
                         v.push(format!("our route {c} sits where a foreign one should"));
                     }
-                } else if id.is_some_and(|id| f.after.nexthop_taken(id, v6)) {
+                } else if f.nexthops && id.is_some_and(|id| f.after.nexthop_taken(id, v6)) {
                     if routes.contains_key(c) {
                         v.push(format!(
                             "our route {c} is written though a foreign nexthop holds {}'s ID",
@@ -548,7 +555,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
 
 /// What the kernel holds against what the listed nodes need (the cluster has no conflicts):
 /// objects of ours nobody needs (leaked), and objects needed but absent (missing).
-pub fn exactness(list: &[TestNode], after: &Snapshot) -> (usize, usize) {
+pub fn exactness(list: &[TestNode], after: &Snapshot, nexthops: bool) -> (usize, usize) {
     let remote: Vec<&TestNode> = list
         .iter()
         .filter(|n| n.name != local_node().name)
@@ -557,7 +564,7 @@ pub fn exactness(list: &[TestNode], after: &Snapshot) -> (usize, usize) {
         .iter()
         .flat_map(|n| n.ips.iter().map(String::as_str))
         .collect();
-    let want_routes = wanted_routes(&remote, after, &[]);
+    let want_routes = wanted_routes(&remote, after, &[], nexthops);
     let routes = after.our_routes();
     let leaked = after
         .map
@@ -586,6 +593,7 @@ pub fn wanted_routes<'a>(
     remote: &[&'a TestNode],
     after: &Snapshot,
     foreign_slots: &[usize],
+    nexthops: bool,
 ) -> BTreeMap<&'a str, &'a str> {
     let mut want = BTreeMap::new();
     for n in remote {
@@ -593,7 +601,7 @@ pub fn wanted_routes<'a>(
         for (c, gw) in node_routes(n) {
             let v6 = c.contains(':');
             if foreign_slots.iter().any(|s| slot_cidr4(*s) == c)
-                || id.is_some_and(|id| after.nexthop_taken(id, v6))
+                || (nexthops && id.is_some_and(|id| after.nexthop_taken(id, v6)))
             {
                 continue;
             }
@@ -628,4 +636,51 @@ pub fn id_changes(
     }
     *seen = now;
     changed
+}
+
+/// Where node `n`'s objects in `a` and in `b` differ: its map entries, its routes (gateway,
+/// and the node and family of the nexthop they go through) and the nexthops of ours to its
+/// addresses; empty when they are the same. Which ID of a node's nexthop pair is in use is
+/// history (a readdressed node moves to the other one, make before break), not a difference.
+pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> {
+    let pair = |id: &u32| {
+        NexthopId(*id)
+            .decode()
+            .map(|(node, family)| (node.get(), family))
+    };
+    let mut d = Vec::new();
+    for ip in &n.ips {
+        if a.map.get(ip) != b.map.get(ip) {
+            d.push(format!(
+                "map entry {ip}: {:?} here, {:?} fresh",
+                a.map.get(ip),
+                b.map.get(ip)
+            ));
+        }
+    }
+    let (ra, rb) = (a.our_routes(), b.our_routes());
+    for c in &n.cidrs {
+        let x = (ra.get(c.as_str()), a.nhids.get(c).map(pair));
+        let y = (rb.get(c.as_str()), b.nhids.get(c).map(pair));
+        if x != y {
+            d.push(format!(
+                "route {c} (gateway, nexthop's node and family): {x:?} here, {y:?} fresh"
+            ));
+        }
+    }
+    let to_node = |s: &Snapshot| -> BTreeSet<(Option<(u16, Family)>, String)> {
+        s.our_nexthops()
+            .into_iter()
+            .filter(|(_, gw)| n.ips.iter().any(|ip| ip == gw))
+            .map(|(id, gw)| (pair(&id), gw.to_owned()))
+            .collect()
+    };
+    if to_node(a) != to_node(b) {
+        d.push(format!(
+            "nexthops (node and family, gateway): {:?} here, {:?} fresh",
+            to_node(a),
+            to_node(b)
+        ));
+    }
+    d
 }
