@@ -1202,6 +1202,78 @@ fn every_cut_of_a_map_growth_is_recovered_by_the_next_start() {
     });
 }
 
+/// Pins of unequal capacities, as a start can meet them: a growth from 4 to 16 killed before
+/// its first rename (both staging pins complete, the intent `filled`, the new programs
+/// attached), then by hand its intent unpinned, the staging pin of map `large` renamed over the
+/// live one, and the other staging pin unpinned unless `keep`.
+fn unequal_case(bpffs: &Path, large: &str, keep: bool) {
+    use node_agent::datapath::pin_dir;
+    use node_agent::datapath::txn::{intent_pin, staging};
+
+    txn_setup(bpffs);
+    let (cut, case) = txn_child(bpffs, "grow", "growth", 8, "kill");
+    assert!(
+        cut.as_deref()
+            .is_some_and(|c| c.contains("staging pod-CIDR pin over the live one")),
+        "{case}"
+    );
+    std::fs::remove_file(intent_pin(bpffs)).unwrap();
+    for map in ["node_ids", "pod_cidrs"] {
+        let live = pin_dir(bpffs).join(map);
+        if map == large {
+            std::fs::rename(staging(&live), &live).unwrap();
+        } else if !keep {
+            std::fs::remove_file(staging(&live)).unwrap();
+        }
+    }
+}
+
+/// Live node-ID and pod-CIDR pins of unequal capacities, each with every entry, whatever left
+/// them so (a growth cut between its renames without a pin transaction leaves the staging
+/// node-ID pin too, which the recovery unpins): a start loads each at its own capacity and
+/// grows both to the larger of theirs and the configured one, and converges.
+#[test]
+fn a_start_grows_live_pins_of_unequal_capacities_to_the_larger() {
+    require_sandbox!();
+    sandbox(|sb| {
+        for d in ["tx0", "tx1"] {
+            ip(&["link", "add", d, "type", "bridge"]);
+        }
+        // The map at 16 (the other at 4), whether the other's staging pin at 16 is left, the
+        // configured capacity (`None`: the flag left out), and the capacity both pins end at.
+        let states = [
+            ("pod_cidrs", false, None, 16),
+            ("pod_cidrs", true, Some(8), 16),
+            ("node_ids", false, Some(32), 32),
+        ];
+        for (large, keep, requested, want) in states {
+            let state = format!(
+                "{large} at 16, the other at 4{}, --node-map-max {requested:?}",
+                if keep {
+                    " with its staging pin at 16"
+                } else {
+                    ""
+                }
+            );
+            unequal_case(&sb.bpffs, large, keep);
+            let capacity = node_agent::datapath::resolve_capacity(requested, &sb.bpffs).unwrap();
+            assert_eq!(capacity, want, "{state}: the capacity to run with");
+            let dp = node_agent::backends::load_datapath(&txn_config(&sb.bpffs, capacity))
+                .unwrap_or_else(|e| panic!("{state}: the start: {e}"));
+            assert_eq!(dp.capacity(), want, "{state}");
+            check_converged(&sb.bpffs, want, &state);
+            drop(dp);
+            report(&format!(
+                "unequal capacities: {state}: both at {want}, converged"
+            ));
+        }
+        report(&format!(
+            "unequal capacities: {} states recovered",
+            states.len()
+        ));
+    });
+}
+
 /// The recovery of a pin transaction is cut too: a growth killed at `growth_step`, then a start
 /// killed (or failed) at each step of its recovery, then a start that must converge.
 fn recovery_case(bpffs: &Path, growth_step: u32, step: u32, how: &str) -> Option<(String, u32)> {
