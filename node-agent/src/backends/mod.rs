@@ -28,7 +28,7 @@ use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::{KernelObject, NexthopId, ObjectKind, Op};
 
-pub use self::open::{BackendsConfig, OpenError};
+pub use self::open::{BackendsConfig, OpenError, load_datapath};
 use self::users_watch::UsersWatch;
 use self::xfrm::KeyFileState;
 use crate::datapath::maps::NodeMapError;

@@ -151,16 +151,13 @@ impl Backends {
     }
 }
 
-/// Loads the datapath at the pinned maps' capacity, and grows them online to the configured one
-/// if that is larger (`--node-map-max` raised over an existing pin).
-fn load_datapath(config: &DatapathConfig) -> Result<Datapath, OpenError> {
-    let wanted = config.node_map_max;
-    let mut at_pin = config.clone();
-    if let Some(pinned) = crate::datapath::pinned_capacity(&config.bpffs)? {
-        at_pin.node_map_max = pinned.min(wanted);
-    }
-    let mut datapath = Datapath::load(&at_pin)?;
-    datapath.grow(wanted)?;
+/// The start's datapath: loads it at the pinned maps' own capacities, and grows both maps
+/// online (a pin transaction) to the larger of the pins' capacities and the configured one:
+/// `--node-map-max` raised over existing pins, or pins of unequal capacities. No map shrinks.
+pub fn load_datapath(config: &DatapathConfig) -> Result<Datapath, OpenError> {
+    let mut datapath = Datapath::load(config)?;
+    let pinned = crate::datapath::pinned_capacity(&config.bpffs)?;
+    datapath.grow(pinned.map_or(config.node_map_max, |p| p.max(config.node_map_max)))?;
     Ok(datapath)
 }
 

@@ -29,7 +29,8 @@ use super::txn::{self, Kind, Recovery, Txn, TxnError};
 use super::{Datapath, DatapathError, Pins, object};
 
 impl Datapath {
-    /// The node-ID and pod-CIDR maps' capacity.
+    /// The node-ID and pod-CIDR maps' capacity: the smaller of the two (pins of unequal
+    /// capacities are loaded each at its own, and the start grows both to the larger).
     pub fn capacity(&self) -> u32 {
         self.config.node_map_max
     }

@@ -60,8 +60,7 @@ pub enum DatapathError {
     },
     #[error(
         "the pinned map {pin} is incompatible with this agent: it is ({found}), this agent needs \
-         ({expected}); nothing was changed. If the capacity differs, start the agent with the \
-         pin's capacity; otherwise drain the node and remove the pin"
+         ({expected}); nothing was changed. Drain the node and remove the pin"
     )]
     PinMismatch {
         pin: PathBuf,
@@ -113,7 +112,9 @@ impl From<txn::TxnError> for DatapathError {
 pub struct DatapathConfig {
     /// Root of a bpffs mount; our pins go under `node-agent/` in it.
     pub bpffs: PathBuf,
-    /// Capacity of `node_ids` when it is first created; an existing pin must match it.
+    /// Capacity of the node-ID and pod-CIDR maps where they are created. An existing pin is
+    /// loaded at its own capacity; the datapath's is the smaller of the two maps'
+    /// ([`Datapath::capacity`]).
     pub node_map_max: u32,
     /// `skb->mark` bits that carry the node ID on ingress.
     pub mark_mask: u32,
@@ -144,10 +145,10 @@ impl DatapathConfig {
     }
 }
 
-/// The node-ID map's capacity to run with: the larger of the one asked for and the existing
-/// pin's (a map that grew online is never shrunk by a smaller `--node-map-max`); the pin's,
-/// so that an agent started without the flag keeps a map an earlier release created at another
-/// default; else [`abi::DEFAULT_NODE_MAP_MAX`] for a new map.
+/// The node-ID and pod-CIDR maps' capacity to run with: the larger of the one asked for and
+/// the existing pins' (a map that grew online is never shrunk by a smaller `--node-map-max`);
+/// the pins', so that an agent started without the flag keeps maps an earlier release created
+/// at another default; else [`abi::DEFAULT_NODE_MAP_MAX`] for new maps.
 pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, DatapathError> {
     let pinned = pinned_capacity(bpffs)?;
     Ok(match (requested, pinned) {
@@ -155,7 +156,7 @@ pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, Dat
             tracing::info!(
                 requested = r,
                 pinned = p,
-                "the node-ID map is larger than --node-map-max asks (it grew online); keeping it"
+                "the pinned maps are larger than --node-map-max asks (they grew online); keeping them"
             );
             p
         }
@@ -165,19 +166,19 @@ pub fn resolve_capacity(requested: Option<u32>, bpffs: &Path) -> Result<u32, Dat
     })
 }
 
-/// The capacity of the pinned node-ID map, if there is one.
+/// The capacity the start leaves the pinned node-ID and pod-CIDR maps at, if either is
+/// pinned: the larger of the two pins' (pins of unequal capacities are both grown to the larger
+/// one) and of a growth the start finishes.
 pub fn pinned_capacity(bpffs: &Path) -> Result<Option<u32>, DatapathError> {
-    // A growth the next start finishes: the live maps will have its capacity.
-    if let Some(capacity) = txn::forward_capacity(bpffs)? {
-        return Ok(Some(capacity));
-    }
-    let pin = node_ids_pin(bpffs);
-    Ok(MapLayout::of_pin(&pin)
-        .map_err(|source| DatapathError::PinInfo {
+    let mut capacity = txn::forward_capacity(bpffs)?;
+    for pin in [node_ids_pin(bpffs), pod_cidrs_pin(bpffs)] {
+        let layout = MapLayout::of_pin(&pin).map_err(|source| DatapathError::PinInfo {
             pin: pin.clone(),
             source,
-        })?
-        .map(|layout| layout.max_entries))
+        })?;
+        capacity = capacity.max(layout.map(|l| l.max_entries));
+    }
+    Ok(capacity)
 }
 
 /// Where the loader finds, or creates and pins, each map.
@@ -248,9 +249,10 @@ impl Datapath {
         Ok(dp)
     }
 
-    /// Checks `config` and the pins, and loads the object against the pinned maps (creating
-    /// those that do not exist) and its programs into the kernel, attaching nothing yet. With
-    /// `fresh`, the node-ID and pod-CIDR maps are new ones, not pinned (a growth pins them).
+    /// Checks `config` and the pins, and loads the object against the pinned maps, each at its
+    /// own capacity (creating those that do not exist, at the configured one), and its programs
+    /// into the kernel, attaching nothing yet. With `fresh`, the node-ID and pod-CIDR maps are
+    /// new ones, not pinned (a growth pins them).
     fn open(bytes: &[u8], config: &DatapathConfig, fresh: bool) -> Result<Self, DatapathError> {
         if config.node_map_max == 0 || config.node_map_max > abi::MAX_NODE_MAP_MAX {
             return Err(DatapathError::BadCapacity(config.node_map_max));
@@ -284,11 +286,12 @@ impl Datapath {
                 })?;
         }
         let pins = Pins::of(&config.bpffs);
+        let (mut ids_max, mut cidrs_max) = (config.node_map_max, config.node_map_max);
         if !fresh {
-            check_pin(&pins.node_ids, node_ids_layout(config.node_map_max))?;
-            check_pin(&pins.pod_cidrs, pod_cidrs_layout(config.node_map_max))?;
+            ids_max = check_pin(&pins.node_ids, node_ids_layout)?.unwrap_or(ids_max);
+            cidrs_max = check_pin(&pins.pod_cidrs, pod_cidrs_layout)?.unwrap_or(cidrs_max);
         }
-        check_pin(&pins.node_stats, node_stats_layout())?;
+        check_pin(&pins.node_stats, |_| node_stats_layout())?;
         let ipsec = u32::from(config.ipsec);
 
         // No kernel BTF: the programs use no CO-RE relocations, and parsing vmlinux's BTF would
@@ -304,8 +307,8 @@ impl Datapath {
                 .map_pin_path(abi::POD_CIDRS_MAP, pins.pod_cidrs.as_path());
         }
         let mut ebpf = loader
-            .map_max_entries(abi::NODE_IDS_MAP, config.node_map_max)
-            .map_max_entries(abi::POD_CIDRS_MAP, config.node_map_max)
+            .map_max_entries(abi::NODE_IDS_MAP, ids_max)
+            .map_max_entries(abi::POD_CIDRS_MAP, cidrs_max)
             .override_global(abi::MARK_MASK_GLOBAL, &mask, true)
             .override_global(abi::MARK_SHIFT_GLOBAL, &shift, true)
             .override_global(abi::IPSEC_GLOBAL, &ipsec, true)
@@ -334,7 +337,10 @@ impl Datapath {
         }
         Ok(Self {
             ebpf,
-            config: config.clone(),
+            config: DatapathConfig {
+                node_map_max: ids_max.min(cidrs_max),
+                ..config.clone()
+            },
             _logs: logs,
             attach: Attachments::new(config, &link_dir),
             missing: Vec::new(),
@@ -420,18 +426,23 @@ fn check_bpffs(path: &Path) -> Result<(), DatapathError> {
     Ok(())
 }
 
-fn check_pin(pin: &Path, expected: MapLayout) -> Result<(), DatapathError> {
+/// Checks the map pinned at `pin`, if any, against `expected` at its own capacity, and returns
+/// that capacity.
+fn check_pin(
+    pin: &Path,
+    expected: impl Fn(u32) -> MapLayout,
+) -> Result<Option<u32>, DatapathError> {
     let found = MapLayout::of_pin(pin).map_err(|source| DatapathError::PinInfo {
         pin: pin.to_owned(),
         source,
     })?;
     match found {
-        Some(found) if found != expected => Err(DatapathError::PinMismatch {
+        Some(found) if found != expected(found.max_entries) => Err(DatapathError::PinMismatch {
             pin: pin.to_owned(),
             found,
-            expected,
+            expected: expected(found.max_entries),
         }),
-        _ => Ok(()),
+        found => Ok(found.map(|f| f.max_entries)),
     }
 }
 

@@ -128,8 +128,10 @@ fn incompatible_pin_is_refused_and_left_in_place() {
     });
 }
 
+/// A pin of another capacity is no incompatibility: it is loaded at its own capacity (growing
+/// it is the start's, `backends::load_datapath`), and left as it is.
 #[test]
-fn pin_with_another_capacity_is_refused() {
+fn a_pin_of_another_capacity_is_loaded_at_its_own() {
     require_sandbox!();
     sandbox(|sb| {
         let mut small = DatapathConfig::new(&sb.bpffs);
@@ -137,16 +139,10 @@ fn pin_with_another_capacity_is_refused() {
         drop(Datapath::load(&small).unwrap());
         let mut big = small.clone();
         big.node_map_max = 2048;
-        let err = Datapath::load(&big)
-            .err()
-            .expect("a smaller pin was accepted");
-        let msg = err.to_string();
-        assert!(
-            msg.contains("1024 entries") && msg.contains("2048 entries"),
-            "{msg}"
-        );
-        // The original pin is untouched and still usable.
-        drop(Datapath::load(&small).unwrap());
+        let dp = Datapath::load(&big).unwrap();
+        assert_eq!(dp.capacity(), 1024);
+        let pinned = node_agent::datapath::pins::MapLayout::of_pin(&node_ids_pin(&sb.bpffs));
+        assert_eq!(pinned.unwrap().unwrap().max_entries, 1024);
     });
 }
 
@@ -1202,6 +1198,78 @@ fn every_cut_of_a_map_growth_is_recovered_by_the_next_start() {
             "growth: {steps} step boundaries x {{kill, fail}} = {} cases, all converged ({:.1} s)",
             covered.len(),
             since.elapsed().as_secs_f64()
+        ));
+    });
+}
+
+/// Pins of unequal capacities, as a start can meet them: a growth from 4 to 16 killed before
+/// its first rename (both staging pins complete, the intent `filled`, the new programs
+/// attached), then by hand its intent unpinned, the staging pin of map `large` renamed over the
+/// live one, and the other staging pin unpinned unless `keep`.
+fn unequal_case(bpffs: &Path, large: &str, keep: bool) {
+    use node_agent::datapath::pin_dir;
+    use node_agent::datapath::txn::{intent_pin, staging};
+
+    txn_setup(bpffs);
+    let (cut, case) = txn_child(bpffs, "grow", "growth", 8, "kill");
+    assert!(
+        cut.as_deref()
+            .is_some_and(|c| c.contains("staging pod-CIDR pin over the live one")),
+        "{case}"
+    );
+    std::fs::remove_file(intent_pin(bpffs)).unwrap();
+    for map in ["node_ids", "pod_cidrs"] {
+        let live = pin_dir(bpffs).join(map);
+        if map == large {
+            std::fs::rename(staging(&live), &live).unwrap();
+        } else if !keep {
+            std::fs::remove_file(staging(&live)).unwrap();
+        }
+    }
+}
+
+/// Live node-ID and pod-CIDR pins of unequal capacities, each with every entry, whatever left
+/// them so (a growth cut between its renames without a pin transaction leaves the staging
+/// node-ID pin too, which the recovery unpins): a start loads each at its own capacity and
+/// grows both to the larger of theirs and the configured one, and converges.
+#[test]
+fn a_start_grows_live_pins_of_unequal_capacities_to_the_larger() {
+    require_sandbox!();
+    sandbox(|sb| {
+        for d in ["tx0", "tx1"] {
+            ip(&["link", "add", d, "type", "bridge"]);
+        }
+        // The map at 16 (the other at 4), whether the other's staging pin at 16 is left, the
+        // configured capacity (`None`: the flag left out), and the capacity both pins end at.
+        let states = [
+            ("pod_cidrs", false, None, 16),
+            ("pod_cidrs", true, Some(8), 16),
+            ("node_ids", false, Some(32), 32),
+        ];
+        for (large, keep, requested, want) in states {
+            let state = format!(
+                "{large} at 16, the other at 4{}, --node-map-max {requested:?}",
+                if keep {
+                    " with its staging pin at 16"
+                } else {
+                    ""
+                }
+            );
+            unequal_case(&sb.bpffs, large, keep);
+            let capacity = node_agent::datapath::resolve_capacity(requested, &sb.bpffs).unwrap();
+            assert_eq!(capacity, want, "{state}: the capacity to run with");
+            let dp = node_agent::backends::load_datapath(&txn_config(&sb.bpffs, capacity))
+                .unwrap_or_else(|e| panic!("{state}: the start: {e}"));
+            assert_eq!(dp.capacity(), want, "{state}");
+            check_converged(&sb.bpffs, want, &state);
+            drop(dp);
+            report(&format!(
+                "unequal capacities: {state}: both at {want}, converged"
+            ));
+        }
+        report(&format!(
+            "unequal capacities: {} states recovered",
+            states.len()
         ));
     });
 }
