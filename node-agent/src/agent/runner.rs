@@ -136,17 +136,20 @@ pub struct OnceResult {
 }
 
 /// `--once` and `--dry-run`: sync, reconcile to convergence (or only plan), write the
-/// checkpoint, report. `file_source` makes a source error before sync fatal.
+/// checkpoint, report. `file_source` makes a source error before sync fatal. `deadline` was
+/// started before the source was (building a Kubernetes client reads files too), and bounds
+/// every wait up to the first full list.
 pub async fn run_once(
     config: AgentConfig,
     dry_run: bool,
     file_source: bool,
     mut rx: mpsc::Receiver<SourceEvent>,
+    deadline: Deadline,
 ) -> Result<OnceResult, AgentError> {
-    let deadline = Deadline::start(
-        config.sync_timeout,
-        format!("the lock and checkpoint of {}", config.state_dir.display()),
-    );
+    deadline.waiting_for(format!(
+        "the lock and checkpoint of {}",
+        config.state_dir.display()
+    ));
     let telemetry = Arc::new(Telemetry::new(Duration::MAX));
     let (checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
     deadline.waiting_for("the kernel's objects (the datapath's pins, netlink)");

@@ -457,6 +457,16 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
+/// A one-shot run's `--sync-timeout`, started before its source: a Kubernetes client reads its
+/// kubeconfig and the files it names (a token, certificates) as it is built, and any of them
+/// can block (a FIFO) or be slow (a network mount).
+fn source_deadline(config: &agent::AgentConfig) -> agent::deadline::Deadline {
+    agent::deadline::Deadline::start(
+        config.sync_timeout,
+        "the node source (a Kubernetes client reads its kubeconfig and the files it names)",
+    )
+}
+
 /// Returns the process exit status.
 pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
@@ -464,9 +474,11 @@ pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
         crate::runtime::caps::check()?;
     }
     runtime()?.block_on(async {
+        let deadline = (args.once || args.dry_run).then(|| source_deadline(&config));
         let source = spawn_source(&args.source).await?;
-        if args.once || args.dry_run {
-            let once = agent::run_once(config, args.dry_run, source.file, source.events).await?;
+        if let Some(deadline) = deadline {
+            let once =
+                agent::run_once(config, args.dry_run, source.file, source.events, deadline).await?;
             let (status, report, plan) = (once.status, once.report, once.plan);
             match (args.output, plan) {
                 (Output::Json, Some(plan)) => writeln!(out, "{}", serde_json::to_string_pretty(&plan)?)?,
@@ -513,8 +525,9 @@ pub fn run(args: &RunArgs, out: &mut impl Write) -> anyhow::Result<u8> {
 pub fn plan(args: &PlanArgs, out: &mut impl Write) -> anyhow::Result<u8> {
     let config = args.agent.config()?;
     runtime()?.block_on(async {
+        let deadline = source_deadline(&config);
         let source = spawn_source(&args.source).await?;
-        let once = agent::run_once(config, true, source.file, source.events).await?;
+        let once = agent::run_once(config, true, source.file, source.events, deadline).await?;
         let (status, plan) = (once.status, once.plan);
         let plan = plan.expect("a dry run returns its plan");
         match args.output {

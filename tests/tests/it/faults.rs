@@ -224,20 +224,43 @@ fn a_nodes_file_that_does_not_parse_ends_a_one_shot_run_at_once() {
 
 /// Every wait of a one-shot run before its first plan ends at `--sync-timeout`, whatever it
 /// waits on, with status 1 and what it waited for; nothing is written. Walked: a nodes file that
-/// never appears, and one that is fresh and lists fewer nodes than nothing (its first read waits
-/// for the settle period, here longer than the timeout), for `run --once` and `plan`.
+/// never appears, one that is fresh and lists fewer nodes than nothing (its first read waits
+/// for the settle period, here longer than the timeout), and a kubeconfig whose token file is a
+/// FIFO nobody writes (the Kubernetes client reads it as it is built), for `run --once` and
+/// `plan`.
 #[test]
 fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
     require_sandbox!();
     sandbox(|sb| {
-        let env = AgentEnv::new(&sb.bpffs);
+        let mut env = AgentEnv::new(&sb.bpffs);
+        let dir = env.state_dir.parent().unwrap().to_owned();
+        let fifo = dir.join("token");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let kubeconfig = dir.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters: [{{name: c, cluster: {{server: \"https://127.0.0.1:1\"}}}}]\n\
+                 users: [{{name: u, user: {{tokenFile: {}}}}}]\n\
+                 contexts: [{{name: x, context: {{cluster: c, user: u}}}}]\ncurrent-context: x\n",
+                fifo.display()
+            ),
+        )
+        .unwrap();
         let mut covered = 0;
         let mut phases = Vec::new();
-        for (case, fresh_file) in [("no nodes file", false), ("a fresh file settling", true)] {
+        for (case, fresh_file, kube) in [
+            ("no nodes file", false, false),
+            ("a fresh file settling", true, false),
+            ("a token file that blocks", false, true),
+        ] {
             let _ = std::fs::remove_file(&env.nodes_file);
             if fresh_file {
                 env.write_nodes(&cluster(2));
             }
+            env.kubeconfig = kube.then(|| kubeconfig.clone());
             for cmd in [&["run", "--once"][..], &["plan"][..]] {
                 let mut c = std::process::Command::new(node_agent_tests::agent_bin());
                 let args: Vec<String> = env
@@ -269,6 +292,7 @@ fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
                     "the node source's first full list",
                     "the kernel's objects",
                     "the lock and checkpoint",
+                    "the node source (a Kubernetes client",
                 ]
                 .into_iter()
                 .find(|p| {
@@ -286,7 +310,7 @@ fn every_wait_of_a_one_shot_run_ends_at_the_sync_timeout() {
             }
         }
         node_agent_tests::report(&format!(
-            "sync timeout: {covered} waits (2 sources x run --once, plan) ended at the deadline, waiting for: {phases:?}"
+            "sync timeout: {covered} waits (3 sources x run --once, plan) ended at the deadline, waiting for: {phases:?}"
         ));
     });
 }
