@@ -70,6 +70,21 @@ pub const RANGES: &[SpecialRange] = &[
     v6("unspecified", [0; 8], 128, Refused),
     v6("loopback", [0, 0, 0, 0, 0, 0, 0, 1], 128, Refused),
     v6("IPv4-mapped", [0, 0, 0, 0, 0, 0xffff, 0, 0], 96, Refused),
+    // Forms that embed an IPv4 address: the policy cannot vouch for what they carry
+    // (`2002:7f00:1::1` is 6to4 of 127.0.0.1), and no node is addressed in them.
+    v6("IPv4-compatible (deprecated)", [0; 8], 96, Refused),
+    v6(
+        "NAT64 translation",
+        [0x64, 0xff9b, 0, 0, 0, 0, 0, 0],
+        96,
+        Refused,
+    ),
+    v6(
+        "6to4 (deprecated)",
+        [0x2002, 0, 0, 0, 0, 0, 0, 0],
+        16,
+        Refused,
+    ),
     v6("link-local", [0xfe80, 0, 0, 0, 0, 0, 0, 0], 10, Refused),
     v6("multicast", [0xff00, 0, 0, 0, 0, 0, 0, 0], 8, Refused),
     v6("unique-local", [0xfc00, 0, 0, 0, 0, 0, 0, 0], 7, Usable),
@@ -158,6 +173,9 @@ mod tests {
             "::1",
             "fe80::1",
             "ff02::1",
+            "::10.88.5.5",
+            "64:ff9b::7f00:1",
+            "2002:7f00:1::1",
         ] {
             assert!(refused(s), "{s}");
         }
@@ -193,6 +211,9 @@ mod tests {
             "ff00::/8",
             "8000::/1",
             "::ffff:10.0.0.0/120",
+            // Holds the 6to4 block: a near-default route of the whole global unicast space.
+            "2000::/3",
+            "64:ff9b::/96",
         ] {
             assert!(net(s).is_err(), "{s}");
         }
@@ -201,7 +222,7 @@ mod tests {
             "100.64.0.0/10",
             "fd00::/8",
             "2001:db8::/64",
-            "2000::/3",
+            "2600:1f00::/40",
         ] {
             assert_eq!(net(s), Ok(()), "{s}");
         }

@@ -15,17 +15,20 @@ use state::node::{Node, NodeError, RawNode};
 
 /// The refused ranges, as (is IPv6, first address, prefix length): the registry read again.
 const REFUSED: &[(bool, u128, u8)] = &[
-    (false, 0x0000_0000, 8),   // this network
-    (false, 0x7f00_0000, 8),   // loopback
-    (false, 0xa9fe_0000, 16),  // link-local
-    (false, 0xe000_0000, 4),   // multicast
-    (false, 0xf000_0000, 4),   // reserved
-    (false, 0xffff_ffff, 32),  // broadcast
-    (true, 0, 128),            // unspecified
-    (true, 1, 128),            // loopback
-    (true, 0xffff << 32, 96),  // IPv4-mapped
-    (true, 0xfe80 << 112, 10), // link-local
-    (true, 0xff00 << 112, 8),  // multicast
+    (false, 0x0000_0000, 8),     // this network
+    (false, 0x7f00_0000, 8),     // loopback
+    (false, 0xa9fe_0000, 16),    // link-local
+    (false, 0xe000_0000, 4),     // multicast
+    (false, 0xf000_0000, 4),     // reserved
+    (false, 0xffff_ffff, 32),    // broadcast
+    (true, 0, 128),              // unspecified
+    (true, 1, 128),              // loopback
+    (true, 0xffff << 32, 96),    // IPv4-mapped
+    (true, 0, 96),               // IPv4-compatible
+    (true, 0x64_ff9b << 96, 96), // NAT64
+    (true, 0x2002 << 112, 16),   // 6to4
+    (true, 0xfe80 << 112, 10),   // link-local
+    (true, 0xff00 << 112, 8),    // multicast
 ];
 
 /// Space the policy keeps usable, as above.
