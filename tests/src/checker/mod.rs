@@ -25,6 +25,7 @@ use self::oracle::{Recorded, Snapshot, StepFacts};
 use crate::agent::{AgentEnv, TestNode};
 use crate::{ip, report, sandbox};
 use node_agent::runtime::cut::CUT_ENV;
+use node_agent_common as abi;
 
 /// How much to run.
 #[derive(Clone, Copy, Debug)]
@@ -335,6 +336,12 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str], seen: &mut Outcome) -> Ac
             let _ = std::fs::remove_file(env.checkpoint());
             once(args, None)
         }
+        Action::LoseKernelRecords => {
+            for pin in [abi::RECENT_REMOVALS_PIN, abi::FREED_IDS_PIN] {
+                let _ = std::fs::remove_file(node_agent::datapath::pin_dir(&env.bpffs).join(pin));
+            }
+            once(args, None)
+        }
         Action::CorruptCheckpoint { at } => {
             if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
                 let i = at % bytes.len().max(1);
@@ -605,6 +612,11 @@ impl Run {
     ) -> Option<Vec<String>> {
         let forced = [self.modes.args().as_slice(), &["--force-prune"]].concat();
         let nexthops = !self.modes.nexthops_off;
+        if self.modes.small_ids {
+            // Every freed ID cools down first (the kernel records free times in whole seconds,
+            // rounded up), so that every node of the mended cluster can have one.
+            std::thread::sleep(model::SMALL_ID_COOLDOWN + Duration::from_secs(2));
+        }
         truth.apply(&Change::Mend);
         sync_foreign(planted, &truth.foreign);
         let list = truth.list(&View::Full, rng);

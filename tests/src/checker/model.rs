@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::time::Duration;
 
 use crate::agent::TestNode;
 
@@ -140,6 +141,9 @@ pub enum Action {
     LoseCheckpoint,
     /// The checkpoint has a byte flipped, then `run --once`.
     CorruptCheckpoint { at: usize },
+    /// The kernel's records (the ring of recent removals and the freed IDs) are unpinned, as
+    /// an agent that never made them would leave the kernel, then `run --once`.
+    LoseKernelRecords,
     /// `run --once` cut by the agent's own test cut (`NODE_AGENT_TEST_CUT`) at the `at`th point
     /// of `sequence`: before its `at`th kernel operation (`ops`) or its checkpoint write
     /// (`checkpoint`, after every kernel write of the run), ended there (`kill`) or failed there.
@@ -150,6 +154,9 @@ pub enum Action {
         kill: bool,
     },
 }
+
+/// The cool-down of the small ID space mode (its `--id-cooldown` in [`Modes::args`]).
+pub const SMALL_ID_COOLDOWN: Duration = Duration::from_secs(3);
 
 /// The agent's modes, drawn for each history and printed with it: each is a way the agent runs
 /// that changes which code a history exercises.
@@ -409,8 +416,11 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
             },
         }
     } else if rng.chance(p.lost) {
-        if rng.chance(50) {
+        let pick = rng.below(3);
+        if pick == 0 {
             Action::LoseCheckpoint
+        } else if pick == 1 {
+            Action::LoseKernelRecords
         } else {
             Action::CorruptCheckpoint {
                 at: rng.below(4096),
