@@ -508,6 +508,11 @@ impl Drop for Sandbox {
 
 /// Runs a command without echoing it; fails with its stderr.
 pub(super) fn quiet(args: &[&str]) -> anyhow::Result<()> {
+    run(args).map(drop)
+}
+
+/// Runs a command; its standard output, or an error with the command and its standard error.
+fn run(args: &[&str]) -> anyhow::Result<Vec<u8>> {
     let out = Command::new(args[0])
         .args(&args[1..])
         .output()
@@ -519,7 +524,7 @@ pub(super) fn quiet(args: &[&str]) -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    Ok(())
+    Ok(out.stdout)
 }
 
 /// A path as a reader would see it: the sandbox's directories under `/tmp`.
@@ -541,20 +546,10 @@ pub(super) fn show(args: &[&str]) -> anyhow::Result<String> {
             _ => a,
         })
         .collect();
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .with_context(|| format!("running {}", args[0]))?;
-    if !out.status.success() {
-        bail!(
-            "{} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let stdout = run(args)?;
     Ok(format!(
         "$ {}\n{}",
         shown(&words.join(" ")),
-        shown(&String::from_utf8_lossy(&out.stdout))
+        shown(&String::from_utf8_lossy(&stdout))
     ))
 }
