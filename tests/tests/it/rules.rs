@@ -278,20 +278,26 @@ fn drift_in_the_map_is_rewritten_not_adopted() {
     });
 }
 
+/// Three remote nodes programmed (with `--max-node-id 3`, the whole ID space), the third's ID,
+/// and a newcomer that will ask for it.
+fn three_programmed(env: &AgentEnv) -> (Vec<TestNode>, u16, TestNode) {
+    let nodes = cluster(3);
+    env.write_nodes(&nodes);
+    assert_eq!(env.once(&[]).0, 0);
+    let freed = env.map()[&nodes[2].ips[0]];
+    (nodes, freed, TestNode::dual("node-0100", 100))
+}
+
 #[test]
 fn the_cooldown_of_a_freed_id_survives_a_lost_checkpoint() {
     require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
-        let nodes = cluster(3);
-        env.write_nodes(&nodes);
-        assert_eq!(env.once(&[]).0, 0);
-        let freed = env.map()[&nodes[2].ips[0]];
+        let (nodes, freed, newcomer) = three_programmed(&env);
         env.write_nodes(&nodes[..2]);
         assert_eq!(env.once(&[]).0, 0);
         std::fs::remove_file(env.checkpoint()).unwrap();
         // Only IDs 1..=3 exist in this test's ID space: the only free one is cooling down.
-        let newcomer = TestNode::dual("node-0100", 100);
         env.write_nodes(&[nodes[0].clone(), nodes[1].clone(), newcomer.clone()]);
         let (code, report, err) = env.once(&["--max-node-id", "3"]);
         assert_eq!(code, 0, "{err}");
@@ -320,11 +326,7 @@ fn at_the_edge_an_id_cooled_past_the_floor_is_reused_early() {
     require_sandbox!();
     sandbox(|sb| {
         let env = AgentEnv::new(&sb.bpffs);
-        let nodes = cluster(3);
-        env.write_nodes(&nodes);
-        assert_eq!(env.once(&[]).0, 0);
-        let freed = env.map()[&nodes[2].ips[0]];
-        let newcomer = TestNode::dual("node-0100", 100);
+        let (nodes, freed, newcomer) = three_programmed(&env);
         env.write_nodes(&[nodes[0].clone(), nodes[1].clone(), newcomer.clone()]);
         let edge = ["--max-node-id", "3", "--id-reuse-floor", "2s"];
         let (code, report, err) = env.once(&edge);
