@@ -40,6 +40,10 @@ pub struct LiveState {
     failing: Option<String>,
     /// What changed since [`Self::take_changes`] last ran.
     changes: Changes,
+    /// Whether nodes' ExternalIPs are read. Without `--include-external-ips` nothing uses them,
+    /// so they are dropped as they arrive: one the address policy refuses (a cloud's odd
+    /// ExternalIP) must not hold a node whose every address in use is fine.
+    external_ips: bool,
 }
 
 /// A node's latest record, rejected: why, and the UID it carried (which tells the planner which
@@ -108,8 +112,19 @@ impl LiveState {
         }
     }
 
+    /// Reads nodes' ExternalIPs too (`--include-external-ips`).
+    pub fn with_external_ips(mut self, read: bool) -> Self {
+        self.external_ips = read;
+        self
+    }
+
     /// Folds one event in; returns whether the live view (or its sync state) changed.
-    pub fn apply(&mut self, event: SourceEvent) -> bool {
+    pub fn apply(&mut self, mut event: SourceEvent) -> bool {
+        if !self.external_ips
+            && let SourceEvent::InitApply(raw) | SourceEvent::Apply(raw) = &mut event
+        {
+            raw.addresses.retain(|(kind, _)| kind != "ExternalIP");
+        }
         if event.clears_failure() {
             self.failing = None;
         }
@@ -340,6 +355,25 @@ mod tests {
             s.apply(SourceEvent::InitApply(n.clone()));
         }
         s.apply(SourceEvent::InitDone)
+    }
+
+    /// An ExternalIP the address policy refuses holds the node only where ExternalIPs are
+    /// read (`--include-external-ips`); elsewhere nothing uses it, and the node stands.
+    #[test]
+    fn an_unusable_external_ip_holds_a_node_only_where_external_ips_are_read() {
+        let mut n = raw("n1", "10.0.0.1");
+        n.addresses.push(("ExternalIP".into(), "127.0.0.1".into()));
+        for read in [false, true] {
+            let mut s = state().with_external_ips(read);
+            relist(&mut s, std::slice::from_ref(&n));
+            let listed = s.view().nodes.iter().any(|v| v.name == "n1");
+            assert_eq!(listed, !read, "external IPs read: {read}");
+            assert_eq!(
+                s.errors().len(),
+                usize::from(read),
+                "external IPs read: {read}"
+            );
+        }
     }
 
     /// Two items of one name in one list: the first stands, whatever the second says (valid or

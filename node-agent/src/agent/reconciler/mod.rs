@@ -149,7 +149,8 @@ impl<K: Kernel> Reconciler<K> {
         };
         let brake = Brake::restored(BrakeMemory::restored(record.as_ref(), kept, &ids));
         Self {
-            live: LiveState::new(config.node_name.clone()),
+            live: LiveState::new(config.node_name.clone())
+                .with_external_ips(config.include_external_ips),
             clock: AgentClock::resume(record.as_ref()),
             config,
             plan_config,
