@@ -7,7 +7,11 @@
 //! limit). So every [`Input`] is
 //!
 //! 1. looked at before it is opened (symlinks followed: a Secret or ConfigMap mount is a chain
-//!    of them) and refused unless it is a regular file, so no device is ever opened;
+//!    of them) and refused unless it is a regular file, so no device is ever opened. The agent's
+//!    own files in its state directory ([`Input::own`]: the lock, the checkpoint, the hold and
+//!    the confirmation) are never followed through a symlink (`O_NOFOLLOW`): a symlink there is
+//!    refused, and the lock, the one file written in place, is refused with a second hard link
+//!    too, so that a write lands in no other file;
 //! 2. opened with `O_NONBLOCK` (a FIFO swapped in after that look cannot block the open) and
 //!    looked at again through the descriptor, which is what is read;
 //! 3. read through [`Gated`], which fails once more than the kind's [`Input::cap`] has come
@@ -15,6 +19,11 @@
 //! 4. parsed by its reader with limits of its own: the nodes file's YAML and JSON parsers have
 //!    depth and event budgets (`node-agent/src/source/file.rs`), the checkpoint's decoder a
 //!    memory budget (`checkpoint/payload`).
+//!
+//! The directories the agent writes in (the state directory, the pin directory and its link
+//! directory) go through [`private_dir`]: created 0700 when missing; when present, refused if
+//! a symlink, not a directory, someone else's, world-writable or sticky (a shared `/tmp`),
+//! otherwise tightened to 0700.
 //!
 //! Every refusal names the file's kind, its path, and what was wrong with it (the kind of file
 //! found, or its size against the cap), and leaves the agent's last good state alone. The kernel's
@@ -62,6 +71,15 @@ impl Input {
         Input::HoldFile,
         Input::Confirmation,
     ];
+
+    /// Whether this is one of the agent's own files in its state directory, which it writes
+    /// (or replaces, or takes by rename): never opened through a symlink.
+    pub const fn own(self) -> bool {
+        matches!(
+            self,
+            Input::Checkpoint | Input::Lock | Input::HoldFile | Input::Confirmation
+        )
+    }
 
     /// What the file is, for messages.
     pub fn what(self) -> &'static str {
@@ -119,6 +137,9 @@ pub enum Problem {
     NotFound,
     #[error("is {0}, not a regular file")]
     NotRegular(&'static str),
+    /// The lock, written in place, with another name elsewhere.
+    #[error("has {0} hard links: a file the agent writes in place must have only its own name")]
+    HardLinked(u64),
     #[error("{size} bytes or more, over the {cap} bytes such a file can hold")]
     TooLarge { size: u64, cap: u64 },
     #[error("{0}")]
@@ -165,6 +186,8 @@ fn kind_of(meta: &Metadata) -> Option<&'static str> {
         return None;
     } else if t.is_dir() {
         "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
     } else if t.is_fifo() {
         "a FIFO"
     } else if t.is_socket() {
@@ -179,15 +202,19 @@ fn kind_of(meta: &Metadata) -> Option<&'static str> {
     Some(found)
 }
 
-/// Opens `path` as input `what`: refused unless it is a regular file (after symlinks) no larger
-/// than the kind's cap. The lock file is created (0600) when missing; every other input that is
+/// Opens `path` as input `what`: refused unless it is a regular file no larger than the kind's
+/// cap; symlinks are followed, except to the agent's own files ([`Input::own`]), where a symlink
+/// is refused (`O_NOFOLLOW`: a dangling one creates nothing either). The lock file is created
+/// (0600) when missing, and refused with more than one hard link; every other input that is
 /// missing is [`InputError::NotFound`].
 pub fn open(path: &Path, what: Input) -> Result<Gated, InputError> {
+    use std::os::unix::fs::MetadataExt;
     let err = |source: io::Error| {
-        let problem = if source.kind() == io::ErrorKind::NotFound {
-            Problem::NotFound
-        } else {
-            Problem::Io(source)
+        let problem = match source.raw_os_error() {
+            _ if source.kind() == io::ErrorKind::NotFound => Problem::NotFound,
+            // O_NOFOLLOW met a symlink swapped in after the look.
+            Some(libc::ELOOP) if what.own() => Problem::NotRegular("a symbolic link"),
+            _ => Problem::Io(source),
         };
         InputError::new(what, path, problem)
     };
@@ -199,17 +226,30 @@ pub fn open(path: &Path, what: Input) -> Result<Gated, InputError> {
             let (size, cap) = (meta.len(), what.cap());
             return Err(InputError::new(what, path, Problem::TooLarge { size, cap }));
         }
+        if what == Input::Lock && meta.nlink() > 1 {
+            return Err(InputError::new(
+                what,
+                path,
+                Problem::HardLinked(meta.nlink()),
+            ));
+        }
         Ok(())
     };
-    match std::fs::metadata(path) {
+    let look = match what.own() {
+        true => std::fs::symlink_metadata(path),
+        false => std::fs::metadata(path),
+    };
+    match look {
         Ok(meta) => check(&meta)?,
         Err(e) if e.kind() == io::ErrorKind::NotFound && what == Input::Lock => {}
         Err(e) => return Err(err(e)),
     }
+    let mut flags = libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+    if what.own() {
+        flags |= libc::O_NOFOLLOW;
+    }
     let mut options = OpenOptions::new();
-    options
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC);
+    options.read(true).custom_flags(flags);
     if what == Input::Lock {
         options.write(true).create(true).truncate(false).mode(0o600);
     }
@@ -273,6 +313,106 @@ pub fn replace(path: &Path, what: Input, bytes: &[u8]) -> Result<(), InputError>
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| fail(dir, "syncing the directory", e))
+}
+
+/// Why a directory the agent writes in was refused: which one, where, and what was wrong.
+#[derive(Debug, thiserror::Error)]
+#[error("{what} {}: {problem}", path.display())]
+pub struct DirError {
+    pub what: &'static str,
+    pub path: PathBuf,
+    #[source]
+    pub problem: DirProblem,
+}
+
+/// What was wrong with a directory the agent writes in.
+#[derive(Debug, thiserror::Error)]
+pub enum DirProblem {
+    #[error(
+        "is a symbolic link; the agent writes only in a directory of its own, never through a link"
+    )]
+    Symlink,
+    #[error("is not a directory")]
+    NotDirectory,
+    #[error(
+        "is owned by uid {owner}, not by this agent's uid {ours}; refusing to write in someone else's directory"
+    )]
+    Foreign { owner: u32, ours: u32 },
+    #[error(
+        "is world-writable (mode {0:04o}); refusing a shared directory: give the agent one of its own"
+    )]
+    WorldWritable(u32),
+    #[error("is sticky (mode {0:04o}), a shared directory; give the agent one of its own")]
+    Sticky(u32),
+    #[error("{step}: {source}")]
+    Io {
+        step: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The directory `what` at `path`, opened (`O_DIRECTORY | O_NOFOLLOW`, so what is checked is
+/// what is used) as one the agent may write in: created 0700 (with its missing parents) when
+/// missing; when present, refused if it is a symlink, not a directory, not owned by this
+/// process's effective uid, world-writable or sticky, and otherwise tightened to 0700 (a
+/// hostPath the kubelet made 0755, say). Never chmods what it refuses.
+pub fn private_dir(path: &Path, what: &'static str) -> Result<File, DirError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let fail = |problem| DirError {
+        what,
+        path: path.to_owned(),
+        problem,
+    };
+    let io = |step| move |source| fail(DirProblem::Io { step, source });
+    match std::fs::symlink_metadata(path) {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)
+                .map_err(io("creating"))?;
+        }
+        Err(e) => return Err(io("looking at")(e)),
+    }
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            // `O_DIRECTORY` on a symlink says ENOTDIR: which it was is looked at again.
+            Some(libc::ELOOP | libc::ENOTDIR) => match std::fs::symlink_metadata(path) {
+                Ok(m) if m.file_type().is_symlink() => fail(DirProblem::Symlink),
+                _ => fail(DirProblem::NotDirectory),
+            },
+            _ => fail(DirProblem::Io {
+                step: "opening",
+                source: e,
+            }),
+        })?;
+    let meta = dir.metadata().map_err(io("looking at"))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let ours = unsafe { libc::geteuid() };
+    let mode = meta.mode() & 0o7777;
+    if meta.uid() != ours {
+        return Err(fail(DirProblem::Foreign {
+            owner: meta.uid(),
+            ours,
+        }));
+    }
+    if mode & 0o002 != 0 {
+        return Err(fail(DirProblem::WorldWritable(mode)));
+    }
+    if mode & 0o1000 != 0 {
+        return Err(fail(DirProblem::Sticky(mode)));
+    }
+    if mode & 0o077 != 0 {
+        // Through the descriptor: the directory checked, not whatever the path names now.
+        dir.set_permissions(std::fs::Permissions::from_mode(0o700))
+            .map_err(io("restricting to 0700"))?;
+    }
+    Ok(dir)
 }
 
 impl Gated {

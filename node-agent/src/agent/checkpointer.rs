@@ -17,6 +17,8 @@ pub struct Checkpointer {
     dir: PathBuf,
     /// The writes so far, where a test may cut one ([`crate::runtime::cut`]).
     writes: RefCell<Counted>,
+    /// The node's pin lock ([`Checkpointer::lock_pins`]), held as long as the store's.
+    pins: Option<std::fs::File>,
 }
 
 impl Checkpointer {
@@ -30,6 +32,7 @@ impl Checkpointer {
                     store: None,
                     dir: dir.to_owned(),
                     writes: RefCell::new(Counted::new("checkpoint")),
+                    pins: None,
                 },
                 cp,
             ));
@@ -51,9 +54,27 @@ impl Checkpointer {
                 store: Some(store),
                 dir: dir.to_owned(),
                 writes: RefCell::new(Counted::new("checkpoint")),
+                pins: None,
             },
             restored,
         ))
+    }
+
+    /// Takes the node's pin lock: an exclusive `flock` on `<bpffs>/node-agent` itself, kept
+    /// with the state directory's for the life of the agent (invariant 11). The state
+    /// directory's lock alone let a second agent with another `--state-dir` (an operator's
+    /// `run --once`) detach the first's classifiers and prune its objects as orphans; every
+    /// agent that writes to the kernel writes the pins, so this one lock keeps them apart. A
+    /// dry run (and `plan`, `state show`, `ipsec status`, `prune`, which only read, or write
+    /// only in the state directory) takes neither lock. The descriptor is close-on-exec and the
+    /// lock dies with the process: a restarted daemon never waits on its predecessor.
+    pub fn lock_pins(&mut self, bpffs: &Path) -> Result<(), AgentError> {
+        if self.store.is_none() {
+            return Ok(());
+        }
+        crate::datapath::check_bpffs(bpffs).map_err(crate::backends::OpenError::from)?;
+        self.pins = Some(checkpoint::lock_pin_dir(&crate::datapath::pin_dir(bpffs))?);
+        Ok(())
     }
 
     /// Whether writes happen at all (not in a dry run).

@@ -28,7 +28,8 @@ use crate::kernel::DumpError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    /// Invariant 11: one agent per node. The message names the holder's PID.
+    /// Invariant 11: one agent per node (per state directory, and per node's pins). The
+    /// message names the holder's PID.
     #[error("node-agent is already running: {0}")]
     AlreadyRunning(StoreError),
     #[error(transparent)]
@@ -52,7 +53,9 @@ pub enum AgentError {
 impl From<StoreError> for AgentError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::AlreadyRunning { .. } => Self::AlreadyRunning(e),
+            StoreError::AlreadyRunning { .. } | StoreError::PinsHeld { .. } => {
+                Self::AlreadyRunning(e)
+            }
             other => Self::Store(other),
         }
     }

@@ -151,7 +151,8 @@ pub async fn run_once(
         config.state_dir.display()
     ));
     let telemetry = Arc::new(Telemetry::new(Duration::MAX));
-    let (checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
+    let (mut checkpointer, record) = Checkpointer::open(&config.state_dir, dry_run)?;
+    checkpointer.lock_pins(&config.datapath.bpffs)?;
     deadline.waiting_for("the kernel's objects (the datapath's pins, netlink)");
     let backends = Backends::open(&config.backends(), dry_run).await?;
     let mut rec = Reconciler::new(config, record, backends, telemetry);
@@ -256,7 +257,8 @@ pub async fn run(
     relist: mpsc::Sender<SourceRequest>,
 ) -> Result<(), AgentError> {
     let mut signals = Signals::install()?;
-    let (checkpointer, record) = Checkpointer::open(&config.state_dir, false)?;
+    let (mut checkpointer, record) = Checkpointer::open(&config.state_dir, false)?;
+    checkpointer.lock_pins(&config.datapath.bpffs)?;
     let backends = Backends::open(&config.backends(), false).await?;
     let ipsec = config.ipsec_key_file.is_some();
     let mut rec = Reconciler::new(config, record, backends, telemetry.clone());

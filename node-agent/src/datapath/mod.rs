@@ -21,7 +21,6 @@ pub mod records;
 pub mod tc_filter;
 pub mod txn;
 
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use aya::maps::MapType;
@@ -46,6 +45,8 @@ pub enum DatapathError {
     ObjectMissing,
     #[error("{path} is not a bpffs mount (mount one with `mount -t bpf bpf {path}`)")]
     NotBpffs { path: PathBuf },
+    #[error(transparent)]
+    Dir(#[from] state::input::DirError),
     #[error("checking {path}: {source}")]
     Io {
         path: PathBuf,
@@ -273,18 +274,12 @@ impl Datapath {
             return Err(DatapathError::IfaceTwice(i.clone()));
         }
         check_bpffs(&config.bpffs)?;
+        // The agent's own directories: never through a symlink, never someone else's (the link
+        // directory's entries are unpinned when not configured, see `attach::unpin_unconfigured`).
         let dir = config.pin_dir();
         let link_dir = dir.join("links");
-        for d in [&dir, &link_dir] {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(d)
-                .map_err(|source| DatapathError::Io {
-                    path: d.clone(),
-                    source,
-                })?;
-        }
+        state::input::private_dir(&dir, "pin directory")?;
+        state::input::private_dir(&link_dir, "link pin directory")?;
         let pins = Pins::of(&config.bpffs);
         let (mut ids_max, mut cidrs_max) = (config.node_map_max, config.node_map_max);
         if !fresh {
@@ -404,7 +399,7 @@ impl Datapath {
     }
 }
 
-fn check_bpffs(path: &Path) -> Result<(), DatapathError> {
+pub(crate) fn check_bpffs(path: &Path) -> Result<(), DatapathError> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
         DatapathError::NotBpffs {
             path: path.to_owned(),

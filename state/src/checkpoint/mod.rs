@@ -24,7 +24,8 @@ pub use clock::BootTime;
 pub use error::{DecodeError, EncodeError, PayloadError};
 pub use format::{FORMAT_VERSION, MAGIC, decode, encode};
 pub use store::{
-    CheckpointStore, LoadOutcome, StoreError, Unusable, lock_held_by, lock_holder, read,
+    CheckpointStore, LoadOutcome, StoreError, Unusable, lock_held_by, lock_holder, lock_pin_dir,
+    read,
 };
 
 /// A restored node whose cleanup has not succeeded yet. It is carried from checkpoint to

@@ -1,10 +1,13 @@
 //! The checkpoint file: one agent per state directory, atomic replacement, corrupt files kept.
 //!
-//! Layout of `<state-dir>` (mode 0700):
+//! Layout of `<state-dir>` (mode 0700; an existing one that is a symlink, someone else's,
+//! world-writable or sticky is refused, see [`input::private_dir`]):
 //!
 //! - `lock`: held with an exclusive `flock` for the life of the [`CheckpointStore`], holding the
 //!   holder's PID so a second instance can say who it lost to (invariant 11). `flock` locks
 //!   belong to the open file description, so a second open in the same process conflicts too.
+//!   The lock file is opened without following a symlink and refused unless it is a regular
+//!   file with one name, so the PID written into it lands in no other file.
 //! - `nodes.ckpt` (mode 0600): the checkpoint, only ever replaced by rename.
 //! - `.nodes.ckpt.tmp`: the next checkpoint while it is being written; a leftover from a crash is
 //!   removed on open.
@@ -15,18 +18,21 @@
 //! `hold.json` (what the brake holds), `prune-confirm` (an operator's confirmation, written as
 //! `.prune-confirm.<pid>.<nanos>.tmp` and renamed into place) and `.prune-confirm.taken` (a
 //! confirmation the daemon has taken and not yet read).
+//!
+//! The node's pins have a lock of their own ([`lock_pin_dir`]): an exclusive `flock` on the pin
+//! directory `<bpffs>/node-agent` itself, held by every agent that writes to the kernel, so that
+//! a second agent with another state directory cannot take the node's objects from the first.
 
 use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::error::{DecodeError, EncodeError};
 use crate::checkpoint::format;
-use crate::input::{self, Input, InputError, Problem};
+use crate::input::{self, DirError, Input, InputError, Problem};
 
 pub const FILE_NAME: &str = "nodes.ckpt";
 const TMP_NAME: &str = ".nodes.ckpt.tmp";
@@ -44,6 +50,19 @@ pub enum StoreError {
         dir.display()
     )]
     AlreadyRunning { pid: Option<u32>, dir: PathBuf },
+    /// The node's pin directory is locked by another agent (one per node, whatever its state
+    /// directory).
+    #[error(
+        "another node-agent ({}) holds the lock on pin directory {}: one agent per node writes \
+         the node's pins, routes and xfrm state",
+        pid.map_or_else(
+            || "pid unknown: a directory's lock records none, and /proc/locks did not show it"
+                .to_string(),
+            |p| format!("pid {p}")
+        ),
+        dir.display()
+    )]
+    PinsHeld { pid: Option<u32>, dir: PathBuf },
     #[error("{what} {}: {source}", path.display())]
     Io {
         what: &'static str,
@@ -59,6 +78,8 @@ pub enum StoreError {
     },
     #[error(transparent)]
     Input(#[from] InputError),
+    #[error(transparent)]
+    Dir(#[from] DirError),
 }
 
 /// Why a checkpoint file was not used: the input gate refused it (a FIFO, a directory, over its
@@ -135,6 +156,53 @@ pub fn lock_held_by(dir: &Path, pid: u32) -> bool {
     })
 }
 
+/// The holder of the exclusive `flock` on `file`, as `/proc/locks` names it (in the PID
+/// namespace of this process's `/proc`); `None` when it is not listed there or shows as 0 (a
+/// holder in a PID namespace this one cannot see).
+fn flock_holder(file: &File) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata().ok()?;
+    let (major, minor) = (libc::major(meta.dev()), libc::minor(meta.dev()));
+    let want = format!("{major:02x}:{minor:02x}:{}", meta.ino());
+    let locks = fs::read_to_string("/proc/locks").ok()?;
+    // `1: FLOCK  ADVISORY  WRITE 1234 00:2d:5678 0 EOF`; a waiter's line has `->` after the id.
+    locks.lines().find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.as_slice() {
+            [_, "FLOCK", _, "WRITE", pid, id, ..] if *id == want => {
+                pid.parse().ok().filter(|&p| p != 0)
+            }
+            _ => None,
+        }
+    })
+}
+
+/// Takes the node's pin lock: an exclusive `flock` on the pin directory `dir`
+/// (`<bpffs>/node-agent`) itself, created 0700 if missing and otherwise checked like the state
+/// directory ([`input::private_dir`]: never a symlink, someone else's or a shared one). Kept for
+/// the life of the returned descriptor, which is close-on-exec: it dies with the process, so a
+/// restarted daemon never waits on its predecessor. A directory holds no PID file (bpffs holds
+/// only pins), so the holder is looked up in `/proc/locks`.
+pub fn lock_pin_dir(dir: &Path) -> Result<File, StoreError> {
+    let file = input::private_dir(dir, "pin directory")?;
+    // SAFETY: flock only reads the fd, which `file` owns and keeps open for this call.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(StoreError::PinsHeld {
+                pid: flock_holder(&file),
+                dir: dir.to_owned(),
+            });
+        }
+        return Err(StoreError::Io {
+            what: "locking",
+            path: dir.to_owned(),
+            source: err,
+        });
+    }
+    Ok(file)
+}
+
 /// The locked state directory.
 #[derive(Debug)]
 pub struct CheckpointStore {
@@ -144,19 +212,11 @@ pub struct CheckpointStore {
 }
 
 impl CheckpointStore {
-    /// Creates or tightens `dir` to 0700 and takes its lock.
+    /// Creates `dir` (0700), or checks and tightens it ([`input::private_dir`]), and takes its
+    /// lock.
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self, StoreError> {
         let dir = dir.into();
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&dir)
-            .map_err(io_err("creating state directory", &dir))?;
-        let meta = fs::metadata(&dir).map_err(io_err("reading state directory", &dir))?;
-        if meta.permissions().mode() & 0o077 != 0 {
-            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
-                .map_err(io_err("restricting state directory to 0700", &dir))?;
-        }
+        input::private_dir(&dir, "state directory")?;
         let lock_path = dir.join(LOCK_NAME);
         let mut gated = input::open(&lock_path, Input::Lock)?;
         // SAFETY: flock only reads the fd, which `gated` owns and keeps open for this call.
@@ -292,6 +352,7 @@ impl CheckpointStore {
 mod tests {
     use super::*;
     use crate::checkpoint::format::tests::sample;
+    use std::os::unix::fs::PermissionsExt;
 
     fn mode(p: &Path) -> u32 {
         fs::metadata(p).unwrap().permissions().mode() & 0o777
@@ -433,5 +494,122 @@ mod tests {
         let kept: Vec<_> = moved.iter().filter(|p| p.exists()).collect();
         assert_eq!(kept, moved[2..].iter().collect::<Vec<_>>());
         assert!(matches!(store.load().unwrap(), LoadOutcome::NotFound));
+    }
+
+    /// An existing state directory that is a symlink, a shared (world-writable, sticky) one or
+    /// someone else's is refused by name and left as it was; nothing is created in it.
+    #[test]
+    fn a_state_directory_not_our_own_is_refused_and_left_alone() {
+        use std::os::unix::fs::MetadataExt;
+        let t = tempfile::tempdir().unwrap();
+        let real = t.path().join("real");
+        fs::create_dir(&real).unwrap();
+        fs::set_permissions(&real, fs::Permissions::from_mode(0o755)).unwrap();
+        let link = t.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let shared = t.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).unwrap();
+        let sticky = t.path().join("sticky");
+        fs::create_dir(&sticky).unwrap();
+        fs::set_permissions(&sticky, fs::Permissions::from_mode(0o1750)).unwrap();
+        let file = t.path().join("file");
+        fs::write(&file, "x").unwrap();
+        let mut cases = vec![
+            (&link, "is a symbolic link", 0o755, &real),
+            (&shared, "world-writable", 0o1777, &shared),
+            (&sticky, "sticky", 0o1750, &sticky),
+        ];
+        let foreign = t.path().join("foreign");
+        fs::create_dir(&foreign).unwrap();
+        fs::set_permissions(&foreign, fs::Permissions::from_mode(0o755)).unwrap();
+        // SAFETY: geteuid cannot fail. Only root can give a directory away.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(&foreign, Some(65534), None).unwrap();
+            cases.push((&foreign, "owned by uid 65534", 0o755, &foreign));
+        }
+        for (dir, says, mode_before, target) in cases {
+            let e = CheckpointStore::open(dir).unwrap_err().to_string();
+            assert!(
+                e.contains(says) && e.contains(&*dir.to_string_lossy()),
+                "{e}"
+            );
+            assert_eq!(
+                fs::metadata(target).unwrap().mode() & 0o7777,
+                mode_before,
+                "{e}"
+            );
+            assert_eq!(fs::read_dir(target).unwrap().count(), 0, "{e}");
+        }
+        let e = CheckpointStore::open(&file).unwrap_err().to_string();
+        assert!(e.contains("is not a directory"), "{e}");
+    }
+
+    /// The lock file is written in place (the PID), so what sits at its path is never
+    /// followed: a symlink (to a file, or dangling), a second hard link, a FIFO are refused by
+    /// name, the file a link points at keeps its bytes and a dangling link creates nothing.
+    #[test]
+    fn the_lock_is_never_written_through_a_link() {
+        let t = tempfile::tempdir().unwrap();
+        let victim = t.path().join("victim");
+        let dir = t.path().join("state");
+        fs::create_dir(&dir).unwrap();
+        let lock = dir.join(LOCK_NAME);
+        let dangling = t.path().join("nothing-here");
+        let plant: [(&str, &str, &dyn Fn()); 4] = [
+            ("symlink", "is a symbolic link", &|| {
+                std::os::unix::fs::symlink(&victim, &lock).unwrap()
+            }),
+            ("dangling symlink", "is a symbolic link", &|| {
+                std::os::unix::fs::symlink(&dangling, &lock).unwrap()
+            }),
+            ("hard link", "has 2 hard links", &|| {
+                fs::hard_link(&victim, &lock).unwrap()
+            }),
+            ("FIFO", "is a FIFO", &|| {
+                let c = std::ffi::CString::new(lock.as_os_str().as_encoded_bytes()).unwrap();
+                // SAFETY: a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            }),
+        ];
+        for (what, says, plant) in plant {
+            fs::write(&victim, "precious\n").unwrap();
+            plant();
+            let e = CheckpointStore::open(&dir).unwrap_err().to_string();
+            assert!(e.contains(says) && e.contains("lock"), "{what}: {e}");
+            assert_eq!(fs::read_to_string(&victim).unwrap(), "precious\n", "{what}");
+            assert!(!dangling.exists(), "{what}");
+            fs::remove_file(&lock).unwrap();
+        }
+        CheckpointStore::open(&dir).unwrap();
+    }
+
+    /// The pin directory's lock: a second taker (another open of it, as another agent would)
+    /// is refused naming the holder's PID from /proc/locks; released when the first goes.
+    #[test]
+    fn the_pin_directory_is_locked_by_one_holder_named_in_the_refusal() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("node-agent");
+        let first = lock_pin_dir(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        match lock_pin_dir(&dir) {
+            Err(e @ StoreError::PinsHeld { pid, .. }) => {
+                let s = e.to_string();
+                assert!(
+                    s.contains("pin directory") && s.contains("node-agent"),
+                    "{s}"
+                );
+                if let Some(pid) = pid {
+                    assert_eq!(pid, std::process::id(), "{s}");
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(first);
+        let _again = lock_pin_dir(&dir).unwrap();
+        let link = t.path().join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        let e = lock_pin_dir(&link).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link"), "{e}");
     }
 }

@@ -684,3 +684,434 @@ fn routes_with_their_own_gateway_move_to_nexthops_in_place_and_back() {
         assert_eq!(ours(&env), 0);
     });
 }
+
+/// A second agent with a state directory of its own, on the node's bpffs (an operator's debug
+/// `run --once` without `--datapath-iface`, with `--force-prune` and a list that would prune):
+/// refused at start, naming the pin directory and the daemon's PID, before it touches the
+/// kernel. The daemon's classifiers stay attached and its routes and map entries stay. A dry
+/// run beside the daemon still plans (it only reads), and once the daemon is gone the lock went
+/// with it: the next agent starts.
+#[test]
+fn a_second_agent_with_another_state_dir_is_refused_and_changes_nothing() {
+    use aya::programs::TcAttachType;
+    use node_agent_tests::attached;
+    require_sandbox!();
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let nodes = cluster(3);
+        env.write_nodes(&nodes);
+        let mut daemon = env.spawn(&[]);
+        env.wait("the daemon's routes and checkpoint", TIMEOUT, || {
+            env.checkpoint().exists() && node_agent_tests::agent::is_exact(&env, &nodes)
+        });
+        let before = (
+            env.routes(),
+            env.map(),
+            attached("gw0", TcAttachType::Ingress),
+            attached("gw0", TcAttachType::Egress),
+        );
+        assert!(
+            before.2 > 0 && before.3 > 0,
+            "the daemon attached: {before:?}"
+        );
+        let base = sb.bpffs.parent().unwrap();
+        let other_nodes = base.join("debug-nodes.yaml");
+        std::fs::write(
+            &other_nodes,
+            node_agent_tests::agent::node_list(&[local_node()]),
+        )
+        .unwrap();
+        let second = |extra: &[&str]| {
+            let out = std::process::Command::new(node_agent_tests::agent_bin())
+                .args(["run", "--node-name", "local", "--nodes-file"])
+                .arg(&other_nodes)
+                .arg("--state-dir")
+                .arg(base.join("debug-state"))
+                .arg("--bpffs")
+                .arg(&sb.bpffs)
+                .args(["--sync-timeout", "30s"])
+                .args(extra)
+                .output()
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let (code, err) = second(&["--once", "--force-prune"]);
+        assert_ne!(code, Some(0), "{err}");
+        assert!(
+            err.contains("already running")
+                && err.contains("pin directory")
+                && err.contains(&daemon.id().to_string()),
+            "names the pin directory and the daemon's PID: {err}"
+        );
+        let after = (
+            env.routes(),
+            env.map(),
+            attached("gw0", TcAttachType::Ingress),
+            attached("gw0", TcAttachType::Egress),
+        );
+        assert_eq!(before, after, "the daemon's objects changed");
+        node_agent_tests::report(&format!(
+            "second agent: refused ({}); {} routes, {} map entries, {}+{} classifiers kept",
+            err.lines().last().unwrap_or("").trim(),
+            after.0.len(),
+            after.1.len(),
+            after.2,
+            after.3
+        ));
+        let (code, err) = second(&["--dry-run"]);
+        assert!(
+            matches!(code, Some(0) | Some(3)),
+            "a dry run only reads: {err}"
+        );
+        assert!(!err.contains("already running"), "{err}");
+        assert_eq!(env.routes(), before.0);
+        daemon.kill().unwrap();
+        daemon.wait().unwrap();
+        // The lock died with the daemon: a restart (here a one-shot run) is not refused.
+        let (code, _, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_exact(&env, &nodes);
+    });
+}
+
+/// What a hostile neighbour (or a mistake) can leave at a path the agent writes or creates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Hostile {
+    SymlinkToFile,
+    SymlinkToDir,
+    Dangling,
+    Fifo,
+    /// A directory where a file is expected.
+    Directory,
+    /// A regular file where a directory is expected.
+    File,
+    /// A second name of a file elsewhere.
+    HardLink,
+    /// A shared directory: mode 0777.
+    WorldWritable,
+    /// A shared directory like `/tmp`: mode 1777.
+    Sticky,
+    /// Someone else's directory (uid 65534).
+    Foreign,
+}
+
+/// What the agent must do about it.
+#[derive(Debug)]
+enum Expect {
+    /// Exit non-zero, the error naming the path and saying this.
+    Refused(&'static str),
+    /// Go on, the file moved aside (never opened through the link), saying so by name.
+    SetAside,
+    /// Go on, what was there removed (the link, not its target).
+    Removed,
+}
+
+/// One path the agent writes or creates: its name, where it is, whether it is a directory.
+struct Written {
+    name: &'static str,
+    path: std::path::PathBuf,
+    dir: bool,
+}
+
+/// Every path the agent writes or creates at start, from the code: the state directory
+/// (`CheckpointStore::open`), its lock, the checkpoint (replaced by rename, read back at start)
+/// and the checkpoint's temporary file (a leftover is removed); in bpffs the pin directory
+/// (`lock_pin_dir`) and the link directory (`Datapath::open`). Each x each hostile kind that
+/// applies: the agent refuses naming the path (or, for the checkpoint, moves it aside by name;
+/// for the temporary file, removes it), and no symlink's target is touched or created. Not
+/// here: `hold.json` and `prune-confirm` (written only by a daemon with a hold and by
+/// `prune confirm`, both through `input::replace`-style create-new-and-rename, and read through
+/// the gate without following links: the input gate's table walks them).
+#[test]
+fn every_path_the_agent_writes_refuses_what_is_not_its_own() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    require_sandbox!();
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        env.write_nodes(&cluster(2));
+        let base = sb.bpffs.parent().unwrap().to_owned();
+        let victim = base.join("victim");
+        let victim_dir = base.join("victim-dir");
+        let nothing = base.join("nothing-here");
+        std::fs::create_dir(&victim_dir).unwrap();
+        std::fs::set_permissions(&victim_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let pin_dir = node_agent::datapath::pin_dir(&sb.bpffs);
+        let mut covered = Vec::new();
+        let mut skipped = Vec::new();
+        let mut n = 0;
+        let dir_kinds = [
+            Hostile::SymlinkToDir,
+            Hostile::Dangling,
+            Hostile::Fifo,
+            Hostile::File,
+            Hostile::WorldWritable,
+            Hostile::Sticky,
+            Hostile::Foreign,
+        ];
+        let file_kinds = [
+            Hostile::SymlinkToFile,
+            Hostile::Dangling,
+            Hostile::Fifo,
+            Hostile::Directory,
+            Hostile::HardLink,
+        ];
+        // The bpffs directories first, while the pin directory is not there yet.
+        for which in [
+            "pin directory",
+            "link directory",
+            "state directory",
+            "lock",
+            "checkpoint",
+            "temporary checkpoint",
+        ] {
+            let kinds: &[Hostile] = if which.ends_with("directory") {
+                &dir_kinds
+            } else {
+                &file_kinds
+            };
+            for &kind in kinds {
+                n += 1;
+                let state = base.join(format!("case-{n}")).join("state");
+                let w = match which {
+                    "pin directory" => Written {
+                        name: which,
+                        path: pin_dir.clone(),
+                        dir: true,
+                    },
+                    "link directory" => Written {
+                        name: which,
+                        path: pin_dir.join("links"),
+                        dir: true,
+                    },
+                    "state directory" => Written {
+                        name: which,
+                        path: state.clone(),
+                        dir: true,
+                    },
+                    "lock" => Written {
+                        name: which,
+                        path: state.join("lock"),
+                        dir: false,
+                    },
+                    "checkpoint" => Written {
+                        name: which,
+                        path: state.join("nodes.ckpt"),
+                        dir: false,
+                    },
+                    _ => Written {
+                        name: which,
+                        path: state.join(".nodes.ckpt.tmp"),
+                        dir: false,
+                    },
+                };
+                std::fs::create_dir_all(state.parent().unwrap()).unwrap();
+                if which == "link directory" {
+                    std::fs::create_dir_all(&pin_dir).unwrap();
+                    std::fs::set_permissions(&pin_dir, std::fs::Permissions::from_mode(0o700))
+                        .unwrap();
+                }
+                if !w.dir {
+                    std::fs::create_dir_all(&state).unwrap();
+                    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700))
+                        .unwrap();
+                }
+                std::fs::write(&victim, "precious\n").unwrap();
+                let expect = match plant(kind, &w, &victim, &victim_dir, &nothing) {
+                    Ok(e) => e,
+                    Err(why) => {
+                        skipped.push(format!("{kind:?} at the {}: {why}", w.name));
+                        continue;
+                    }
+                };
+                let expect = match (w.name, expect) {
+                    ("checkpoint", Expect::Refused(_)) => Expect::SetAside,
+                    ("temporary checkpoint", Expect::Refused(_)) if kind != Hostile::Directory => {
+                        Expect::Removed
+                    }
+                    ("temporary checkpoint", Expect::Refused(_)) => {
+                        Expect::Refused("removing leftover temp checkpoint")
+                    }
+                    (_, e) => e,
+                };
+                let case_env = AgentEnv {
+                    bpffs: env.bpffs.clone(),
+                    state_dir: state.clone(),
+                    nodes_file: env.nodes_file.clone(),
+                    kubeconfig: None,
+                    flags: Vec::new(),
+                };
+                let out = case_env
+                    .command(&["--once", "--sync-timeout", "30s"])
+                    .output()
+                    .unwrap();
+                let err = String::from_utf8_lossy(&out.stderr).into_owned();
+                let shown = w.path.display().to_string();
+                let what = format!("{kind:?} at the {} {shown}", w.name);
+                match &expect {
+                    Expect::Refused(says) => {
+                        assert_ne!(out.status.code(), Some(0), "{what}: not refused\n{err}");
+                        assert!(
+                            err.contains(&shown) && err.contains(says),
+                            "{what}: the error does not name the path and say {says:?}:\n{err}"
+                        );
+                    }
+                    Expect::SetAside => {
+                        assert_eq!(out.status.code(), Some(0), "{what}:\n{err}");
+                        assert!(
+                            err.contains("moved aside") && err.contains(&shown),
+                            "{what}: not moved aside by name:\n{err}"
+                        );
+                        assert!(
+                            std::fs::symlink_metadata(&w.path)
+                                .is_ok_and(|m| m.file_type().is_file()),
+                            "{what}: the agent's own checkpoint is in place"
+                        );
+                    }
+                    Expect::Removed => {
+                        assert_eq!(out.status.code(), Some(0), "{what}:\n{err}");
+                        assert!(
+                            std::fs::symlink_metadata(&w.path).is_err(),
+                            "{what}: still there"
+                        );
+                    }
+                }
+                // No target was written, created or chmodded.
+                assert_eq!(
+                    std::fs::read_to_string(&victim).unwrap(),
+                    "precious\n",
+                    "{what}"
+                );
+                assert!(
+                    !nothing.exists(),
+                    "{what}: a dangling link's target was created"
+                );
+                let vd = std::fs::metadata(&victim_dir).unwrap();
+                assert_eq!(
+                    vd.mode() & 0o7777,
+                    0o755,
+                    "{what}: the linked directory was chmodded"
+                );
+                assert_eq!(
+                    std::fs::read_dir(&victim_dir).unwrap().count(),
+                    0,
+                    "{what}: written in the linked directory"
+                );
+                if let (true, Expect::Refused(_)) = (w.dir, &expect)
+                    && matches!(
+                        kind,
+                        Hostile::WorldWritable | Hostile::Sticky | Hostile::Foreign
+                    )
+                {
+                    let m = std::fs::metadata(&w.path).unwrap();
+                    assert_ne!(
+                        m.mode() & 0o777,
+                        0o700,
+                        "{what}: a refused directory was chmodded"
+                    );
+                    assert!(
+                        m.mode() & 0o777 != 0o700
+                            && std::fs::read_dir(&w.path).unwrap().count() == 0,
+                        "{what}: written in"
+                    );
+                }
+                covered.push(format!("{kind:?}@{}", w.name));
+                // Undo the plant (a directory the case left, the link), so the next case starts
+                // from the agent's own layout.
+                let m = std::fs::symlink_metadata(&w.path);
+                match m {
+                    Ok(m) if m.is_dir() => {
+                        let _ = std::fs::remove_dir_all(&w.path);
+                    }
+                    Ok(_) => std::fs::remove_file(&w.path).unwrap(),
+                    Err(_) => {}
+                }
+                let _ = std::fs::remove_file(&victim);
+            }
+        }
+        for s in &skipped {
+            node_agent_tests::report(&format!("written paths: skipped {s}"));
+        }
+        node_agent_tests::report(&format!(
+            "written paths: {} cases refused, set aside or removed, no link followed ({} skipped): {}",
+            covered.len(),
+            skipped.len(),
+            covered.join(", ")
+        ));
+        assert!(covered.len() >= 30, "too few cases ran: {}", covered.len());
+    });
+}
+
+/// Puts `kind` at `w`'s path; what the agent must do about it (refusals say what they found).
+fn plant(
+    kind: Hostile,
+    w: &Written,
+    victim: &std::path::Path,
+    victim_dir: &std::path::Path,
+    nothing: &std::path::Path,
+) -> Result<Expect, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let p = &w.path;
+    let mkdir = |mode| {
+        std::fs::create_dir(p).map_err(|e| format!("mkdir: {e}"))?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| format!("chmod: {e}"))
+    };
+    Ok(match kind {
+        Hostile::SymlinkToFile => {
+            std::os::unix::fs::symlink(victim, p).unwrap();
+            Expect::Refused("is a symbolic link")
+        }
+        Hostile::SymlinkToDir => {
+            std::os::unix::fs::symlink(victim_dir, p).map_err(|e| format!("symlink: {e}"))?;
+            Expect::Refused("is a symbolic link")
+        }
+        Hostile::Dangling => {
+            std::os::unix::fs::symlink(nothing, p).map_err(|e| format!("symlink: {e}"))?;
+            Expect::Refused("is a symbolic link")
+        }
+        Hostile::Fifo => {
+            let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: a valid NUL-terminated path.
+            if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } != 0 {
+                return Err(format!("mkfifo: {}", std::io::Error::last_os_error()));
+            }
+            Expect::Refused(if w.dir {
+                "is not a directory"
+            } else {
+                "is a FIFO"
+            })
+        }
+        Hostile::Directory => {
+            mkdir(0o700)?;
+            Expect::Refused("is a directory")
+        }
+        Hostile::File => {
+            std::fs::write(p, "x").map_err(|e| format!("creating a file: {e}"))?;
+            Expect::Refused("is not a directory")
+        }
+        Hostile::HardLink => {
+            if w.name != "lock" {
+                return Err("only the lock is written in place".into());
+            }
+            std::fs::hard_link(victim, p).unwrap();
+            Expect::Refused("hard links")
+        }
+        Hostile::WorldWritable => {
+            mkdir(0o777)?;
+            Expect::Refused("world-writable")
+        }
+        Hostile::Sticky => {
+            mkdir(0o1777)?;
+            Expect::Refused("world-writable")
+        }
+        Hostile::Foreign => {
+            mkdir(0o755)?;
+            std::os::unix::fs::chown(p, Some(65534), Some(65534))
+                .map_err(|e| format!("chown: {e}"))?;
+            Expect::Refused("owned by uid 65534")
+        }
+    })
+}

@@ -1,7 +1,8 @@
 //! The input gate (`state/src/input.rs`), walked as a table: every kind of file at the path of
 //! every file the agent reads, each read by the agent's own reader of that file. Each case must
 //! end within a bound (no open or read may block), without a panic, and with what the table
-//! says: read, or refused with an error naming the file and what was wrong with it.
+//! says: read, or refused with an error naming the file and what was wrong with it. A symlink
+//! is followed to the operator's files and refused at the agent's own.
 
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -142,7 +143,7 @@ fn make(kind: Kind, what: Input, path: &Path) -> Result<Expect, String> {
             let target = dir.join(".target");
             write(&target, &valid(what));
             std::os::unix::fs::symlink(&target, path).unwrap();
-            Expect::Read
+            followed(what, Expect::Read)
         }
         Kind::MountedSecret => {
             let version = dir.join("..2026_11_28_00_00_00.1");
@@ -152,7 +153,7 @@ fn make(kind: Kind, what: Input, path: &Path) -> Result<Expect, String> {
             let mut link = PathBuf::from("..data");
             link.push(name);
             std::os::unix::fs::symlink(link, path).unwrap();
-            Expect::Read
+            followed(what, Expect::Read)
         }
         Kind::Fifo => {
             mkfifo(path)?;
@@ -162,7 +163,7 @@ fn make(kind: Kind, what: Input, path: &Path) -> Result<Expect, String> {
             let target = dir.join(".fifo");
             mkfifo(&target)?;
             std::os::unix::fs::symlink(&target, path).unwrap();
-            Expect::Refused("is a FIFO, not a regular file")
+            followed(what, Expect::Refused("is a FIFO, not a regular file"))
         }
         Kind::Directory => {
             std::fs::create_dir(path).unwrap();
@@ -198,6 +199,15 @@ fn make(kind: Kind, what: Input, path: &Path) -> Result<Expect, String> {
             expect
         }
     })
+}
+
+/// What a symlink at input `what` gets: the agent's own files ([`Input::own`]) are never
+/// opened through one; the operator's (a Secret's chain of links) are followed to `target`.
+fn followed(what: Input, target: Expect) -> Expect {
+    match what.own() {
+        true => Expect::Refused("is a symbolic link, not a regular file"),
+        false => target,
+    }
 }
 
 fn path_name(path: &Path) -> &'static str {
