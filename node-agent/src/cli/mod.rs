@@ -1,5 +1,6 @@
 //! The command line: argument definitions and one module per subcommand.
 
+pub mod flags;
 pub mod ipsec_status;
 pub mod map_dump;
 pub mod prune;

@@ -7,6 +7,13 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio::sync::mpsc;
 
+use super::flags::{
+    Bounded, CHECKPOINT_INTERVAL, DEBOUNCE, ID_COOLDOWN, ID_REUSE_FLOOR,
+    IPSEC_KEY_PROPAGATION_DELAY, IPSEC_KEY_ROTATION_DELAY, MAX_NODE_ID, MAX_PRUNE_RATIO,
+    NODE_MAP_MAX, NODES_FILE_POLL, NODES_FILE_SETTLE, PRUNE_CONFIRM_DELAY, RELIST_INTERVAL,
+    RESYNC_INTERVAL, SYNC_TIMEOUT, parse_iface, parse_mark_mask, parse_metrics_addr,
+    parse_route_protocol, parse_route_table,
+};
 use super::{BpffsArg, Output};
 use crate::agent::{self, AgentConfig, ExitStatus};
 use crate::source::file::FileSource;
@@ -30,17 +37,17 @@ pub struct SourceArgs {
     #[arg(long, env = "NODE_AGENT_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// How often the nodes file is checked for changes.
-    #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = parse_poll)]
+    #[arg(long, env = "NODE_AGENT_NODES_FILE_POLL", default_value = "1s", value_parser = |s: &str| NODES_FILE_POLL.parse(s))]
     pub nodes_file_poll: Duration,
     /// How long the nodes file must stay unchanged before a read that removes or changes nodes
     /// is taken; a read that only adds nodes is taken at once. A file written in place
     /// (`kubectl get nodes -o yaml > file`) can be read while its writer pauses, a valid but
     /// shorter list: a pause shorter than this never prunes a live node. Writers should replace
-    /// the file by rename. With --once, the wait counts against --sync-timeout.
-    #[arg(long, env = "NODE_AGENT_NODES_FILE_SETTLE", default_value = "5s", value_parser = parse_duration)]
+    /// the file by rename. With --once, the wait counts against --sync-timeout. At least 100ms.
+    #[arg(long, env = "NODE_AGENT_NODES_FILE_SETTLE", default_value = "5s", value_parser = |s: &str| NODES_FILE_SETTLE.parse(s))]
     pub nodes_file_settle: Duration,
     /// How often the nodes file is re-read even when unchanged (a fresh full list).
-    #[arg(long, env = "NODE_AGENT_RELIST_INTERVAL", default_value = "30s", value_parser = parse_period)]
+    #[arg(long, env = "NODE_AGENT_RELIST_INTERVAL", default_value = "30s", value_parser = |s: &str| RELIST_INTERVAL.parse(s))]
     pub relist_interval: Duration,
 }
 
@@ -76,8 +83,8 @@ pub struct AgentArgs {
     /// Capacity of the node-ID and pod-CIDR maps, in entries (one per mapped address or pod
     /// CIDR). Over existing pins the larger wins: a larger value grows the maps online at start,
     /// a smaller one never shrinks them. Default: the existing maps' capacity, or 131072 (a
-    /// dual-stack cluster of 65,536 nodes) for new ones.
-    #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX")]
+    /// dual-stack cluster of 65,536 nodes) for new ones. 1 to 4194304.
+    #[arg(long, env = "NODE_AGENT_NODE_MAP_MAX", value_parser = |s: &str| NODE_MAP_MAX.int::<u32>(s))]
     pub node_map_max: Option<u32>,
     /// Grow the node-ID and pod-CIDR maps online, doubling them, when they would be more than
     /// three quarters full; `false` keeps their capacity fixed (a node that does not fit is
@@ -85,11 +92,12 @@ pub struct AgentArgs {
     #[arg(long, env = "NODE_AGENT_NODE_MAP_GROW", default_value_t = true, action = clap::ArgAction::Set)]
     pub node_map_grow: bool,
     /// skb->mark bits that carry the node ID on ingress (one run of at least 16 bits).
-    #[arg(long, env = "NODE_AGENT_MARK_MASK", default_value = "0xffff0000", value_parser = parse_u32)]
+    #[arg(long, env = "NODE_AGENT_MARK_MASK", default_value = "0xffff0000", value_parser = parse_mark_mask)]
     pub mark_mask: u32,
     /// Route protocol number marking our routes and nexthops (name it in
-    /// /etc/iproute2/rt_protos.d). The numbers the kernel and well-known routing daemons use
-    /// are refused: the agent takes every route of its protocol in its table for its own.
+    /// /etc/iproute2/rt_protos.d). The numbers the kernel, well-known routing daemons and
+    /// Calico (80) use are refused: the agent takes every route of its protocol in its table
+    /// for its own.
     #[arg(long, env = "NODE_AGENT_ROUTE_PROTOCOL", default_value_t = crate::backends::routes::DEFAULT_ROUTE_PROTOCOL, value_parser = parse_route_protocol)]
     pub route_protocol: u8,
     /// Route through one nexthop object per node and family (`ip nexthop`), where the kernel
@@ -101,8 +109,9 @@ pub struct AgentArgs {
     /// unspec, 253 default, 255 local) are refused.
     #[arg(long, env = "NODE_AGENT_ROUTE_TABLE", default_value_t = crate::backends::routes::MAIN_TABLE, value_parser = parse_route_table)]
     pub route_table: u32,
-    /// Largest share of known remote nodes one prune may delete before the brake holds it.
-    #[arg(long, env = "NODE_AGENT_MAX_PRUNE_RATIO", default_value_t = 0.5)]
+    /// Largest share of known remote nodes one prune may delete before the brake holds it
+    /// (0 to 1).
+    #[arg(long, env = "NODE_AGENT_MAX_PRUNE_RATIO", default_value_t = 0.5, value_parser = |s: &str| MAX_PRUNE_RATIO.parse(s))]
     pub max_prune_ratio: f64,
     /// Delete stale nodes even when the brake would hold them. The daemon uses it for its
     /// first plan only: later holds wait for a confirmation (`node-agent prune confirm`).
@@ -110,24 +119,29 @@ pub struct AgentArgs {
     pub force_prune: bool,
     /// As a daemon, a held prune goes ahead once a fresh full list at least this much later
     /// still asks for it.
-    #[arg(long, env = "NODE_AGENT_PRUNE_CONFIRM_DELAY", default_value = "60s", value_parser = parse_window)]
+    #[arg(long, env = "NODE_AGENT_PRUNE_CONFIRM_DELAY", default_value = "60s", value_parser = |s: &str| PRUNE_CONFIRM_DELAY.parse(s))]
     pub prune_confirm_delay: Duration,
     /// Full kernel dump and repair interval.
-    #[arg(long, env = "NODE_AGENT_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_period)]
+    #[arg(long, env = "NODE_AGENT_RESYNC_INTERVAL", default_value = "5m", value_parser = |s: &str| RESYNC_INTERVAL.parse(s))]
     pub resync_interval: Duration,
     /// Also map ExternalIPs to node IDs (InternalIPs always are).
     #[arg(long, env = "NODE_AGENT_INCLUDE_EXTERNAL_IPS")]
     pub include_external_ips: bool,
-    /// How long a freed node ID rests before it is handed out again.
-    #[arg(long, env = "NODE_AGENT_ID_COOLDOWN", default_value = "15m", value_parser = parse_duration)]
+    /// How long a freed node ID rests before it is handed out again. At least 2m: a segment
+    /// the old node's peer retransmits may carry its ID for 120 s (TCP_RTO_MAX).
+    #[arg(long, env = "NODE_AGENT_ID_COOLDOWN", default_value = "15m", value_parser = |s: &str| ID_COOLDOWN.parse(s))]
     pub id_cooldown: Duration,
     /// When every node ID is in use or cooling down, the freed ID that has cooled longest is
-    /// handed out early once it has cooled this long (at most `--id-cooldown`), with a warning.
-    #[arg(long, env = "NODE_AGENT_ID_REUSE_FLOOR", default_value = "2m", value_parser = parse_duration)]
+    /// handed out early once it has cooled this long (1s to `--id-cooldown`), with a warning.
+    #[arg(long, env = "NODE_AGENT_ID_REUSE_FLOOR", default_value = "2m", value_parser = |s: &str| ID_REUSE_FLOOR.parse(s))]
     pub id_reuse_floor: Duration,
+    /// Tests only: a freed node ID is handed out again at once (no cool-down, no floor), for
+    /// benchmarks that churn more nodes than the ID space has free IDs.
+    #[arg(long, env = "NODE_AGENT_TEST_NO_ID_COOLDOWN", hide = true)]
+    pub no_id_cooldown: bool,
     /// Tests only: hand out node IDs up to this one (65535 in real use), to reach the edge of the
-    /// ID space with a few nodes.
-    #[arg(long, env = "NODE_AGENT_TEST_MAX_NODE_ID", default_value_t = state::ids::MAX_ID, hide = true)]
+    /// ID space with a few nodes. 2 to 65535.
+    #[arg(long, env = "NODE_AGENT_TEST_MAX_NODE_ID", default_value_t = state::ids::MAX_ID, hide = true, value_parser = |s: &str| MAX_NODE_ID.int::<u16>(s))]
     pub max_node_id: u16,
     /// IPsec key file, one key per line: `<spi 1-15> rfc4106(gcm(aes)) 0x<key+salt hex> <icv
     /// bits>`; the last line is the newest key, and appending a line rotates to it. Enables
@@ -137,26 +151,28 @@ pub struct AgentArgs {
     pub ipsec_key_file: Option<PathBuf>,
     /// A new key is received at once but sent with only after this long, so that every node
     /// has read the new key file first (a Secret reaches every kubelet within about a minute).
-    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_PROPAGATION_DELAY", default_value = "90s", value_parser = parse_duration)]
+    /// At least 1s.
+    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_PROPAGATION_DELAY", default_value = "90s", value_parser = |s: &str| IPSEC_KEY_PROPAGATION_DELAY.parse(s))]
     pub ipsec_key_propagation_delay: Duration,
     /// The previous key is still received this long after the switch to a new one, then its
     /// states are removed. Must be longer than the propagation delay plus the longest an agent
     /// may be down during a rotation: a node whose agent is down still sends with the old key.
-    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_ROTATION_DELAY", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, env = "NODE_AGENT_IPSEC_KEY_ROTATION_DELAY", default_value = "5m", value_parser = |s: &str| IPSEC_KEY_ROTATION_DELAY.parse(s))]
     pub ipsec_key_rotation_delay: Duration,
     /// Shortest interval between two checkpoint writes (changes in between are coalesced; a
     /// final write always happens on SIGTERM).
-    #[arg(long, env = "NODE_AGENT_CHECKPOINT_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    #[arg(long, env = "NODE_AGENT_CHECKPOINT_INTERVAL", default_value = "1s", value_parser = |s: &str| CHECKPOINT_INTERVAL.parse(s))]
     pub checkpoint_interval: Duration,
     /// How long the daemon waits after a node change before it reconciles, so that a burst of
     /// changes (a rolling upgrade, a relist) is planned and applied once. 0 reconciles at once.
-    #[arg(long, env = "NODE_AGENT_DEBOUNCE", default_value = "100ms", value_parser = parse_duration)]
+    #[arg(long, env = "NODE_AGENT_DEBOUNCE", default_value = "100ms", value_parser = |s: &str| DEBOUNCE.parse(s))]
     pub debounce: Duration,
     /// With --once, --dry-run and `plan`: how long the run may wait before its first plan, on
     /// whatever blocks: the state directory's lock and checkpoint, the kernel's objects, the
     /// node source's first full list (a nodes file's settle period included). At the deadline
-    /// the run ends with status 1, naming what it waited for, having changed nothing.
-    #[arg(long, env = "NODE_AGENT_SYNC_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    /// the run ends with status 1, naming what it waited for, having changed nothing. At least
+    /// 1s.
+    #[arg(long, env = "NODE_AGENT_SYNC_TIMEOUT", default_value = "120s", value_parser = |s: &str| SYNC_TIMEOUT.parse(s))]
     pub sync_timeout: Duration,
 }
 
@@ -176,11 +192,12 @@ pub struct RunArgs {
     /// With --once: `json` prints one summary object on stdout.
     #[arg(long, env = "NODE_AGENT_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
-    /// Address for /metrics (Prometheus), /healthz and /readyz.
+    /// Address for /metrics (Prometheus), /healthz and /readyz; port 1 to 65535.
     #[arg(
         long,
         env = "NODE_AGENT_METRICS_ADDR",
-        default_value = "127.0.0.1:9965"
+        default_value = "127.0.0.1:9965",
+        value_parser = parse_metrics_addr
     )]
     pub metrics_addr: std::net::SocketAddr,
 }
@@ -196,162 +213,30 @@ pub struct PlanArgs {
     pub output: Output,
 }
 
-/// The longest duration any setting takes: deadlines are computed from these by addition, and
-/// a duration of centuries would overflow them (a panic) instead of being refused here.
-const LONGEST: Duration = Duration::from_secs(366 * 24 * 3600);
-
-/// Parses `100ms`, `30s`, `5m`, `1h` (a bare number is seconds), up to a year.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 30s or 5m"))?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
-    };
-    if secs.is_nan() || secs > LONGEST.as_secs_f64() {
-        return Err(format!(
-            "{s:?} is longer than a year, the longest any setting takes"
-        ));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// A duration of at least `least`: `what` says why less is refused.
-fn at_least(s: &str, least: Duration, what: &str) -> Result<Duration, String> {
-    let d = parse_duration(s)?;
-    if d < least {
-        return Err(format!("{s:?} is shorter than {least:?}: {what}"));
-    }
-    Ok(d)
-}
-
-/// A period of the daemon's own (the resync, a relist): shorter ones would keep it dumping the
-/// kernel or listing the nodes without pause.
-fn parse_period(s: &str) -> Result<Duration, String> {
-    at_least(
-        s,
-        Duration::from_millis(100),
-        "a shorter period keeps the agent busy doing it",
-    )
-}
-
-/// How often the nodes file is looked at: a `stat`, cheap, but not in a loop without a pause.
-fn parse_poll(s: &str) -> Result<Duration, String> {
-    at_least(
-        s,
-        Duration::from_millis(10),
-        "a shorter poll keeps the agent busy looking",
-    )
-}
-
-/// The brake's window and confirmation delay: zero would count no removal together with
-/// another, so a mass deletion could go through one node at a time.
-fn parse_window(s: &str) -> Result<Duration, String> {
-    at_least(
-        s,
-        Duration::from_secs(1),
-        "the brake counts removals together over this window, and a shorter one lets a mass \
-         deletion through in small steps",
-    )
-}
-
-/// An interface name as the kernel takes one (`dev_valid_name`): at most 15 bytes, not `.`
-/// or `..`, without `/`, `:` or white space. The name becomes part of pin paths under the
-/// bpffs, where `../x` would reach a pin that is not ours.
-fn parse_iface(s: &str) -> Result<String, String> {
-    let valid = !s.is_empty()
-        && s.len() <= 15
-        && s != "."
-        && s != ".."
-        && !s
-            .bytes()
-            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace());
-    match valid {
-        true => Ok(s.to_owned()),
-        false => Err(format!(
-            "{s:?} is no interface name (at most 15 bytes, not . or .., no /, : or white space)"
-        )),
-    }
-}
-
-/// Protocol numbers other route sources write (`RTPROT_*` in the kernel's `rtnetlink.h`, and
-/// iproute2's `rt_protos`): with one of them, the agent would take the host's default route
-/// (kernel, boot, static, DHCP) or a routing daemon's routes for orphans of its own and delete
-/// them.
-const ROUTE_PROTOCOLS_IN_USE: &[(u8, &str)] = &[
-    (0, "unspec"),
-    (1, "redirect"),
-    (2, "kernel"),
-    (3, "boot"),
-    (4, "static"),
-    (8, "gated"),
-    (9, "ra"),
-    (10, "mrt"),
-    (11, "zebra"),
-    (12, "bird"),
-    (13, "dnrouted"),
-    (14, "xorp"),
-    (15, "ntk"),
-    (16, "dhcp"),
-    (17, "mrouted"),
-    (18, "keepalived"),
-    (42, "babel"),
-    (99, "openr"),
-    (186, "bgp"),
-    (187, "isis"),
-    (188, "ospf"),
-    (189, "rip"),
-    (192, "eigrp"),
-];
-
-fn parse_route_protocol(s: &str) -> Result<u8, String> {
-    let p: u8 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
-    match ROUTE_PROTOCOLS_IN_USE.iter().find(|(n, _)| *n == p) {
-        Some((_, name)) => Err(format!(
-            "{p} is the route protocol of {name} routes, which are not the agent's; pick a number \
-             nothing else uses (the default is {})",
-            crate::backends::routes::DEFAULT_ROUTE_PROTOCOL
-        )),
-        None => Ok(p),
-    }
-}
-
-/// Route tables the kernel reserves (`RT_TABLE_*` in `rtnetlink.h`): 0 is no table (a route
-/// written there lands in main, and every dump of table 0 finds none of ours, so every run after
-/// the first failed on its own routes), 253 and 255 are the kernel's default and local tables.
-/// 254 (main) is the default and stays allowed.
-const ROUTE_TABLES_RESERVED: &[(u32, &str)] = &[(0, "unspec"), (253, "default"), (255, "local")];
-
-fn parse_route_table(s: &str) -> Result<u32, String> {
-    let t = parse_u32(s)?;
-    match ROUTE_TABLES_RESERVED.iter().find(|(n, _)| *n == t) {
-        Some((_, name)) => Err(format!(
-            "{t} is the kernel's reserved {name} table, not one the agent may write; pick another \
-             (the default is {}, main)",
-            crate::backends::routes::MAIN_TABLE
-        )),
-        None => Ok(t),
-    }
-}
-
-fn parse_u32(s: &str) -> Result<u32, String> {
-    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u32::from_str_radix(hex, 16),
-        None => s.parse(),
-    };
-    parsed.map_err(|e| format!("{s:?}: {e}"))
-}
-
 impl AgentArgs {
+    /// The relations between flags that no single flag's range shows; checked before
+    /// anything is read from the host.
+    pub(super) fn check_relations(&self) -> anyhow::Result<()> {
+        if !self.no_id_cooldown && self.id_reuse_floor > self.id_cooldown {
+            bail!(
+                "--id-reuse-floor ({}) must be at most --id-cooldown ({}): the floor is how long a \
+                 freed ID cools at least before an early reuse, within its cool-down",
+                self.id_reuse_floor.show(),
+                self.id_cooldown.show()
+            );
+        }
+        if self.ipsec_key_rotation_delay <= self.ipsec_key_propagation_delay {
+            bail!(
+                "--ipsec-key-rotation-delay ({}) must be longer than \
+                 --ipsec-key-propagation-delay ({}): a node must keep receiving the old key \
+                 until every other node has switched",
+                self.ipsec_key_rotation_delay.show(),
+                self.ipsec_key_propagation_delay.show()
+            );
+        }
+        Ok(())
+    }
+
     pub fn config(&self) -> anyhow::Result<AgentConfig> {
         let node_name = self
             .node_name
@@ -361,21 +246,7 @@ impl AgentArgs {
         let Some(node_name) = node_name else {
             bail!("the local node's name is required: pass --node-name or set NODE_NAME");
         };
-        if !(0.0..=1.0).contains(&self.max_prune_ratio) {
-            bail!(
-                "--max-prune-ratio must be between 0 and 1, got {}",
-                self.max_prune_ratio
-            );
-        }
-        if self.ipsec_key_rotation_delay <= self.ipsec_key_propagation_delay {
-            bail!(
-                "--ipsec-key-rotation-delay ({:?}) must be longer than \
-                 --ipsec-key-propagation-delay ({:?}): a node must keep receiving the old key \
-                 until every other node has switched",
-                self.ipsec_key_rotation_delay,
-                self.ipsec_key_propagation_delay
-            );
-        }
+        self.check_relations()?;
         let mut c = AgentConfig::new(node_name, &self.state_dir, &self.bpffs.bpffs);
         c.datapath.ifaces = self.datapath_ifaces.clone();
         c.datapath.pod_ifaces = self.pod_ifaces.clone();
@@ -396,8 +267,10 @@ impl AgentArgs {
         c.prune_confirm_delay = self.prune_confirm_delay;
         c.resync_interval = self.resync_interval;
         c.include_external_ips = self.include_external_ips;
-        c.id_cooldown = self.id_cooldown;
-        c.id_reuse_floor = self.id_reuse_floor;
+        (c.id_cooldown, c.id_reuse_floor) = match self.no_id_cooldown {
+            true => (Duration::ZERO, Duration::ZERO),
+            false => (self.id_cooldown, self.id_reuse_floor),
+        };
         c.max_node_id = self.max_node_id;
         c.sync_timeout = self.sync_timeout;
         c.checkpoint_interval = self.checkpoint_interval;
@@ -536,141 +409,4 @@ pub fn plan(args: &PlanArgs, out: &mut impl Write) -> anyhow::Result<u8> {
         }
         Ok(status.code())
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `node-agent run --node-name n FLAG VALUE`, parsed as the binary parses it.
-    fn cli(flag: &str, value: &str) -> Result<super::super::Cli, clap::Error> {
-        use clap::Parser;
-        super::super::Cli::try_parse_from(["node-agent", "run", "--node-name", "n", flag, value])
-    }
-
-    #[test]
-    fn durations_parse_with_units() {
-        assert_eq!(parse_duration("100ms").unwrap(), Duration::from_millis(100));
-        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
-        assert!(parse_duration("5 parsecs").is_err());
-    }
-
-    /// Zero periods would spin, a zero window would switch the brake's counting off, and a
-    /// duration of centuries would overflow a deadline later (a panic): all are refused when
-    /// the flags are read, saying why.
-    #[test]
-    fn durations_that_would_spin_disable_the_brake_or_overflow_are_refused() {
-        assert_eq!(
-            parse_duration("8760h").unwrap(),
-            Duration::from_secs(8760 * 3600)
-        );
-        for huge in [
-            "9000h",
-            "99999999999999999999999999",
-            "9999999999999999999999m",
-        ] {
-            let e = parse_duration(huge).unwrap_err();
-            assert!(e.contains("a year"), "{e}");
-        }
-        assert!(parse_period("0").unwrap_err().contains("busy"));
-        assert!(parse_period("50ms").is_err());
-        assert_eq!(parse_period("300ms").unwrap(), Duration::from_millis(300));
-        assert!(parse_poll("0s").unwrap_err().contains("busy"));
-        assert_eq!(parse_poll("50ms").unwrap(), Duration::from_millis(50));
-        assert!(parse_window("0").unwrap_err().contains("mass deletion"));
-        assert_eq!(parse_window("1s").unwrap(), Duration::from_secs(1));
-        for flag in [
-            "--resync-interval",
-            "--relist-interval",
-            "--nodes-file-poll",
-        ] {
-            let e = cli(flag, "0").unwrap_err().to_string();
-            assert!(e.contains("busy"), "{flag}: {e}");
-        }
-        let e = cli("--prune-confirm-delay", "0").unwrap_err().to_string();
-        assert!(e.contains("mass deletion"), "{e}");
-        let e = cli("--id-cooldown", "100000h").unwrap_err().to_string();
-        assert!(e.contains("a year"), "{e}");
-    }
-
-    /// A protocol number the kernel or a routing daemon writes would make the host's default
-    /// route (or the daemon's) look like an orphan of ours.
-    #[test]
-    fn route_protocols_other_sources_use_are_refused() {
-        for taken in ["0", "2", "3", "4", "16", "186"] {
-            let e = parse_route_protocol(taken).unwrap_err();
-            assert!(e.contains("not the agent's"), "{taken}: {e}");
-        }
-        assert_eq!(parse_route_protocol("201"), Ok(201));
-        assert!(parse_route_protocol("256").is_err());
-    }
-
-    /// Every number of the flag tables is refused with its name, through the command line, and
-    /// every number next to one is taken: the tables are the whole rule.
-    #[test]
-    fn the_flag_tables_refuse_exactly_their_numbers() {
-        let mut refused = 0;
-        for (n, name) in ROUTE_TABLES_RESERVED {
-            let e = cli("--route-table", &n.to_string())
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains("reserved") && e.contains(name), "{n}: {e}");
-            refused += 1;
-        }
-        for t in [1u32, 252, 254, 256, 1000, u32::MAX] {
-            assert_eq!(parse_route_table(&t.to_string()), Ok(t));
-        }
-        assert_eq!(parse_route_table("0xfe"), Ok(254));
-        for (n, name) in ROUTE_PROTOCOLS_IN_USE {
-            let e = cli("--route-protocol", &n.to_string())
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains("not the agent's") && e.contains(name),
-                "{n}: {e}"
-            );
-            refused += 1;
-        }
-        let taken: Vec<u8> = ROUTE_PROTOCOLS_IN_USE.iter().map(|(n, _)| *n).collect();
-        let free = (0..=255u8).filter(|p| !taken.contains(p)).count();
-        for p in (0..=255u8).filter(|p| !taken.contains(p)) {
-            assert_eq!(parse_route_protocol(&p.to_string()), Ok(p));
-        }
-        println!(
-            "flag tables: {} route tables and {} route protocols refused, the other {free} protocols accepted",
-            ROUTE_TABLES_RESERVED.len(),
-            ROUTE_PROTOCOLS_IN_USE.len()
-        );
-        assert_eq!(
-            refused,
-            ROUTE_TABLES_RESERVED.len() + ROUTE_PROTOCOLS_IN_USE.len()
-        );
-    }
-
-    /// Interface names become pin paths: one that is no interface name (`../x`) is refused.
-    #[test]
-    fn interface_names_are_the_kernels() {
-        for bad in [
-            "",
-            ".",
-            "..",
-            "../links/x",
-            "a:b",
-            "eth 0",
-            "sixteen-bytes-ab",
-        ] {
-            assert!(parse_iface(bad).is_err(), "{bad:?}");
-        }
-        assert_eq!(parse_iface("cni0").unwrap(), "cni0");
-        assert_eq!(parse_iface("fifteen-bytes-a").unwrap(), "fifteen-bytes-a");
-    }
-
-    #[test]
-    fn masks_parse_in_hex_or_decimal() {
-        assert_eq!(parse_u32("0xffff0000").unwrap(), 0xffff_0000);
-        assert_eq!(parse_u32("4096").unwrap(), 4096);
-        assert!(parse_u32("0xnope").is_err());
-    }
 }
