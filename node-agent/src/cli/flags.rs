@@ -62,6 +62,9 @@ pub(super) const ID_COOLDOWN: Allowed<Duration> = duration_from(
      segment its peer retransmits may for 120 s (TCP_RTO_MAX); --id-reuse-floor is the early \
      reuse at the edge of the ID space",
 );
+/// The hidden test flag's: none below the cool-down's least, which is the point of it.
+pub(super) const TEST_ID_COOLDOWN: Allowed<Duration> =
+    duration_from(Duration::ZERO, "a duration cannot be negative");
 pub(super) const ID_REUSE_FLOOR: Allowed<Duration> = duration_from(
     Duration::from_secs(1),
     "an ID handed out again at once may still be carried by packets queued for its old node",
@@ -473,6 +476,11 @@ mod tests {
             &["2", "3", "65535"],
             &["0", "1", "65536", HUGE],
         ),
+        (
+            "--test-id-cooldown",
+            &["0s", "3s", "8784h"],
+            &["8785h", HUGE],
+        ),
         // Below the default rotation delay (5m).
         (
             "--ipsec-key-propagation-delay",
@@ -514,7 +522,8 @@ mod tests {
         (&["--id-cooldown=2m", "--id-reuse-floor=121s"], true),
         (&["--id-cooldown=1h", "--id-reuse-floor=1h"], false),
         (&["--id-cooldown=10m", "--id-reuse-floor=11m"], true),
-        (&["--no-id-cooldown", "--id-reuse-floor=1h"], false),
+        (&["--test-id-cooldown=0s", "--id-reuse-floor=1h"], false),
+        (&["--test-id-cooldown=3s", "--id-reuse-floor=1s"], false),
         (
             &[
                 "--ipsec-key-propagation-delay=1s",

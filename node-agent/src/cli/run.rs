@@ -11,8 +11,8 @@ use super::flags::{
     Bounded, CHECKPOINT_INTERVAL, DEBOUNCE, ID_COOLDOWN, ID_REUSE_FLOOR,
     IPSEC_KEY_PROPAGATION_DELAY, IPSEC_KEY_ROTATION_DELAY, MAX_NODE_ID, MAX_PRUNE_RATIO,
     NODE_MAP_MAX, NODES_FILE_POLL, NODES_FILE_SETTLE, PRUNE_CONFIRM_DELAY, RELIST_INTERVAL,
-    RESYNC_INTERVAL, SYNC_TIMEOUT, parse_iface, parse_mark_mask, parse_metrics_addr,
-    parse_route_protocol, parse_route_table,
+    RESYNC_INTERVAL, SYNC_TIMEOUT, TEST_ID_COOLDOWN, parse_iface, parse_mark_mask,
+    parse_metrics_addr, parse_route_protocol, parse_route_table,
 };
 use super::{BpffsArg, Output};
 use crate::agent::{self, AgentConfig, ExitStatus};
@@ -135,10 +135,11 @@ pub struct AgentArgs {
     /// handed out early once it has cooled this long (1s to `--id-cooldown`), with a warning.
     #[arg(long, env = "NODE_AGENT_ID_REUSE_FLOOR", default_value = "2m", value_parser = |s: &str| ID_REUSE_FLOOR.parse(s))]
     pub id_reuse_floor: Duration,
-    /// Tests only: a freed node ID is handed out again at once (no cool-down, no floor), for
-    /// benchmarks that churn more nodes than the ID space has free IDs.
-    #[arg(long, env = "NODE_AGENT_TEST_NO_ID_COOLDOWN", hide = true)]
-    pub no_id_cooldown: bool,
+    /// Tests only: the ID cool-down, below `--id-cooldown`'s least (`0s`: a freed node ID is
+    /// handed out again at once), for benchmarks that churn more nodes than the ID space has
+    /// free IDs and for histories that run cool-downs out; the floor is at most this.
+    #[arg(long, env = "NODE_AGENT_TEST_ID_COOLDOWN", hide = true, value_parser = |s: &str| TEST_ID_COOLDOWN.parse(s))]
+    pub test_id_cooldown: Option<Duration>,
     /// Tests only: hand out node IDs up to this one (65535 in real use), to reach the edge of the
     /// ID space with a few nodes. 2 to 65535.
     #[arg(long, env = "NODE_AGENT_TEST_MAX_NODE_ID", default_value_t = state::ids::MAX_ID, hide = true, value_parser = |s: &str| MAX_NODE_ID.int::<u16>(s))]
@@ -217,7 +218,7 @@ impl AgentArgs {
     /// The relations between flags that no single flag's range shows; checked before
     /// anything is read from the host.
     pub(super) fn check_relations(&self) -> anyhow::Result<()> {
-        if !self.no_id_cooldown && self.id_reuse_floor > self.id_cooldown {
+        if self.test_id_cooldown.is_none() && self.id_reuse_floor > self.id_cooldown {
             bail!(
                 "--id-reuse-floor ({}) must be at most --id-cooldown ({}): the floor is how long a \
                  freed ID cools at least before an early reuse, within its cool-down",
@@ -267,10 +268,8 @@ impl AgentArgs {
         c.prune_confirm_delay = self.prune_confirm_delay;
         c.resync_interval = self.resync_interval;
         c.include_external_ips = self.include_external_ips;
-        (c.id_cooldown, c.id_reuse_floor) = match self.no_id_cooldown {
-            true => (Duration::ZERO, Duration::ZERO),
-            false => (self.id_cooldown, self.id_reuse_floor),
-        };
+        c.id_cooldown = self.test_id_cooldown.unwrap_or(self.id_cooldown);
+        c.id_reuse_floor = self.id_reuse_floor.min(c.id_cooldown);
         c.max_node_id = self.max_node_id;
         c.sync_timeout = self.sync_timeout;
         c.checkpoint_interval = self.checkpoint_interval;

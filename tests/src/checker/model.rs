@@ -199,7 +199,7 @@ impl Modes {
             a.extend(["--max-prune-ratio", "1"]);
         }
         if self.small_ids {
-            a.extend(["--max-node-id", "12", "--id-cooldown", "3s"]);
+            a.extend(["--max-node-id", "12", "--test-id-cooldown", "3s"]);
             a.extend(["--id-reuse-floor", "1s"]);
         }
         a
