@@ -98,6 +98,8 @@ pub struct Outcome {
     pub confirmations: usize,
     /// Steps at rest compared with a fresh agent's kernel.
     pub differential: usize,
+    /// Runs on a nodes file caught half-written.
+    pub torn: usize,
 }
 
 impl Outcome {
@@ -115,6 +117,7 @@ impl Outcome {
         self.holds += o.holds;
         self.confirmations += o.confirmations;
         self.differential += o.differential;
+        self.torn += o.torn;
     }
 }
 
@@ -167,7 +170,7 @@ pub fn check(name: &str, budget: Budget) {
         started.elapsed().as_secs_f64()
     ));
     report(&format!(
-        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, differential {}",
+        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, torn reads {}, differential {}",
         budget.seed,
         total.steps,
         modes_run.into_iter().collect::<Vec<_>>().join(" "),
@@ -175,6 +178,7 @@ pub fn check(name: &str, budget: Budget) {
         total.failed_ops,
         total.holds,
         total.confirmations,
+        total.torn,
         total.differential
     ));
     if budget.profile.torture {
@@ -283,14 +287,23 @@ fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
 /// Runs the agent as `action` says, with `args`; the exit status, or `None` for a run that was
 /// ended (a daemon killed, a test cut) or cut short by a failure a test injected (judged as a
 /// crash: what it must not break it must not break, and the next run mends the rest).
-fn act(env: &AgentEnv, action: &Action, args: &[&str], seen: &mut Outcome) -> Acted {
+fn act(
+    env: &AgentEnv,
+    action: &Action,
+    list: &[TestNode],
+    args: &[&str],
+    seen: &mut Outcome,
+) -> Acted {
     // A one-shot run's log joins the daemons' in the agent log: the evidence of a failure.
     let mut waiting = BTreeSet::new();
-    let mut once = |args: &[&str], cut: Option<String>| {
+    let mut once = |args: &[&str], cut: Option<String>, torn: Option<u64>| {
         let cut_env = cut
             .as_ref()
             .map(|c| (CUT_ENV, std::ffi::OsStr::new(c.as_str())));
-        let (code, report, stderr) = env.once_with_env(cut_env.as_slice(), args);
+        let (code, report, stderr) = match torn {
+            None => env.once_with_env(cut_env.as_slice(), args),
+            Some(pct) => torn_once(env, list, pct, args),
+        };
         let _ = std::fs::OpenOptions::new()
             .append(true)
             .create(true)
@@ -327,20 +340,24 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str], seen: &mut Outcome) -> Ac
         }
     };
     let exit = match action {
-        Action::Once => once(args, None),
+        Action::Once => once(args, None, None),
+        Action::TornWrite { pct } => {
+            seen.torn += 1;
+            once(args, None, Some(*pct))
+        }
         Action::OnceForced => {
             seen.confirmations += 1;
-            once(&[args, &["--force-prune"]].concat(), None)
+            once(&[args, &["--force-prune"]].concat(), None, None)
         }
         Action::LoseCheckpoint => {
             let _ = std::fs::remove_file(env.checkpoint());
-            once(args, None)
+            once(args, None, None)
         }
         Action::LoseKernelRecords => {
             for pin in [abi::RECENT_REMOVALS_PIN, abi::FREED_IDS_PIN] {
                 let _ = std::fs::remove_file(node_agent::datapath::pin_dir(&env.bpffs).join(pin));
             }
-            once(args, None)
+            once(args, None, None)
         }
         Action::CorruptCheckpoint { at } => {
             if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
@@ -350,11 +367,11 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str], seen: &mut Outcome) -> Ac
                 }
                 let _ = std::fs::write(env.checkpoint(), bytes);
             }
-            once(args, None)
+            once(args, None, None)
         }
         Action::Cut { sequence, at, kill } => {
             let how = if *kill { "kill" } else { "fail" };
-            once(args, Some(format!("{sequence}:{at}:{how}")))
+            once(args, Some(format!("{sequence}:{at}:{how}")), None)
         }
         Action::KilledDaemon { ms } => {
             seen.crashes += 1;
@@ -386,6 +403,35 @@ fn act(env: &AgentEnv, action: &Action, args: &[&str], seen: &mut Outcome) -> Ac
         }
     };
     Acted { exit, waiting }
+}
+
+/// `run --once` while the nodes file is written in place the way a writer that pauses leaves
+/// it: the first items of `list` (`pct` percent, the local node first), a valid and shorter
+/// list, then, 20 ms after the run starts, all of it. The settle period is 1 s, fifty times the
+/// pause: a run that took the shorter list would prune live nodes.
+fn torn_once(
+    env: &AgentEnv,
+    list: &[TestNode],
+    pct: u64,
+    args: &[&str],
+) -> (i32, serde_json::Value, String) {
+    let keep = (list.len() * pct as usize / 100).max(1);
+    std::fs::write(&env.nodes_file, crate::agent::node_list(&list[..keep])).unwrap();
+    let mut run = vec!["--once", "--output", "json", "--sync-timeout", "90s"];
+    run.extend_from_slice(args);
+    run.extend(["--nodes-file-settle", "1s"]);
+    let child = env
+        .command(&run)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    std::fs::write(&env.nodes_file, crate::agent::node_list(list)).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let report = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    (out.status.code().unwrap_or(-1), report, stderr)
 }
 
 /// What a step's run did.
@@ -455,7 +501,7 @@ impl Run {
                     .create(true)
                     .open(env.log())
                     .and_then(|mut f| writeln!(f, "=== step {i}: {step}"));
-                let Acted { exit, waiting } = act(&env, &step.action, &args, &mut outcome);
+                let Acted { exit, waiting } = act(&env, &step.action, &list, &args, &mut outcome);
                 let after = Snapshot::take(&env);
                 if exit.is_none() {
                     let kernel_changed = after != before;

@@ -101,6 +101,16 @@ pub enum Change {
     Unaddress {
         pick: usize,
     },
+    /// A node's pod CIDR becomes one the address policy refuses ([`SPECIAL_CIDRS`]).
+    SpecialCidr {
+        pick: usize,
+        which: usize,
+    },
+    /// A node is listed twice: a second item of its name (another UID, the same addresses)
+    /// after every other node.
+    Duplicate {
+        pick: usize,
+    },
     /// Every broken node is mended.
     Mend,
     /// A foreign (`proto static`) route appears at a pod CIDR slot.
@@ -110,6 +120,20 @@ pub enum Change {
     /// The foreign routes go away.
     ClearForeign,
 }
+
+/// Pod CIDRs the address policy refuses, both families: link-local (the cloud's metadata
+/// address), loopback, multicast, reserved, a default route, 6to4.
+pub const SPECIAL_CIDRS: &[&str] = &[
+    "169.254.169.0/24",
+    "127.0.0.0/24",
+    "224.1.0.0/24",
+    "240.0.0.0/24",
+    "0.0.0.0/0",
+    "fe80::/64",
+    "ff00::/8",
+    "::/0",
+    "2002::/16",
+];
 
 /// What the agent is shown this step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -144,6 +168,11 @@ pub enum Action {
     /// The kernel's records (the ring of recent removals and the freed IDs) are unpinned, as
     /// an agent that never made them would leave the kernel, then `run --once`.
     LoseKernelRecords,
+    /// `run --once` while the nodes file is written in place: first cut at an item boundary (a
+    /// valid, shorter list keeping `pct` percent of the items), the whole list a moment later,
+    /// as a writer that pauses would. The run must take the whole list: a read that drops nodes
+    /// waits for the file to settle.
+    TornWrite { pct: u64 },
     /// `run --once` cut by the agent's own test cut (`NODE_AGENT_TEST_CUT`) at the `at`th point
     /// of `sequence`: before its `at`th kernel operation (`ops`) or its checkpoint write
     /// (`checkpoint`, after every kernel write of the run), ended there (`kill`) or failed there.
@@ -263,6 +292,8 @@ pub struct Profile {
     pub lost: u64,
     /// Percent of steps whose run is cut at a kernel operation or its checkpoint write.
     pub cuts: u64,
+    /// Percent of steps whose nodes file is written in place, torn at an item boundary.
+    pub torn: u64,
 }
 
 impl Profile {
@@ -275,6 +306,7 @@ impl Profile {
         kills: 10,
         lost: 8,
         cuts: 15,
+        torn: 5,
     };
 
     /// A cluster large enough that the apply takes a while, churned by a tenth each round; the
@@ -288,6 +320,7 @@ impl Profile {
         kills: 100,
         lost: 0,
         cuts: 0,
+        torn: 0,
     };
 }
 
@@ -402,12 +435,18 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
             ms: 30 + rng.below(400) as u64,
         }
     } else if rng.chance(p.cuts) {
-        // Most land inside the apply; a quarter between the apply and the checkpoint write.
-        match rng.below(4) {
+        // Most land inside the apply; a quarter between the apply and the checkpoint write, and
+        // some in a map growth's steps (where one happens).
+        match rng.below(5) {
             0 => Action::Cut {
                 sequence: "checkpoint",
                 at: 1,
                 kill: rng.chance(70),
+            },
+            1 => Action::Cut {
+                sequence: "growth",
+                at: 1 + rng.below(10) as u64,
+                kill: rng.chance(60),
             },
             _ => Action::Cut {
                 sequence: "ops",
@@ -425,6 +464,10 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
             Action::CorruptCheckpoint {
                 at: rng.below(4096),
             }
+        }
+    } else if rng.chance(p.torn) {
+        Action::TornWrite {
+            pct: 20 + rng.below(60) as u64,
         }
     } else if rng.chance(10) {
         Action::OnceForced
@@ -447,6 +490,8 @@ pub struct Truth {
     pub nodes: BTreeMap<String, TestNode>,
     /// Pod CIDR slots with a foreign route.
     pub foreign: Vec<usize>,
+    /// Nodes listed twice.
+    pub duplicates: std::collections::BTreeSet<String>,
     /// Bumped for every node created, so UIDs are never reused.
     pub generation: u32,
 }
@@ -628,6 +673,16 @@ impl Truth {
                     self.nodes.get_mut(&n).unwrap().ips.clear();
                 }
             }
+            Change::SpecialCidr { pick, which } => {
+                if let Some(n) = self.pick(pick) {
+                    self.nodes.get_mut(&n).unwrap().cidrs = vec![SPECIAL_CIDRS[which].into()];
+                }
+            }
+            Change::Duplicate { pick } => {
+                if let Some(n) = self.pick(pick) {
+                    self.duplicates.insert(n);
+                }
+            }
             Change::Mend => self.mend(),
             Change::PlantForeign { cidr } => {
                 if !self.foreign.contains(&cidr) {
@@ -641,15 +696,12 @@ impl Truth {
     /// Drops every broken node: malformed, without addresses, or claiming what another node
     /// claims (the later name goes). What is left is a cluster without conflicts.
     pub fn mend(&mut self) {
+        self.duplicates.clear();
         let mut seen: Vec<String> = Vec::new();
         let names: Vec<String> = self.nodes.keys().cloned().collect();
         for n in names {
             let node = &self.nodes[&n];
-            let broken = node.ips.is_empty()
-                || node
-                    .ips
-                    .iter()
-                    .any(|ip| ip.parse::<std::net::IpAddr>().is_err())
+            let broken = !super::oracle::is_valid(node)
                 || node.ips.iter().chain(&node.cidrs).any(|r| seen.contains(r));
             if broken {
                 self.nodes.remove(&n);
@@ -667,7 +719,18 @@ impl Truth {
             out.push(crate::agent::local_node());
         }
         match view {
-            View::Full | View::NoLocal => out.extend(self.nodes.values().cloned()),
+            View::Full | View::NoLocal => {
+                out.extend(self.nodes.values().cloned());
+                // A second item of a name, after every other: the first stands.
+                for (i, name) in self.duplicates.iter().enumerate() {
+                    if let Some(n) = self.nodes.get(name) {
+                        out.push(TestNode {
+                            uid: Some(format!("{name}-duplicate-{i}")),
+                            ..n.clone()
+                        });
+                    }
+                }
+            }
             View::Partial { pct } => {
                 out.extend(self.nodes.values().filter(|_| rng.chance(*pct)).cloned())
             }

@@ -3,6 +3,23 @@
 //! The rules, and which wins when they meet, are the precedence table of `docs/design.md`; the
 //! oracle judges from the outside, with what a user can see: the kernel, the checkpoint through
 //! `node-agent state show`, the list the agent was shown, and the exit status.
+//!
+//! Its checks, by the names docs/design.md's invariant table gives them:
+//!
+//! * **foreign**: foreign routes, nexthops and routes through our nexthops never change;
+//! * **policy**: nothing the address policy refuses is mapped or routed;
+//! * **no-local**: a list without the local node changes nothing, and the run exits 3;
+//! * **kept**: no object of a live, clean, unchanged node is deleted, not even by a killed or
+//!   cut run ([`violations`]);
+//! * **programmed**: after a run that finished, every clean node has all its objects under one
+//!   ID of its own (nodes waiting for an ID at the edge of the ID space excepted);
+//! * **brake**: no removal past `--max-prune-ratio`, counting the window, unless forced;
+//! * **differential**: at rest, each clean node's objects and recorded ID are what a fresh agent
+//!   programs from the same record, list and foreign objects ([`node_difference`]);
+//! * **converged**: at a history's end, two forced runs leave exactly what the mended cluster
+//!   needs, the second writing nothing, no nexthop astray, no pending delete;
+//! * **exact** (crash torture): after every restart, nothing leaked, nothing missing, no ID of
+//!   an unchanged node changed ([`exactness`], [`id_changes`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -200,11 +217,19 @@ pub fn record(env: &AgentEnv) -> Option<Vec<Recorded>> {
     Some(out)
 }
 
-fn is_valid(n: &TestNode) -> bool {
+/// Whether the agent takes `n` as it is: addresses that parse, and every address and pod CIDR
+/// past the address policy (a node it refuses is malformed, and keeps what it had).
+pub fn is_valid(n: &TestNode) -> bool {
+    use state::address_policy::{judge_ip, judge_net};
     !n.ips.is_empty()
-        && n.ips
-            .iter()
-            .all(|ip| ip.parse::<std::net::IpAddr>().is_ok())
+        && n.ips.iter().all(|ip| {
+            ip.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| judge_ip(ip.to_canonical()).is_ok())
+        })
+        && n.cidrs.iter().all(|c| {
+            c.parse::<ipnet::IpNet>()
+                .is_ok_and(|c| c.trunc() == c && judge_net(c).is_ok())
+        })
 }
 
 fn same_node(r: &Recorded, n: &TestNode) -> bool {
@@ -426,6 +451,29 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             "foreign routes through our nexthops (table {FOREIGN_TABLE}) changed:\n  before {:?}\n  after  {:?}",
             f.before.elsewhere, f.after.elsewhere
         ));
+    }
+    // Nothing the address policy refuses is mapped or routed, whatever the list said.
+    for (ip, id) in &f.after.map {
+        if ip
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| state::address_policy::judge_ip(ip.to_canonical()).is_err())
+        {
+            v.push(format!(
+                "{ip} -> {id} is mapped though the address policy refuses it"
+            ));
+        }
+    }
+    for dest in f.after.our_routes().keys() {
+        // `ip` names a default route `default`.
+        if *dest == "default"
+            || dest
+                .parse::<ipnet::IpNet>()
+                .is_ok_and(|d| state::address_policy::judge_net(d).is_err())
+        {
+            v.push(format!(
+                "our route {dest} goes where the address policy refuses"
+            ));
+        }
     }
     // A list without the local node changes nothing.
     if f.no_local && (f.before.map != f.after.map || f.before.our_routes() != f.after.our_routes())
