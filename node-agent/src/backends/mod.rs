@@ -10,6 +10,7 @@
 //! [`Backends`] puts them behind the reconciler's one seam, [`crate::kernel::Kernel`], and
 //! [`Backends::open`] opens them from their own [`BackendsConfig`].
 
+pub mod host;
 pub mod map;
 pub mod netlink;
 pub mod nexthops;
@@ -27,6 +28,7 @@ use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::{KernelObject, NexthopId, ObjectKind, Op};
+use state::plan::HostAddresses;
 
 pub use self::open::{BackendsConfig, OpenError, load_datapath};
 use self::users_watch::UsersWatch;
@@ -192,6 +194,13 @@ impl Kernel for Backends {
             w.forget();
         }
         dumped
+    }
+
+    async fn host(&mut self) -> Result<HostAddresses, DumpError> {
+        match &mut self.routes {
+            Some(r) => r.host().await,
+            None => Ok(HostAddresses::default()),
+        }
     }
 
     /// Applies `ops` in order, each by the backend of its kind; one result per op.

@@ -29,6 +29,7 @@ use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::{Handle, RouteMessageBuilder};
 use state::inventory::Inventory;
 use state::objects::{KernelObject, NexthopId, ObjectId, ObjectKind, Op, Route, Via};
+use state::plan::HostAddresses;
 
 use super::Backend;
 use super::netlink::batch::{BATCH, Batcher, Request, unanswered};
@@ -47,6 +48,9 @@ pub struct RouteBackend {
     batch: Batcher,
     protocol: u8,
     table: u32,
+    /// The host's on-link prefixes (with their interfaces' indexes) the last complete dump
+    /// found ([`super::host::on_link`]): `None` before one.
+    on_link: Option<Vec<(IpNet, u32)>>,
 }
 
 impl RouteBackend {
@@ -59,6 +63,7 @@ impl RouteBackend {
             batch: Batcher::open()?,
             protocol,
             table,
+            on_link: None,
         })
     }
 
@@ -117,8 +122,8 @@ impl RouteBackend {
     /// route: an IPv4 replace takes the first route at its destination and metric, which a
     /// prepended blackhole is). A route in any table that is not one we write, through a
     /// nexthop of our range, is a foreign user of that nexthop: deleting the nexthop would
-    /// delete it.
-    fn parse_into(&self, msg: &RouteMessage, inv: &mut Inventory) {
+    /// delete it. An on-link prefix of the host's main table goes to `on_link`.
+    fn parse_into(&self, msg: &RouteMessage, inv: &mut Inventory, on_link: &mut Vec<(IpNet, u32)>) {
         let mut dst = None;
         let mut gateway = None;
         let mut nexthop = None;
@@ -142,6 +147,7 @@ impl RouteBackend {
         let Ok(dst) = IpNet::new(dst.unwrap_or(unspecified), len) else {
             return;
         };
+        on_link.extend(super::host::on_link(msg, dst, table_of(msg), self.protocol));
         let ours = msg.header.protocol == RouteProtocol::from(self.protocol);
         // Our protocol, in the shape we write: anything else with our protocol is someone's.
         let our_shape = ours && msg.header.tos == 0 && msg.header.kind == RouteType::Unicast;
@@ -268,6 +274,7 @@ impl RouteBackend {
     /// table are the identities we must not write over, and a foreign route anywhere may go
     /// through one of our nexthops.
     async fn read_all(&mut self, inv: &mut Inventory) -> Result<(), DumpError> {
+        let mut on_link = Vec::new();
         for filter in [
             RouteMessageBuilder::<Ipv4Addr>::new().build(),
             RouteMessageBuilder::<Ipv6Addr>::new().build(),
@@ -288,10 +295,23 @@ impl RouteBackend {
                     other => std::io::Error::other(other.to_string()),
                 },
             })? {
-                self.parse_into(&msg, inv);
+                self.parse_into(&msg, inv, &mut on_link);
             }
         }
+        self.on_link = Some(on_link);
         Ok(())
+    }
+
+    /// What the host holds: its addresses, read now, and its on-link prefixes, as the last
+    /// complete route dump found them (the reconciler asks right after a dump; without one,
+    /// the routes are dumped for them).
+    pub async fn host(&mut self) -> Result<HostAddresses, DumpError> {
+        if self.on_link.is_none() {
+            self.read_all(&mut Inventory::new()).await?;
+        }
+        let addresses = super::host::addresses(&self.handle).await?;
+        let on_link = super::host::named(self.on_link.as_deref().unwrap_or_default());
+        Ok(HostAddresses { addresses, on_link })
     }
 }
 

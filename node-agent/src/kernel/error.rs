@@ -61,6 +61,8 @@ pub enum DumpError {
         kind: ObjectKind,
         source: std::io::Error,
     },
+    #[error("reading the host's addresses: {source}")]
+    Host { source: std::io::Error },
 }
 
 /// What the announcements say about routes at some destinations since the last full dump began.

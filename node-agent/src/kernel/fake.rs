@@ -32,6 +32,10 @@ pub struct FakeKernel {
     pub faults: Faults,
     pub dumps: usize,
     pub applied: Vec<Op>,
+    /// What [`Kernel::host`] answers.
+    pub host: HostAddresses,
+    /// How many times [`Kernel::host`] was asked.
+    pub host_reads: usize,
     /// What [`Kernel::ipsec_keys`] answers.
     pub keys: Option<KeyRead>,
     /// What [`Kernel::check_attachments`] answers.
@@ -124,6 +128,11 @@ impl Kernel for FakeKernel {
             inv.use_by_foreign(id.clone(), what.clone());
         }
         Ok(inv)
+    }
+
+    async fn host(&mut self) -> Result<HostAddresses, DumpError> {
+        self.host_reads += 1;
+        Ok(self.host.clone())
     }
 
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {

@@ -24,6 +24,7 @@ use state::checkpoint::RecentRemovals;
 use state::ids::FreedId;
 use state::inventory::Inventory;
 use state::objects::{NexthopId, Op};
+use state::plan::HostAddresses;
 use state::rotation::FileKey;
 
 /// What the reconciler needs from the kernel.
@@ -32,6 +33,11 @@ pub trait Kernel {
     /// a partial inventory must never reach the planner, where missing objects could read as
     /// gone.
     fn dump(&mut self) -> impl Future<Output = Result<Inventory, DumpError>>;
+
+    /// What the host holds, which the address policy counts as the local node's: every
+    /// address of its interfaces and every on-link prefix of its main table. Read after each
+    /// dump; the on-link prefixes may be those that dump found.
+    fn host(&mut self) -> impl Future<Output = Result<HostAddresses, DumpError>>;
 
     /// Applies `ops` in order; one result per op.
     fn apply(&mut self, ops: &[Op]) -> impl Future<Output = Vec<Result<(), OpError>>>;

@@ -376,23 +376,36 @@ impl Admission<'_, '_, '_> {
 
 /// A pod CIDR of `node` that overlaps what is the local node's without being equal to it
 /// (equal ones are claims, and conflicts of their own): one of its pod CIDRs, inside or around
-/// it, or a CIDR around one of its addresses (a `/0`, or a host route to it). Its route would
-/// take traffic that is the local node's.
+/// it, a CIDR around one of its addresses (a `/0`, or a host route to it), or one that
+/// overlaps an on-link prefix of the host, equal included. Its route would take traffic that
+/// is the local node's: toward its pods, itself, or its own link (its gateway, its neighbours).
 fn overlaps_local(node: &Node, local: &Local) -> Option<(IpNet, String)> {
+    let overlap = |a: &IpNet, b: &IpNet| a.contains(&b.network()) || b.contains(&a.network());
     node.pod_cidrs.iter().find_map(|c| {
         let cidr = local
             .cidrs
             .iter()
-            .find(|l| *l != c && (l.contains(&c.network()) || c.contains(&l.network())))
+            .find(|l| *l != c && overlap(l, c))
             .map(|l| l.to_string());
         let address = || {
+            // The lowest: the same report every time, whatever the set's order.
             local
                 .ips
                 .iter()
-                .find(|ip| c.contains(*ip))
+                .filter(|ip| c.contains(*ip))
+                .min()
                 .map(|ip| format!("the address {ip}"))
         };
-        cidr.or_else(address).map(|what| (*c, what))
+        let on_link = || {
+            local
+                .on_link
+                .iter()
+                .find(|o| overlap(&o.prefix, c))
+                .map(|o| format!("the host's on-link prefix {} on {}", o.prefix, o.device))
+        };
+        cidr.or_else(address)
+            .or_else(on_link)
+            .map(|what| (*c, what))
     })
 }
 

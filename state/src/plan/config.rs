@@ -84,6 +84,28 @@ impl KeyTags for GlobalTags {
     }
 }
 
+/// What the host holds, read from its kernel: the local node's, whether or not its Kubernetes
+/// record lists it. A remote node's address among `addresses` is the local node's; a remote pod
+/// CIDR that overlaps one of `on_link` would take the host's own link (its gateway, its
+/// neighbours), so it is judged as one overlapping a local pod CIDR.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostAddresses {
+    /// Every address assigned to one of the host's interfaces, both families (loopback and
+    /// link-local addresses left out: the policy refuses them anyway).
+    pub addresses: Vec<IpAddr>,
+    /// Every on-link prefix of the main table: its routes with no gateway, such as the
+    /// kernel's connected routes (never a default route, never one of ours).
+    pub on_link: Vec<OnLink>,
+}
+
+/// A prefix the host reaches on a link, without a gateway.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OnLink {
+    pub prefix: IpNet,
+    /// The interface's name (its index when it has none now).
+    pub device: String,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanConfig {
     /// The node this agent runs on; never treated as a remote node.
@@ -97,6 +119,9 @@ pub struct PlanConfig {
     /// This node's pod CIDRs: with IPsec, remote nodes tunnel traffic toward them, so an IN
     /// state is wanted in each of their families and no other.
     pub local_pod_cidrs: Vec<IpNet>,
+    /// What the host itself holds, as the kernel says: the local node's too, whatever its
+    /// Kubernetes record lists (the address policy).
+    pub host: HostAddresses,
     pub ipsec: Option<IpsecConfig>,
     /// Largest share of known remote nodes (or of our objects, for orphans) that removals may
     /// reach within the window without a confirmation.
@@ -135,6 +160,7 @@ impl Default for PlanConfig {
             local_boot_id: String::new(),
             local_addresses: Vec::new(),
             local_pod_cidrs: Vec::new(),
+            host: HostAddresses::default(),
             ipsec: None,
             max_prune_ratio: 0.5,
             wipe_ratio: 0.9,

@@ -58,7 +58,9 @@ use crate::objects::{NodeId, ObjectId, Op};
 
 pub use brake_memory::{BrakeCount, BrakeHold, BrakeMemory, HoldKind, Removal};
 pub use claim_index::ClaimIndex;
-pub use config::{GlobalTags, IpsecConfig, KeyInUse, KeyTags, Pair, PlanConfig};
+pub use config::{
+    GlobalTags, HostAddresses, IpsecConfig, KeyInUse, KeyTags, OnLink, Pair, PlanConfig,
+};
 pub use ops::{AGENT_OWNED, Allocation, Delete, DeleteReason, ORPHANS, Upsert};
 pub use problem::{InputError, InputProblem};
 pub use resource::{ConflictWhy, Resource};

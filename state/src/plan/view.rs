@@ -9,7 +9,7 @@ use foldhash::{HashSet, HashSetExt};
 use ipnet::IpNet;
 
 use super::brake_memory::BrakeMemory;
-use super::config::PlanConfig;
+use super::config::{OnLink, PlanConfig};
 use super::resource::mapped_ips;
 use crate::checkpoint::Checkpoint;
 use crate::ids::{AllocatorState, IdSet};
@@ -69,10 +69,17 @@ pub struct PlanInput<'a> {
     pub config: &'a PlanConfig,
 }
 
-/// The local node's addresses and pod CIDRs: always its own (invariant 14).
+/// The local node's addresses and pod CIDRs: always its own (invariant 14). What the host
+/// holds counts too: its addresses among the local node's, and its on-link prefixes, which no
+/// remote pod CIDR may overlap.
 pub(super) struct Local {
+    /// The local node's addresses, listed or the host's own.
     pub ips: HashSet<IpAddr>,
     pub cidrs: HashSet<IpNet>,
+    /// The host's on-link prefixes, but those equal to a local pod CIDR (a remote node
+    /// claiming one of those is a claim on the local node's, judged as such). Never a prefix of
+    /// length 0, which would overlap every CIDR of its family.
+    pub on_link: Vec<OnLink>,
     /// The live view has a valid record of the local node with an InternalIP. Without one,
     /// what is the local node's is unknown (a remote node claiming its address would not be
     /// stopped) and so is its xfrm endpoint (every IPsec object would look superseded): the
@@ -83,6 +90,7 @@ pub(super) struct Local {
 impl Local {
     pub fn new(cfg: &PlanConfig, live: &LiveView) -> Self {
         let mut ips: HashSet<IpAddr> = cfg.local_addresses.iter().copied().collect();
+        ips.extend(cfg.host.addresses.iter().copied());
         let mut cidrs = HashSet::new();
         let mut listed = false;
         for n in live.nodes.iter().filter(|n| n.name == cfg.local_node) {
@@ -93,7 +101,19 @@ impl Local {
             ips.extend(mapped_ips(n, cfg));
             cidrs.extend(n.pod_cidrs.iter().copied());
         }
-        Self { ips, cidrs, listed }
+        let on_link = cfg
+            .host
+            .on_link
+            .iter()
+            .filter(|o| o.prefix.prefix_len() > 0 && !cidrs.contains(&o.prefix))
+            .cloned()
+            .collect();
+        Self {
+            ips,
+            cidrs,
+            on_link,
+            listed,
+        }
     }
 }
 

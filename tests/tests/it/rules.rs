@@ -653,3 +653,89 @@ fn orphans_without_a_checkpoint_are_held_when_most_would_go() {
         assert_exact(&env, &nodes[..1]);
     });
 }
+
+/// What the host holds is the local node's, whatever the local node's record lists (the address
+/// policy): a remote node on a secondary address of the host, or one whose pod CIDR lies on the
+/// host's own link (IPv4's connected route is `scope link`, IPv6's has no gateway), is reported
+/// and gets no map entry, nexthop or route; the host keeps its gateway. A remote node on the
+/// host's link is how nodes are, and is programmed.
+#[test]
+fn what_the_host_holds_is_never_mapped_or_routed_to_a_node() {
+    require_sandbox!();
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        ip(&["addr", "add", "10.88.0.2/16", "dev", "gw0"]);
+        ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            "10.88.255.254",
+            "dev",
+            "gw0",
+        ]);
+        let secondary = TestNode {
+            name: "secondary".into(),
+            ips: vec!["10.88.0.2".into()],
+            cidrs: vec!["10.101.1.0/24".into()],
+            ..TestNode::default()
+        };
+        let mut on_link = TestNode::v4("on-link", 20);
+        on_link.cidrs = vec!["10.88.128.0/17".into()];
+        let on_link6 = TestNode {
+            name: "on-link6".into(),
+            ips: vec!["10.88.1.22".into(), "fd00:88::122".into()],
+            cidrs: vec!["fd00:88:0:0:8000::/65".into()],
+            ..TestNode::default()
+        };
+        let normal = TestNode::dual("node-0001", 1);
+        let nodes = [secondary, on_link.clone(), on_link6.clone(), normal.clone()];
+        env.write_nodes(&nodes);
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        let errors = errors_of(&report);
+        for e in &errors {
+            println!("{}: {}", e.0, e.1);
+        }
+        let said =
+            |node: &str, what: &str| errors.iter().any(|(n, e)| n == node && e.contains(what));
+        assert!(
+            said("secondary", "address 10.88.0.2 belongs to the local node"),
+            "{errors:?}"
+        );
+        assert!(
+            said("on-link", "the host's on-link prefix 10.88.0.0/16 on gw0"),
+            "{errors:?}"
+        );
+        assert!(
+            said("on-link6", "the host's on-link prefix fd00:88::/64 on gw0"),
+            "{errors:?}"
+        );
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        let map = env.map();
+        let mapped: Vec<&str> = map.keys().map(String::as_str).collect();
+        assert_eq!(mapped, ["10.88.1.2", "fd00:88::101"], "node-0001's alone");
+        let routes = env.routes();
+        let routed: Vec<&str> = routes.keys().map(String::as_str).collect();
+        assert_eq!(
+            routed,
+            ["10.100.1.0/24", "fd00:244:2::/64"],
+            "node-0001's alone"
+        );
+        for (id, (gateway, _)) in env.nexthops() {
+            assert!(
+                ["10.88.1.2", "fd00:88::101"].contains(&gateway.as_str()),
+                "nexthop {id} via {gateway}"
+            );
+        }
+        // The host's gateway is still on its link, not behind a node.
+        let out = ip(&["route", "get", "10.88.255.254"]);
+        let how = String::from_utf8_lossy(&out.stdout);
+        assert!(how.contains("dev gw0") && !how.contains("via"), "{how}");
+        // A second pass changes nothing: the held nodes stay held, the run stays clean.
+        let (code, report, err) = env.once(&[]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(report["kernel_writes"], 0, "{report}");
+        assert_eq!(errors_of(&report).len(), 3, "{report}");
+    });
+}

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use state::checkpoint::Checkpoint;
 use state::inventory::Inventory;
-use state::plan::{BrakeHold, BrakeMemory, Plan, PlanConfig};
+use state::plan::{BrakeHold, BrakeMemory, HostAddresses, Plan, PlanConfig};
 
 use self::apply::{Applied, OpResult};
 use self::brake::Brake;
@@ -93,6 +93,8 @@ pub struct Reconciler<K: Kernel> {
     view: View,
     /// With IPsec: the key file's digest the last plan used, and when the rotation moves on.
     keys: Option<KeysUsed>,
+    /// What the host held at the last dump: the local node's too (the address policy).
+    host: HostAddresses,
     /// A map capacity the kernel refused to grow to: not asked for again.
     grow_refused: Option<u32>,
     problems: ProblemLog,
@@ -161,6 +163,7 @@ impl<K: Kernel> Reconciler<K> {
             events: EventPlans::default(),
             view: View::default(),
             keys: None,
+            host: HostAddresses::default(),
             grow_refused: None,
             problems: ProblemLog::default(),
             totals,

@@ -44,9 +44,11 @@ impl EventPlans {
 }
 
 impl<K: Kernel> Reconciler<K> {
-    /// The planner's configuration with what the live view says of the local node.
+    /// The planner's configuration with what the live view says of the local node, and what
+    /// the host held at the last dump.
     pub(super) fn plan_config(&self) -> PlanConfig {
         let mut config = self.plan_config.clone();
+        config.host = self.host.clone();
         config.local_boot_id = self
             .live
             .get(&self.config.node_name)
@@ -152,7 +154,7 @@ impl<K: Kernel> Reconciler<K> {
 #[cfg(test)]
 mod tests {
     use state::objects::ObjectKind;
-    use state::plan::ClaimIndex;
+    use state::plan::{ClaimIndex, HostAddresses, OnLink};
 
     use super::super::testing::*;
     use crate::source::SourceEvent;
@@ -194,6 +196,52 @@ mod tests {
         assert!(full.is_empty());
         assert!(rec.record().unwrap().same_content(&full.checkpoint));
         assert_eq!(count(&mut rec, ObjectKind::Route), 4);
+    }
+
+    /// What the host holds is read with every dump and kept for event-sized plans: a node on a
+    /// host address, or with a pod CIDR over the host's link, is held in either.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_hosts_addresses_and_links_are_read_with_each_dump_and_kept_for_events() {
+        let kernel = FakeKernel {
+            host: HostAddresses {
+                addresses: vec!["10.0.0.100".parse().unwrap(), "10.0.0.50".parse().unwrap()],
+                on_link: vec![OnLink {
+                    prefix: "10.0.0.0/24".parse().unwrap(),
+                    device: "gw0".into(),
+                }],
+            },
+            ..FakeKernel::default()
+        };
+        let mut rec = reconciler_with(config(), kernel, &[("a", 1), ("b", 2)]);
+        let first = rec.reconcile().await.unwrap();
+        assert!(first.plan.errors.is_empty(), "{:?}", first.plan.errors);
+        assert_eq!(rec.kernel().host_reads, 1);
+        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.50", "10.1.3.0/24")));
+        let out = rec.reconcile_event().await.unwrap();
+        assert!(out.plan.scope.is_some(), "event-sized");
+        let text: Vec<String> = out.plan.errors.iter().map(ToString::to_string).collect();
+        assert!(
+            matches!(&text[..], [t] if t.starts_with("node c: address 10.0.0.50 belongs to the local node")),
+            "{text:?}"
+        );
+        rec.on_event(SourceEvent::Apply(raw("d", "10.0.0.4", "10.0.0.128/25")));
+        let out = rec.reconcile_event().await.unwrap();
+        let text: Vec<String> = out.plan.errors.iter().map(ToString::to_string).collect();
+        assert!(
+            text.iter().any(|t| t.starts_with(
+                "node d: pod CIDR 10.0.0.128/25 overlaps the host's on-link prefix 10.0.0.0/24 on gw0"
+            )),
+            "{text:?}"
+        );
+        assert_eq!(rec.kernel().host_reads, 1, "no dump, no read");
+        assert_eq!(count(&mut rec, ObjectKind::Route), 2, "a's and b's only");
+        assert_eq!(count(&mut rec, ObjectKind::MapEntry), 2);
+        // The host lets go of the address: the next dump reads it so, and c is programmed.
+        rec.kernel().host.addresses.pop();
+        let out = rec.reconcile().await.unwrap();
+        assert_eq!(rec.kernel().host_reads, 2);
+        assert_eq!(out.plan.errors.len(), 1, "d only: {:?}", out.plan.errors);
+        assert_eq!(count(&mut rec, ObjectKind::Route), 3);
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -116,12 +116,16 @@ impl<K: Kernel> Reconciler<K> {
         Ok((inventory, drift))
     }
 
-    /// The kernel's objects: the early dump the first time, if there is one.
+    /// The kernel's objects: the early dump the first time, if there is one. What the host
+    /// holds is read with it and kept for the plans until the next dump (a plan from the last
+    /// reconcile's result uses the last one read).
     pub(super) async fn dump_kernel(&mut self) -> Result<Inventory, AgentError> {
-        match self.view.early_dump.take() {
-            Some(inventory) => Ok(inventory),
-            None => Ok(self.kernel.dump().await?),
-        }
+        let inventory = match self.view.early_dump.take() {
+            Some(inventory) => inventory,
+            None => self.kernel.dump().await?,
+        };
+        self.host = self.kernel.host().await?;
+        Ok(inventory)
     }
 
     /// A dump of the kernel taken while the source synced at start: the first reconcile (or

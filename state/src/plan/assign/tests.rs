@@ -227,6 +227,93 @@ fn a_pod_cidr_covering_a_nodes_address_holds_the_node_that_claims_it() {
     assert!(k.has(&route("10.1.30.0/24", "10.0.0.30")));
 }
 
+/// What the host holds is the local node's, whatever its record lists (the address policy): a
+/// remote node on one of the host's addresses (a secondary one, or one of a family the record
+/// leaves out) is held as one on a listed address is; a pod CIDR that overlaps an on-link
+/// prefix of the host (inside, equal, around) would take the host's own link, its gateway
+/// with it, and is held. A remote node's address on the host's link is how nodes are: it is
+/// programmed, and so is a pod CIDR of a family the host has no link in.
+#[test]
+fn what_the_host_holds_is_the_local_nodes() {
+    let mut r = Run::new();
+    r.cfg.host = HostAddresses {
+        addresses: vec![ip("10.0.0.100"), ip("10.0.0.101"), ip("fd00:88::1")],
+        on_link: vec![
+            OnLink {
+                prefix: net("10.0.0.0/24"),
+                device: "gw0".into(),
+            },
+            OnLink {
+                prefix: net("fd00:88::/64"),
+                device: "gw0".into(),
+            },
+            // A link route of no address of the host's (`ip route add 10.0.4.0/24 dev br0`).
+            OnLink {
+                prefix: net("10.0.4.0/24"),
+                device: "br0".into(),
+            },
+            // Never one of length 0: it would hold every pod CIDR.
+            OnLink {
+                prefix: net("0.0.0.0/0"),
+                device: "wg0".into(),
+            },
+        ],
+    };
+    let mut k = Kernel::default();
+    // An entry a run before this one left at a host address goes: it is the local node's.
+    k.put(map("10.0.0.101", 9));
+    let secondary = node("s", &["10.0.0.101"], &["10.1.5.0/24"]);
+    let unlisted = node("t", &["fd00:88::1"], &["fd01:6::/64"]);
+    let inside = node("u", &["10.0.0.7"], &["10.0.0.128/25"]);
+    let equal = node("v", &["10.0.0.8"], &["10.0.4.0/24"]);
+    let around = node("w", &["10.0.0.9"], &["10.0.0.0/23"]);
+    let v6 = node("x", &["10.0.0.10", "fd00:88::10"], &["fd01:10::/64"]);
+    let live = [a(), secondary, unlisted, inside, equal, around, v6];
+    let (p, _) = r.reconcile(None, &live, &mut k);
+    let held: Vec<String> = p.errors.iter().map(ToString::to_string).collect();
+    for line in &held {
+        println!("{line}");
+    }
+    let starts = [
+        "node s: address 10.0.0.101 belongs to the local node",
+        "node t: address fd00:88::1 belongs to the local node",
+        "node u: pod CIDR 10.0.0.128/25 overlaps the host's on-link prefix 10.0.0.0/24 on gw0, the local node's",
+        "node v: pod CIDR 10.0.4.0/24 overlaps the host's on-link prefix 10.0.4.0/24 on br0, the local node's",
+        "node w: pod CIDR 10.0.0.0/23 overlaps the address 10.0.0.100, the local node's",
+    ];
+    assert_eq!(held.len(), starts.len(), "{held:#?}");
+    for (line, start) in held.iter().zip(starts) {
+        assert!(line.starts_with(start), "{line}");
+    }
+    assert!(p.errors.iter().all(|e| e.problem.is_conflict()));
+    assert_eq!(
+        deleted(&p),
+        [(map("10.0.0.101", 9).id(), DeleteReason::Orphan)]
+    );
+    // a (on the host's link) and x (both families on it) are programmed, and nothing else.
+    assert_eq!(ids_of(&p.checkpoint).keys().collect::<Vec<_>>(), ["a", "x"]);
+    assert!(k.has(&route("10.1.1.0/24", "10.0.0.1")));
+    assert!(k.has(&route("fd01:10::/64", "fd00:88::10")));
+    let entries: Vec<&KernelObject> = k
+        .ours
+        .values()
+        .filter(|o| o.kind() == ObjectKind::MapEntry)
+        .collect();
+    assert_eq!(entries.len(), 3, "a's, and x's two: {entries:?}");
+    assert_eq!(
+        k.ours
+            .values()
+            .filter(|o| o.kind() == ObjectKind::Route)
+            .count(),
+        2
+    );
+
+    // Without the host's view, the same list programs s, u and v (the bug of issue 29).
+    r.cfg.host = HostAddresses::default();
+    let p = r.plan(None, &live, &Kernel::default());
+    assert_eq!(problems(&p).len(), 1, "w covers the listed address still");
+}
+
 // ---- Invariant 17: map room ----
 
 #[test]
