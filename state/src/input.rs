@@ -352,8 +352,9 @@ pub enum DirProblem {
     },
 }
 
-/// The directory `what` at `path`, opened (`O_DIRECTORY | O_NOFOLLOW`, so what is checked is
-/// what is used) as one the agent may write in: created 0700 (with its missing parents) when
+/// The directory `what` at `path`, opened (`O_DIRECTORY | O_NOFOLLOW`, so that the checks and
+/// the chmod are of the directory itself, never of a link's target) as one the agent may write
+/// in: created 0700 (with its missing parents) when
 /// missing; when present, refused if it is a symlink, not a directory, not owned by this
 /// process's effective uid, world-writable or sticky, and otherwise tightened to 0700 (a
 /// hostPath the kubelet made 0755, say). Never chmods what it refuses.

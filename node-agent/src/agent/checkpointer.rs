@@ -61,10 +61,10 @@ impl Checkpointer {
     }
 
     /// Takes the node's pin lock: an exclusive `flock` on `<bpffs>/node-agent` itself, kept
-    /// with the state directory's for the life of the agent (invariant 11). The state
-    /// directory's lock alone let a second agent with another `--state-dir` (an operator's
-    /// `run --once`) detach the first's classifiers and prune its objects as orphans; every
-    /// agent that writes to the kernel writes the pins, so this one lock keeps them apart. A
+    /// with the state directory's for the life of the agent (invariant 11). A second agent with
+    /// another `--state-dir` (an operator's `run --once`) would otherwise detach the first's
+    /// classifiers and prune its objects as orphans; every agent that writes to the kernel
+    /// writes the pins, so this one lock keeps them apart. A
     /// dry run (and `plan`, `state show`, `ipsec status`, `prune`, which only read, or write
     /// only in the state directory) takes neither lock. The descriptor is close-on-exec and the
     /// lock dies with the process: a restarted daemon never waits on its predecessor.

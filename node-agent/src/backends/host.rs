@@ -7,30 +7,47 @@
 //! Read on every dump: the addresses by a dump of their own (a host has few), the on-link
 //! prefixes from the route dump the routes backend makes anyway ([`on_link`] picks them out).
 
+use std::collections::HashSet;
 use std::ffi::CStr;
 use std::net::IpAddr;
 
 use futures::TryStreamExt;
 use ipnet::IpNet;
 use netlink_packet_route::address::AddressAttribute;
+use netlink_packet_route::link::LinkFlags;
 use netlink_packet_route::route::{RouteAttribute, RouteMessage, RouteProtocol, RouteType};
 use rtnetlink::Handle;
+use state::address_policy::{judge_ip, judge_net};
 use state::plan::OnLink;
 
 use super::routes::MAIN_TABLE;
 use crate::kernel::DumpError;
 
-/// Every address assigned to one of the host's interfaces, both families, sorted, without
-/// loopback and link-local ones (the policy refuses those anyway).
+/// Every address assigned to one of the host's interfaces that is up, both families, sorted,
+/// without those the address policy refuses (never a node's, whatever the host holds). An
+/// interface that is down carries addresses the host does not answer on as its own: kube-proxy's
+/// IPVS mode puts every Service's ClusterIP and externalIPs on the dummy `kube-ipvs0`, which
+/// stays down, and a Service's externalIPs may well be other nodes' addresses.
 pub async fn addresses(handle: &Handle) -> Result<Vec<IpAddr>, DumpError> {
-    let mut out = Vec::new();
-    let mut answers = handle.address().get().execute();
-    while let Some(msg) = answers.try_next().await.map_err(|e| DumpError::Host {
+    let failed = |e: rtnetlink::Error| DumpError::Host {
         source: match e {
             rtnetlink::Error::NetlinkError(m) => m.to_io(),
             other => std::io::Error::other(other.to_string()),
         },
-    })? {
+    };
+    let mut up = HashSet::new();
+    let mut links = handle.link().get().execute();
+    while let Some(msg) = links.try_next().await.map_err(failed)? {
+        if msg.header.flags.contains(LinkFlags::Up) {
+            up.insert(msg.header.index);
+        }
+    }
+    let mut out = Vec::new();
+    let mut answers = handle.address().get().execute();
+    while let Some(msg) = answers.try_next().await.map_err(failed)? {
+        if !up.contains(&msg.header.index) {
+            continue;
+        }
         // IPv4 names the interface's own address `IFA_LOCAL` (`IFA_ADDRESS` is the peer of a
         // point-to-point link); IPv6 has `IFA_ADDRESS` alone.
         let mut address = None;
@@ -42,22 +59,15 @@ pub async fn addresses(handle: &Handle) -> Result<Vec<IpAddr>, DumpError> {
                 _ => {}
             }
         }
-        out.extend(local.or(address).filter(|a| !skipped(a)));
+        out.extend(
+            local
+                .or(address)
+                .filter(|a| judge_ip(a.to_canonical()).is_ok()),
+        );
     }
     out.sort_unstable();
     out.dedup();
     Ok(out)
-}
-
-/// Loopback and link-local: never a node's, whatever the host holds.
-fn skipped(ip: &IpAddr) -> bool {
-    let link_local: IpNet = match ip {
-        IpAddr::V4(_) => "169.254.0.0/16",
-        IpAddr::V6(_) => "fe80::/10",
-    }
-    .parse()
-    .expect("a valid prefix");
-    ip.is_loopback() || ip.is_unspecified() || link_local.contains(ip)
 }
 
 /// The on-link prefix a route of the host stands for, with its interface's index: a unicast
@@ -68,8 +78,7 @@ pub fn on_link(msg: &RouteMessage, dst: IpNet, table: u32, protocol: u8) -> Opti
     if table != MAIN_TABLE
         || msg.header.kind != RouteType::Unicast
         || msg.header.protocol == RouteProtocol::from(protocol)
-        || dst.prefix_len() == 0
-        || skipped(&dst.network())
+        || judge_net(dst).is_err()
     {
         return None;
     }
@@ -151,15 +160,5 @@ mod tests {
         let mut blackhole = route(vec![]);
         blackhole.header.kind = RouteType::BlackHole;
         assert_eq!(on_link(&blackhole, dst, MAIN_TABLE, 201), None);
-    }
-
-    #[test]
-    fn loopback_and_link_local_addresses_are_not_read_as_the_hosts() {
-        for a in ["127.0.0.1", "::1", "fe80::1", "169.254.1.1", "::"] {
-            assert!(skipped(&a.parse().unwrap()), "{a}");
-        }
-        for a in ["10.88.0.2", "fd00:88::1", "192.0.2.1"] {
-            assert!(!skipped(&a.parse().unwrap()), "{a}");
-        }
     }
 }

@@ -138,11 +138,13 @@ pub struct AgentArgs {
     /// Tests only: the ID cool-down, below `--id-cooldown`'s least (`0s`: a freed node ID is
     /// handed out again at once), for benchmarks that churn more nodes than the ID space has
     /// free IDs and for histories that run cool-downs out; the floor is at most this.
-    #[arg(long, env = "NODE_AGENT_TEST_ID_COOLDOWN", hide = true, value_parser = |s: &str| TEST_ID_COOLDOWN.parse(s))]
+    // No environment variable: a stray one in a DaemonSet would lower a production cool-down
+    // unseen; a test says it on the command line, and the agent warns.
+    #[arg(long, hide = true, value_parser = |s: &str| TEST_ID_COOLDOWN.parse(s))]
     pub test_id_cooldown: Option<Duration>,
     /// Tests only: hand out node IDs up to this one (65535 in real use), to reach the edge of the
     /// ID space with a few nodes. 2 to 65535.
-    #[arg(long, env = "NODE_AGENT_TEST_MAX_NODE_ID", default_value_t = state::ids::MAX_ID, hide = true, value_parser = |s: &str| MAX_NODE_ID.int::<u16>(s))]
+    #[arg(long, default_value_t = state::ids::MAX_ID, hide = true, value_parser = |s: &str| MAX_NODE_ID.int::<u16>(s))]
     pub max_node_id: u16,
     /// IPsec key file, one key per line: `<spi 1-15> rfc4106(gcm(aes)) 0x<key+salt hex> <icv
     /// bits>`; the last line is the newest key, and appending a line rotates to it. Enables
@@ -268,6 +270,12 @@ impl AgentArgs {
         c.prune_confirm_delay = self.prune_confirm_delay;
         c.resync_interval = self.resync_interval;
         c.include_external_ips = self.include_external_ips;
+        if let Some(t) = self.test_id_cooldown {
+            tracing::warn!(
+                "--test-id-cooldown {}: a test's setting, below what --id-cooldown allows",
+                t.show()
+            );
+        }
         c.id_cooldown = self.test_id_cooldown.unwrap_or(self.id_cooldown);
         c.id_reuse_floor = self.id_reuse_floor.min(c.id_cooldown);
         c.max_node_id = self.max_node_id;

@@ -110,10 +110,10 @@ pub(super) fn has_tcx() -> bool {
 ///
 /// Every pin under `link_dir` is ours: `<bpffs>/node-agent/links` is made 0700 by the agent and
 /// refused when it is a symlink or someone else's (`state::input::private_dir`), and only the
-/// agent pins there. What made this unsafe was a second agent (another `--state-dir`, the same
-/// bpffs) taking the first one's links for its own leftovers; the pin directory's lock
-/// (`Checkpointer::lock_pins`, taken before anything is loaded) refuses it, so the pins are
-/// only ever this agent's and its predecessors'.
+/// agent pins there. The pin directory's lock (`Checkpointer::lock_pins`, taken before anything
+/// is loaded) keeps out a second agent with another `--state-dir` on the same bpffs, which would
+/// otherwise take this one's links for its own leftovers: the pins are only ever this agent's
+/// and its predecessors'.
 pub(super) fn unpin_unconfigured(link_dir: &Path, configured: &[PathBuf]) {
     let Ok(pins) = std::fs::read_dir(link_dir) else {
         return;

@@ -98,7 +98,7 @@ pub struct Outcome {
     pub confirmations: usize,
     /// Steps at rest compared with a fresh agent's kernel.
     pub differential: usize,
-    /// Runs on a nodes file caught half-written.
+    /// Runs that read a nodes file caught half-written.
     pub torn: usize,
 }
 
@@ -302,7 +302,11 @@ fn act(
             .map(|c| (CUT_ENV, std::ffi::OsStr::new(c.as_str())));
         let (code, report, stderr) = match torn {
             None => env.once_with_env(cut_env.as_slice(), args),
-            Some(pct) => torn_once(env, list, pct, args),
+            Some(pct) => {
+                let (ran, read_torn) = torn_once(env, list, pct, args);
+                seen.torn += usize::from(read_torn);
+                ran
+            }
         };
         let _ = std::fs::OpenOptions::new()
             .append(true)
@@ -341,10 +345,7 @@ fn act(
     };
     let exit = match action {
         Action::Once => once(args, None, None),
-        Action::TornWrite { pct } => {
-            seen.torn += 1;
-            once(args, None, Some(*pct))
-        }
+        Action::TornWrite { pct } => once(args, None, Some(*pct)),
         Action::OnceForced => {
             seen.confirmations += 1;
             once(&[args, &["--force-prune"]].concat(), None, None)
@@ -407,31 +408,52 @@ fn act(
 
 /// `run --once` while the nodes file is written in place the way a writer that pauses leaves
 /// it: the first items of `list` (`pct` percent, the local node first), a valid and shorter
-/// list, then, 20 ms after the run starts, all of it. The settle period is 1 s, fifty times the
-/// pause: a run that took the shorter list would prune live nodes.
+/// list, then, once the run has read it, all of it. The run must end on the whole list (the
+/// settle period, 1 s here, keeps a read that drops nodes from being taken). Whether the run read
+/// the short list is told by the file's access time, set far back first (the kernel moves it to
+/// now on the first read); the last value says so (`false` on a file system that keeps no access
+/// times, or a run that ended first).
 fn torn_once(
     env: &AgentEnv,
     list: &[TestNode],
     pct: u64,
     args: &[&str],
-) -> (i32, serde_json::Value, String) {
+) -> ((i32, serde_json::Value, String), bool) {
+    use std::os::unix::fs::MetadataExt as _;
     let keep = (list.len() * pct as usize / 100).max(1);
     std::fs::write(&env.nodes_file, crate::agent::node_list(&list[..keep])).unwrap();
+    // Accessed "long ago": the first read sets the access time to now (relatime updates an
+    // access time older than the modification time).
+    std::fs::File::options()
+        .write(true)
+        .open(&env.nodes_file)
+        .and_then(|f| {
+            f.set_times(
+                std::fs::FileTimes::new()
+                    .set_accessed(std::time::UNIX_EPOCH + Duration::from_secs(1)),
+            )
+        })
+        .unwrap();
+    let read = || std::fs::metadata(&env.nodes_file).is_ok_and(|m| m.atime() > 1);
     let mut run = vec!["--once", "--output", "json", "--sync-timeout", "90s"];
     run.extend_from_slice(args);
     run.extend(["--nodes-file-settle", "1s"]);
-    let child = env
+    let mut child = env
         .command(&run)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(20));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !read() && Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let torn = read();
     std::fs::write(&env.nodes_file, crate::agent::node_list(list)).unwrap();
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let report = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-    (out.status.code().unwrap_or(-1), report, stderr)
+    ((out.status.code().unwrap_or(-1), report, stderr), torn)
 }
 
 /// What a step's run did.

@@ -184,7 +184,7 @@ pub enum Action {
     },
 }
 
-/// The cool-down of the small ID space mode (its `--id-cooldown` in [`Modes::args`]).
+/// The cool-down of the small ID space mode (its `--test-id-cooldown` in [`Modes::args`]).
 pub const SMALL_ID_COOLDOWN: Duration = Duration::from_secs(3);
 
 /// The agent's modes, drawn for each history and printed with it: each is a way the agent runs

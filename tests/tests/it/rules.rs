@@ -654,6 +654,47 @@ fn orphans_without_a_checkpoint_are_held_when_most_would_go() {
     });
 }
 
+/// An address on an interface that is down is not the host's: kube-proxy's IPVS mode keeps every
+/// Service's ClusterIP and externalIPs (which may be nodes' addresses) on `kube-ipvs0`, which is
+/// never up. A node at such an address is not held as the local node's; it gets its map entry,
+/// and the kernel, which takes the address as local, refuses a nexthop through it.
+#[test]
+fn an_address_on_an_interface_that_is_down_is_not_the_hosts() {
+    require_sandbox!();
+    sandbox(|sb| {
+        let env = AgentEnv::new(&sb.bpffs);
+        let node = TestNode::v4("node-0001", 1);
+        // Down, as kube-ipvs0 is (a veth: not every test kernel has the dummy driver).
+        ip(&[
+            "link",
+            "add",
+            "kube-ipvs0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "ipvs-peer",
+        ]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("{}/32", node.ips[0]),
+            "dev",
+            "kube-ipvs0",
+        ]);
+        env.write_nodes(std::slice::from_ref(&node));
+        let (_, report, err) = env.once(&[]);
+        let errors = errors_of(&report);
+        assert!(
+            !errors
+                .iter()
+                .any(|(_, e)| e.contains("belongs to the local node")),
+            "{errors:?}\n{err}"
+        );
+        assert!(env.map().contains_key(&node.ips[0]), "{report}\n{err}");
+    });
+}
+
 /// What the host holds is the local node's, whatever the local node's record lists (the address
 /// policy): a remote node on a secondary address of the host, or one whose pod CIDR lies on the
 /// host's own link (IPv4's connected route is `scope link`, IPv6's has no gateway), is reported
