@@ -718,8 +718,14 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
     }
     // A nexthop a foreign route uses is kept whoever it was for: history, which a fresh kernel
     // (where the foreign route could not be planted before the nexthop) does not have.
+    // Left out on both sides, whichever kernel has the foreign route.
+    let foreign_users: BTreeSet<u32> = a
+        .elsewhere
+        .values()
+        .chain(b.elsewhere.values())
+        .copied()
+        .collect();
     let to_node = |s: &Snapshot| -> BTreeSet<(Option<(u16, Family)>, String)> {
-        let foreign_users: BTreeSet<u32> = s.elsewhere.values().copied().collect();
         s.our_nexthops()
             .into_iter()
             .filter(|(id, gw)| n.ips.iter().any(|ip| ip == gw) && !foreign_users.contains(id))
