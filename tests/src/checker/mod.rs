@@ -596,6 +596,10 @@ impl Run {
                 before = after;
             }
             if let Some(broke) = self.converge(&env, &mut truth, &mut planted, &mut rng) {
+                if let Some(dir) = keep {
+                    let _ = std::fs::create_dir_all(dir);
+                    let _ = std::fs::copy(env.log(), dir.join("agent.log"));
+                }
                 outcome.failure = Some((steps.len(), broke));
             }
             outcome
@@ -680,15 +684,18 @@ impl Run {
     ) -> Option<Vec<String>> {
         let forced = [self.modes.args().as_slice(), &["--force-prune"]].concat();
         let nexthops = !self.modes.nexthops_off;
-        if self.modes.small_ids {
-            // Every freed ID cools down first (the kernel records free times in whole seconds,
-            // rounded up), so that every node of the mended cluster can have one.
-            std::thread::sleep(model::SMALL_ID_COOLDOWN + Duration::from_secs(2));
-        }
         truth.apply(&Change::Mend);
         sync_foreign(planted, &truth.foreign);
         let list = truth.list(&View::Full, rng);
         env.write_list(&list);
+        if self.modes.small_ids {
+            // In a small ID space the brake's held removals may hold every ID: a first forced
+            // run releases them, and their IDs cool down (the kernel records free times in whole
+            // seconds, rounded up) before the runs that must converge, so that every node of the
+            // mended cluster can have one.
+            let _ = env.once(&forced);
+            std::thread::sleep(model::SMALL_ID_COOLDOWN + Duration::from_secs(2));
+        }
         let mut broke = Vec::new();
         let (code, _, err) = env.once(&forced);
         if code != 0 {
