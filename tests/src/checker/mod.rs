@@ -508,6 +508,10 @@ impl Run {
             let mut planted = Vec::new();
             let mut previous_clean: Vec<TestNode> = Vec::new();
             let mut window: Vec<(Instant, usize, usize)> = Vec::new();
+            // When the kernel's records were last unpinned: the agent's window then lives in
+            // the checkpoint alone, and a checkpoint lost after that forgets every removal
+            // before it (nothing can remember them; design.md, "The window").
+            let mut records_lost_at: Option<Instant> = None;
             let mut before = Snapshot::take(&env);
             let mut outcome = Outcome::default();
             for (i, step) in steps.iter().enumerate() {
@@ -537,6 +541,15 @@ impl Run {
                 }
                 let now = Instant::now();
                 window.retain(|(t, ..)| now.duration_since(*t) < WINDOW);
+                match step.action {
+                    Action::LoseKernelRecords => records_lost_at = Some(now),
+                    Action::LoseCheckpoint | Action::CorruptCheckpoint { .. } => {
+                        if let Some(lost) = records_lost_at {
+                            window.retain(|(t, ..)| *t >= lost);
+                        }
+                    }
+                    _ => {}
+                }
                 let facts = StepFacts {
                     list: &list,
                     previous_clean: &previous_clean,
