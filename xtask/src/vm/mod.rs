@@ -63,6 +63,22 @@ impl KernelChoice {
     }
 }
 
+/// A guest that died while booting ran nothing of ours: it is booted once more, and that is said.
+fn boot_once_more_if_it_crashed(boot: &qemu::Boot) -> anyhow::Result<qemu::Timing> {
+    let result = qemu::run(boot);
+    if let Err(e) = &result
+        && let Some(crash) = e.downcast_ref::<qemu::BootCrashed>()
+    {
+        let first = crash.0.lines().next().unwrap_or_default().to_owned();
+        step(&format!(
+            "vm-test: {} died while booting, before any test ran ({first}); booting it again",
+            boot.kernel.series
+        ));
+        return qemu::run(boot);
+    }
+    result
+}
+
 /// Runs the tier; `Ok(code)` is the process's exit status: 0, or the first failing guest's
 /// test status when the only failures are test failures. Anything else (a crash, a timeout, a
 /// failed smoke test, an ESP skip) is an error.
@@ -97,30 +113,39 @@ pub fn run(args: &Args) -> anyhow::Result<i32> {
         t.elapsed().as_secs_f64()
     ));
 
+    // One guest runs its vCPUs on one host thread (see `qemu::accel`), so the kernels boot side
+    // by side: each has a host core of its own, as it would alone, and the tier takes as long as
+    // its slowest guest. Their console lines are told apart by a prefix.
+    let label = kernels.len() > 1;
+    let results: Vec<anyhow::Result<qemu::Timing>> = std::thread::scope(|s| {
+        let guests: Vec<_> = kernels
+            .iter()
+            .map(|k| {
+                let boot = qemu::Boot {
+                    kernel: k,
+                    tools: &tools,
+                    payload: &payload,
+                    timeout: Duration::from_secs(args.timeout),
+                    bzimage: args.bzimage,
+                    memory_mib: args.memory_mib,
+                    label,
+                };
+                s.spawn(move || boot_once_more_if_it_crashed(&boot))
+            })
+            .collect();
+        guests
+            .into_iter()
+            .map(|g| {
+                g.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the guest's thread panicked")))
+            })
+            .collect()
+    });
+
     let mut failures = Vec::new();
     let mut summary = Vec::new();
     let mut test_rc = 0;
-    for k in &kernels {
-        let boot = qemu::Boot {
-            kernel: k,
-            tools: &tools,
-            payload: &payload,
-            timeout: Duration::from_secs(args.timeout),
-            bzimage: args.bzimage,
-            memory_mib: args.memory_mib,
-        };
-        let mut result = qemu::run(&boot);
-        // A guest that died while booting ran nothing of ours: boot it once more, and say so.
-        if let Err(e) = &result
-            && let Some(crash) = e.downcast_ref::<qemu::BootCrashed>()
-        {
-            let first = crash.0.lines().next().unwrap_or_default().to_owned();
-            step(&format!(
-                "vm-test: {} died while booting, before any test ran ({first}); booting it again",
-                k.series
-            ));
-            result = qemu::run(&boot);
-        }
+    for (k, result) in kernels.iter().zip(results) {
         let line = match &result {
             Ok(_) => format!("{} ok", k.series),
             Err(e) => format!("{} FAILED: {e:#}", k.series),

@@ -29,6 +29,8 @@ pub struct Boot<'a> {
     pub timeout: Duration,
     pub bzimage: bool,
     pub memory_mib: u32,
+    /// Prefix every console line with the kernel's series (guests running side by side).
+    pub label: bool,
 }
 
 /// The guest ran its tests and some failed: the process exits with the guest's status.
@@ -118,7 +120,12 @@ pub fn run(b: &Boot) -> anyhow::Result<Timing> {
     ));
     let started = Instant::now();
     let mut child = qemu.spawn().context("starting qemu-system-x86_64")?;
-    let console = watch(&mut child, started + b.timeout)?;
+    let prefix = if b.label {
+        format!("[{}] ", k.series)
+    } else {
+        String::new()
+    };
+    let console = watch(&mut child, started + b.timeout, &prefix)?;
     let Console {
         tail,
         begin,
@@ -233,9 +240,13 @@ struct Console {
     status: std::process::ExitStatus,
 }
 
-/// Echoes the console and reads what it says until QEMU ends or `deadline` passes (then QEMU is
+/// Echoes the console (each line after `prefix`) and reads what it says until QEMU ends or `deadline` passes (then QEMU is
 /// killed); waits a short grace for QEMU to exit after its last line.
-fn watch(child: &mut std::process::Child, deadline: Instant) -> anyhow::Result<Console> {
+fn watch(
+    child: &mut std::process::Child,
+    deadline: Instant,
+    prefix: &str,
+) -> anyhow::Result<Console> {
     let (tx, rx) = mpsc::channel::<String>();
     let stdout = child.stdout.take().expect("piped");
     let stderr = child.stderr.take().expect("piped");
@@ -250,7 +261,6 @@ fn watch(child: &mut std::process::Child, deadline: Instant) -> anyhow::Result<C
     let mut failed = Vec::new();
     let mut esp_skips = Vec::new();
     let mut timed_out = false;
-    let mut out = std::io::stdout().lock();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = match rx.recv_timeout(left) {
@@ -263,8 +273,12 @@ fn watch(child: &mut std::process::Child, deadline: Instant) -> anyhow::Result<C
                 break;
             }
         };
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
+        // Locked per line: another guest's console may be echoed beside this one.
+        {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{prefix}{line}");
+            let _ = out.flush();
+        }
         if tail.len() == 30 {
             tail.pop_front();
         }
