@@ -372,6 +372,20 @@ impl<K: Kernel> Daemon<K> {
     fn on_event(&mut self, ev: SourceEvent) {
         if self.rec.on_event(ev) {
             self.schedule.source_changed(Instant::now());
+        } else if !self.schedule.reconcile_pending() {
+            // An event that changes nothing to plan (a node turned malformed keeps its good
+            // record): the kernel already reflects the view at its newest version.
+            self.publish_revision(self.rec.live().revision());
+        }
+    }
+
+    /// `node_agent_source_revision`: the newest resourceVersion the kernel reflects.
+    fn publish_revision(&self, revision: Option<u64>) {
+        if let Some(r) = revision {
+            self.telemetry
+                .metrics
+                .source_revision
+                .set(i64::try_from(r).unwrap_or(i64::MAX));
         }
     }
 
@@ -435,11 +449,14 @@ impl<K: Kernel> Daemon<K> {
     /// Reconciles: with a dump of the kernel when `resync` says so (or the reconciler needs
     /// one), otherwise from the last reconcile's view.
     async fn reconcile(&mut self, resync: bool) {
+        // Every event folded in so far is in the view this reconcile plans from.
+        let revision = self.rec.live().revision();
         let result = match resync {
             true => self.rec.reconcile().await,
             false => self.rec.reconcile_event().await,
         };
         let now = Instant::now();
+        self.publish_revision(revision);
         let changed = result.as_ref().is_ok_and(|o| o.record_changed);
         let outcome = match &result {
             Ok(o) if o.failed.is_empty() => {

@@ -156,6 +156,12 @@ impl Schedule {
         self.reconcile_now(now);
     }
 
+    /// Whether a reconcile waits to run (a change not reconciled yet, a failed one's retry):
+    /// while none does, the kernel reflects the live view as the last reconcile planned it.
+    pub fn reconcile_pending(&self) -> bool {
+        self.reconcile_at.is_some() || self.retry_at.is_some()
+    }
+
     /// Reconcile at once (an operator's confirmation, a fresh list a hold waits for), or as
     /// soon as a failed reconcile's backoff allows.
     pub fn reconcile_now(&mut self, now: Instant) {

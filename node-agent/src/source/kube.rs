@@ -100,6 +100,7 @@ impl KubeSource {
         let mut requests_open = true;
         loop {
             let mut stream = watcher::watcher(api.clone(), watcher::Config::default()).boxed();
+            let mut revisions = Revisions::default();
             loop {
                 let probe_at = health.probe_at();
                 let step = tokio::select! {
@@ -119,14 +120,22 @@ impl KubeSource {
                         if probe_at.is_some() => Step::Probe,
                     item = stream.next() => match item {
                         None => return,
-                        Some(Ok(ev)) => Step::Event(convert(ev)),
+                        Some(Ok(ev)) => {
+                            let revision = revisions.announce(&ev);
+                            Step::Event(convert(ev), revision)
+                        }
                         Some(Err(e)) => Step::Failed(e),
                     },
                 };
                 let event = match step {
-                    Step::Event(ev) => {
+                    Step::Event(ev, revision) => {
                         if ev.clears_failure() {
                             health.recovered(Instant::now());
+                        }
+                        if let Some(r) = revision
+                            && tx.send(SourceEvent::Revision(r)).await.is_err()
+                        {
+                            return;
                         }
                         Some(ev)
                     }
@@ -158,7 +167,8 @@ impl KubeSource {
 
 /// What the watch loop does next.
 enum Step {
-    Event(SourceEvent),
+    /// An event, and the resourceVersion to announce before it.
+    Event(SourceEvent, Option<u64>),
     Failed(watcher::Error),
     Probe,
 }
@@ -252,6 +262,31 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// that hangs must not hold up the watch loop (and the probes after it) for the client's read
 /// timeout.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The resourceVersions to announce ([`SourceEvent::Revision`]): a change's own, and for a
+/// list the newest of its items' at its end (the watcher does not pass on the list's).
+#[derive(Default)]
+struct Revisions {
+    list: Option<u64>,
+}
+
+impl Revisions {
+    fn announce(&mut self, ev: &Event<Node>) -> Option<u64> {
+        let of = |n: &Node| n.metadata.resource_version.as_deref()?.parse::<u64>().ok();
+        match ev {
+            Event::Init => {
+                self.list = None;
+                None
+            }
+            Event::InitApply(n) => {
+                self.list = self.list.max(of(n));
+                None
+            }
+            Event::InitDone => self.list.take(),
+            Event::Apply(n) | Event::Delete(n) => of(n),
+        }
+    }
+}
 
 fn convert(ev: Event<Node>) -> SourceEvent {
     match ev {

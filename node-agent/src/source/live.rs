@@ -44,6 +44,10 @@ pub struct LiveState {
     /// so they are dropped as they arrive: one the address policy refuses (a cloud's odd
     /// ExternalIP) must not hold a node whose every address in use is fine.
     external_ips: bool,
+    /// The newest resourceVersion the view reflects ([`SourceEvent::Revision`]), and one
+    /// announced for the event that comes next.
+    revision: Option<u64>,
+    announced: Option<u64>,
 }
 
 /// A node's latest record, rejected: why, and the UID it carried (which tells the planner which
@@ -119,7 +123,28 @@ impl LiveState {
     }
 
     /// Folds one event in; returns whether the live view (or its sync state) changed.
-    pub fn apply(&mut self, mut event: SourceEvent) -> bool {
+    pub fn apply(&mut self, event: SourceEvent) -> bool {
+        if let SourceEvent::Revision(r) = event {
+            self.announced = Some(r);
+            return false;
+        }
+        let brings_revision = matches!(
+            event,
+            SourceEvent::InitDone | SourceEvent::Apply(_) | SourceEvent::Delete(_)
+        );
+        let changed = self.fold_event(event);
+        if brings_revision && let Some(r) = self.announced.take() {
+            self.revision = self.revision.max(Some(r));
+        }
+        changed
+    }
+
+    /// The newest Kubernetes resourceVersion the view reflects, where the source has one.
+    pub fn revision(&self) -> Option<u64> {
+        self.revision
+    }
+
+    fn fold_event(&mut self, mut event: SourceEvent) -> bool {
         if !self.external_ips
             && let SourceEvent::InitApply(raw) | SourceEvent::Apply(raw) = &mut event
         {
@@ -198,7 +223,7 @@ impl LiveState {
                 self.last_error = Some(msg);
                 false
             }
-            SourceEvent::Healthy => false,
+            SourceEvent::Healthy | SourceEvent::Revision(_) => false,
         }
     }
 
@@ -355,6 +380,35 @@ mod tests {
             s.apply(SourceEvent::InitApply(n.clone()));
         }
         s.apply(SourceEvent::InitDone)
+    }
+
+    /// A revision counts from the event it announces on, for every kind of event that brings
+    /// one; the events between (a list's start and items, an error) do not take it early.
+    #[test]
+    fn a_revision_is_reflected_only_with_the_event_it_announces() {
+        let mut s = state();
+        s.apply(SourceEvent::Revision(5));
+        s.apply(SourceEvent::Init);
+        s.apply(SourceEvent::InitApply(raw("local", "10.0.0.9")));
+        s.apply(SourceEvent::Error("a page failed".into()));
+        assert_eq!(s.revision(), None, "announced, not yet brought");
+        s.apply(SourceEvent::InitDone);
+        assert_eq!(s.revision(), Some(5));
+        let brought: [(u64, SourceEvent); 2] = [
+            (7, SourceEvent::Apply(raw("n1", "10.0.0.1"))),
+            (9, SourceEvent::Delete("n1".into())),
+        ];
+        for (r, event) in brought {
+            s.apply(SourceEvent::Revision(r));
+            assert_eq!(s.revision(), Some(r - 2), "before {event:?}");
+            s.apply(event);
+            assert_eq!(s.revision(), Some(r));
+        }
+        // An older version (a relist after a compaction answered by a lagging member) does not
+        // move it back.
+        s.apply(SourceEvent::Revision(3));
+        relist(&mut s, &[raw("local", "10.0.0.9")]);
+        assert_eq!(s.revision(), Some(9));
     }
 
     /// An ExternalIP the address policy refuses holds the node only where ExternalIPs are

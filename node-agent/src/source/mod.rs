@@ -31,6 +31,11 @@ pub enum SourceEvent {
     Error(String),
     /// The source reached its nodes again after an error, with nothing to report.
     Healthy,
+    /// Announces the event that follows (`Apply`, `Delete` or a list's `InitDone`): the
+    /// Kubernetes `resourceVersion` it brings the view to, where the API server's versions are
+    /// numbers (etcd's revisions are). Sent before its event, so that no reconcile can claim a
+    /// version whose change it has not seen.
+    Revision(u64),
 }
 
 impl SourceEvent {

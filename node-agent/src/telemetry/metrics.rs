@@ -84,6 +84,7 @@ pub struct Metrics {
     pub drift_repaired: Family<KindLabel, Counter>,
     pub source_failing: Gauge,
     pub source_synced: Gauge,
+    pub source_revision: Gauge,
     pub source_relists: Counter,
     pub source_errors: Counter,
     pub node_input_errors: Gauge,
@@ -114,6 +115,7 @@ impl Default for Metrics {
             drift_repaired: Family::default(),
             source_failing: Gauge::default(),
             source_synced: Gauge::default(),
+            source_revision: Gauge::default(),
             source_relists: Counter::default(),
             source_errors: Counter::default(),
             node_input_errors: Gauge::default(),
@@ -197,6 +199,11 @@ impl Default for Metrics {
             "source_synced",
             "1 once the node source completed its first full list",
             m.source_synced.clone(),
+        );
+        registry.register(
+            "source_revision",
+            "The newest Kubernetes resourceVersion the kernel reflects: planned from by the last finished reconcile, or taken in with nothing to change while no reconcile waits (0 until then; where the API server's versions are numbers)",
+            m.source_revision.clone(),
         );
         registry.register(
             "source_relists",
