@@ -335,6 +335,11 @@ impl AgentEnv {
     /// nobody reads the pipe while the test waits, and a full pipe would stall the agent). The
     /// guard kills it when dropped, so a failing test leaves no agent behind.
     pub fn spawn(&self, extra: &[&str]) -> Daemon {
+        self.spawn_with_env(&[], extra)
+    }
+
+    /// [`Self::spawn`] with `env` set for the agent (a test cut, say).
+    pub fn spawn_with_env(&self, env: &[(&str, &OsStr)], extra: &[&str]) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -342,6 +347,7 @@ impl AgentEnv {
             .unwrap();
         Daemon(
             self.command(extra)
+                .envs(env.iter().copied())
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()
@@ -430,22 +436,34 @@ pub fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
     assert_eq!(env.routes(), expected_routes(nodes), "routes");
 }
 
-/// `n` as the Node object the API server holds.
+/// `n` as the Node object the API server holds: its UID where it has one of its own (the
+/// stand-in keeps it, as the real server keeps the one it gave), ExternalIPs after InternalIPs.
 pub fn k8s_node(n: &TestNode) -> k8s_openapi::api::core::v1::Node {
     let addresses: Vec<serde_json::Value> = n
         .ips
         .iter()
         .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip}))
+        .chain(
+            n.external
+                .iter()
+                .map(|ip| serde_json::json!({"type": "ExternalIP", "address": ip})),
+        )
         .collect();
     // The hostname label is the one the kubelet sets on every node it registers.
-    serde_json::from_value(serde_json::json!({
+    let mut node = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": n.name, "labels": {"kubernetes.io/hostname": n.name}},
-        "spec": {"podCIDR": n.cidrs[0], "podCIDRs": n.cidrs},
+        "spec": {"podCIDRs": n.cidrs},
         "status": {"addresses": addresses},
-    }))
-    .expect("a valid Node")
+    });
+    if let Some(first) = n.cidrs.first() {
+        node["spec"]["podCIDR"] = first.as_str().into();
+    }
+    if let Some(uid) = &n.uid {
+        node["metadata"]["uid"] = uid.as_str().into();
+    }
+    serde_json::from_value(node).expect("a valid Node")
 }
 
 /// A daemon started by [`AgentEnv::spawn`]; killed and reaped when dropped.

@@ -283,7 +283,8 @@ impl ApiServer {
 
     /// Adds `node`, or replaces the node of that name, and returns the new resourceVersion.
     ///
-    /// The server stamps what the real one owns: `resourceVersion`, `uid` and
+    /// The server stamps what the real one owns: `resourceVersion`, `uid` (unless a new node
+    /// brings one) and
     /// `creationTimestamp` (kept across updates), and gives the node `managedFields` when it has
     /// none. Watches get `ADDED` or `MODIFIED`.
     ///
@@ -303,8 +304,12 @@ impl ApiServer {
         };
         let meta = &mut node.metadata;
         meta.resource_version = Some(rv.to_string());
+        // A UID the test gives a new node stands in for the one the real server would make up
+        // (to the agent, both are opaque); an update keeps the node's.
+        let given = meta.uid.take();
         meta.uid = previous
             .and_then(|p| p.metadata.uid.clone())
+            .or(given)
             .or_else(|| Some(uid(rv)));
         meta.creation_timestamp = previous
             .and_then(|p| p.metadata.creation_timestamp.clone())

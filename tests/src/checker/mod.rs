@@ -5,13 +5,16 @@
 //! A history changes the cluster ([`model::Change`]), shows the agent a list (sometimes a
 //! partial one, another cluster's, or one without the local node: [`model::View`]) and runs the
 //! agent ([`model::Action`]: a restart, a forced run, a daemon killed with SIGKILL at a random
-//! moment, a lost or corrupt checkpoint). [`oracle`] judges each step. At the end the cluster is
+//! moment, a lost or corrupt checkpoint): one-shot runs reading a nodes file, or, in the
+//! event-sized mode, daemons behind the API-server stand-in that see the step's changes as watch
+//! events ([`events`]). [`oracle`] judges each step. At the end the cluster is
 //! mended, and two forced runs must leave the kernel exactly as the mended cluster needs, the
 //! second with nothing to do.
 //!
 //! A failing history is replayed without each of its steps in turn, keeping the removals that
 //! still fail, and printed shrunk.
 
+pub mod events;
 pub mod model;
 pub mod oracle;
 
@@ -327,11 +330,7 @@ fn act(
             })
             .filter_map(|e| Some(e["node"].as_str()?.to_owned()))
             .collect();
-        let fired = stderr.lines().find_map(|l| {
-            l.strip_prefix(&format!("{CUT_ENV}: "))
-                .map(|l| l.ends_with(": kill"))
-        });
-        match fired {
+        match cut_fired(&stderr) {
             Some(true) => {
                 seen.crashes += 1;
                 None
@@ -350,30 +349,11 @@ fn act(
             seen.confirmations += 1;
             once(&[args, &["--force-prune"]].concat(), None, None)
         }
-        Action::LoseCheckpoint => {
-            let _ = std::fs::remove_file(env.checkpoint());
+        Action::LoseCheckpoint | Action::LoseKernelRecords | Action::CorruptCheckpoint { .. } => {
+            lose_records(env, action);
             once(args, None, None)
         }
-        Action::LoseKernelRecords => {
-            for pin in [abi::RECENT_REMOVALS_PIN, abi::FREED_IDS_PIN] {
-                let _ = std::fs::remove_file(node_agent::datapath::pin_dir(&env.bpffs).join(pin));
-            }
-            once(args, None, None)
-        }
-        Action::CorruptCheckpoint { at } => {
-            if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
-                let i = at % bytes.len().max(1);
-                if let Some(b) = bytes.get_mut(i) {
-                    *b ^= 0x5A;
-                }
-                let _ = std::fs::write(env.checkpoint(), bytes);
-            }
-            once(args, None, None)
-        }
-        Action::Cut { sequence, at, kill } => {
-            let how = if *kill { "kill" } else { "fail" };
-            once(args, Some(format!("{sequence}:{at}:{how}")), None)
-        }
+        Action::Cut { .. } => once(args, cut(action), None),
         Action::KilledDaemon { ms } => {
             seen.crashes += 1;
             let mut d = env.spawn(args);
@@ -384,26 +364,78 @@ fn act(
         }
         Action::KilledAfterApply { us } => {
             seen.crashes += 1;
-            let reconciled = || {
-                std::fs::read_to_string(env.log())
-                    .unwrap_or_default()
-                    .matches(" reconciled ")
-                    .count()
-            };
-            let before = reconciled();
-            let mut d = env.spawn(args);
-            // A round that changes nothing logs no such line (it is at debug): give up waiting.
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while reconciled() == before && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            std::thread::sleep(Duration::from_micros(*us));
-            let _ = d.kill();
-            let _ = d.wait();
+            let before = reconciles(env);
+            kill_after_reconcile(env, env.spawn(args), before, *us);
             None
         }
     };
     Acted { exit, waiting }
+}
+
+/// Reconciles the agent's log says finished with kernel writes.
+fn reconciles(env: &AgentEnv) -> usize {
+    std::fs::read_to_string(env.log())
+        .unwrap_or_default()
+        .matches(" reconciled ")
+        .count()
+}
+
+/// Kills `d` with SIGKILL `us` microseconds after the log shows a reconcile past the `before`th
+/// finished: between the kernel apply and the checkpoint write, or during the write.
+fn kill_after_reconcile(env: &AgentEnv, mut d: crate::agent::Daemon, before: usize, us: u64) {
+    // A round that changes nothing logs no such line (it is at debug): give up waiting.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reconciles(env) == before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    std::thread::sleep(Duration::from_micros(us));
+    let _ = d.kill();
+    let _ = d.wait();
+}
+
+/// What `action` takes from the agent before its run: the checkpoint lost or corrupt, the
+/// kernel's records unpinned.
+fn lose_records(env: &AgentEnv, action: &Action) {
+    match action {
+        Action::LoseCheckpoint => {
+            let _ = std::fs::remove_file(env.checkpoint());
+        }
+        Action::LoseKernelRecords => {
+            for pin in [abi::RECENT_REMOVALS_PIN, abi::FREED_IDS_PIN] {
+                let _ = std::fs::remove_file(node_agent::datapath::pin_dir(&env.bpffs).join(pin));
+            }
+        }
+        Action::CorruptCheckpoint { at } => {
+            if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
+                let i = at % bytes.len().max(1);
+                if let Some(b) = bytes.get_mut(i) {
+                    *b ^= 0x5A;
+                }
+                let _ = std::fs::write(env.checkpoint(), bytes);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The test cut (`NODE_AGENT_TEST_CUT`) an action sets, if it is a cut.
+fn cut(action: &Action) -> Option<String> {
+    match action {
+        Action::Cut { sequence, at, kill } => {
+            let how = if *kill { "kill" } else { "fail" };
+            Some(format!("{sequence}:{at}:{how}"))
+        }
+        _ => None,
+    }
+}
+
+/// Whether a test cut fired in `stderr` (an agent's log): `Some(true)` if it ended the run,
+/// `Some(false)` if it failed an operation.
+fn cut_fired(stderr: &str) -> Option<bool> {
+    stderr.lines().find_map(|l| {
+        l.strip_prefix(&format!("{CUT_ENV}: "))
+            .map(|l| l.ends_with(": kill"))
+    })
 }
 
 /// `run --once` while the nodes file is written in place the way a writer that pauses leaves
@@ -501,7 +533,8 @@ impl Run {
     pub fn history(&self, steps: &[Step], keep: Option<&std::path::Path>) -> Outcome {
         let args = self.modes.args();
         sandbox(|sb| {
-            let env = AgentEnv::new(&sb.bpffs);
+            let mut env = AgentEnv::new(&sb.bpffs);
+            let mut cluster = self.modes.events.then(|| events::Cluster::start(&mut env));
             let mut rng = Rng::new(self.list_seed);
             let mut truth = Truth::new(&self.profile);
             let mut ids: std::collections::BTreeMap<String, (TestNode, u16)> = Default::default();
@@ -520,14 +553,32 @@ impl Run {
                 // Planting a foreign object over ours is someone else's change, not the agent's.
                 before = before.with_foreign_of(&env);
                 let list = truth.list(&step.view, &mut rng);
-                env.write_list(&list);
+                let list = match cluster {
+                    Some(_) => events::Cluster::servable(&list),
+                    None => {
+                        env.write_list(&list);
+                        list
+                    }
+                };
                 let record_before = oracle::record(&env);
                 let _ = std::fs::OpenOptions::new()
                     .append(true)
                     .create(true)
                     .open(env.log())
                     .and_then(|mut f| writeln!(f, "=== step {i}: {step}"));
-                let Acted { exit, waiting } = act(&env, &step.action, &list, &args, &mut outcome);
+                let mut stuck = Vec::new();
+                let Acted { exit, waiting } = match &mut cluster {
+                    Some(c) => events::act(
+                        &env,
+                        c,
+                        &step.action,
+                        &list,
+                        &args,
+                        &mut outcome,
+                        &mut stuck,
+                    ),
+                    None => act(&env, &step.action, &list, &args, &mut outcome),
+                };
                 let after = Snapshot::take(&env);
                 if exit.is_none() {
                     let kernel_changed = after != before;
@@ -572,6 +623,7 @@ impl Run {
                     waiting: &waiting,
                 };
                 let mut broke = oracle::violations(&facts);
+                broke.append(&mut stuck);
                 if self.profile.torture && exit.is_some() {
                     let (leaked, missing) =
                         oracle::exactness(&list, &after, !self.modes.nexthops_off);
@@ -608,7 +660,9 @@ impl Run {
                     .collect();
                 before = after;
             }
-            if let Some(broke) = self.converge(&env, &mut truth, &mut planted, &mut rng) {
+            if let Some(broke) =
+                self.converge(&env, cluster.as_mut(), &mut truth, &mut planted, &mut rng)
+            {
                 if let Some(dir) = keep {
                     let _ = std::fs::create_dir_all(dir);
                     let _ = std::fs::copy(env.log(), dir.join("agent.log"));
@@ -698,6 +752,7 @@ impl Run {
     fn converge(
         &self,
         env: &AgentEnv,
+        cluster: Option<&mut events::Cluster>,
         truth: &mut Truth,
         planted: &mut Vec<usize>,
         rng: &mut Rng,
@@ -707,7 +762,12 @@ impl Run {
         truth.apply(&Change::Mend);
         sync_foreign(planted, &truth.foreign);
         let list = truth.list(&View::Full, rng);
-        env.write_list(&list);
+        match cluster {
+            Some(c) => {
+                c.serve(&events::Cluster::servable(&list));
+            }
+            None => env.write_list(&list),
+        }
         if self.modes.small_ids {
             // In a small ID space the brake's held removals may hold every ID: a first forced
             // run releases them, and their IDs cool down (the kernel records free times in whole

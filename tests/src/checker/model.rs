@@ -201,17 +201,26 @@ pub struct Modes {
     /// An ID space of 12 for up to 10 nodes, with a 3 s cool-down and a 1 s reuse floor: IDs
     /// run out, cool down and come back within a history.
     pub small_ids: bool,
+    /// The daemon behind the Kubernetes API-server stand-in, each step's changes arriving as
+    /// watch events while it runs: its plans are event-sized. Not with the small ID space, whose
+    /// oracle needs the nodes a run reports waiting for an ID (a one-shot run's report).
+    pub events: bool,
 }
 
 impl Modes {
     /// The modes of a history of `p`: half of the histories in each mode. Crash torture keeps
     /// its brake off (its oracle is exactness after every restart).
     pub fn draw(rng: &mut Rng, p: &Profile) -> Self {
+        let nexthops_off = rng.chance(50);
+        let growth = rng.chance(50);
+        let brake_off = p.torture || rng.chance(30);
+        let small_ids = !p.torture && rng.chance(40);
         Self {
-            nexthops_off: rng.chance(50),
-            growth: rng.chance(50),
-            brake_off: p.torture || rng.chance(30),
-            small_ids: !p.torture && rng.chance(40),
+            nexthops_off,
+            growth,
+            brake_off,
+            small_ids,
+            events: !p.torture && !small_ids && rng.chance(60),
         }
     }
 
@@ -241,7 +250,7 @@ impl Modes {
 
     /// Their names, as the coverage line prints them.
     pub fn names(&self) -> Vec<&'static str> {
-        let mut n = vec!["full"];
+        let mut n = vec![if self.events { "event-sized" } else { "full" }];
         if self.nexthops_off {
             n.push("nexthops-off");
         }

@@ -69,13 +69,12 @@ fn event_sized_reconciles_leave_what_a_full_reconcile_would() {
         let mut conflicted = None;
         for round in 0..rounds {
             let changed = change(&mut rng, &server, &mut nodes, &mut next, &mut conflicted);
-            let before = reconciles().unwrap_or(0.0);
-            // The change's reconciles (its events may arrive a few milliseconds apart), then
-            // a quiet moment for the last of them.
+            // The change's reconciles: until the last one planned from the server's newest
+            // version (its events may arrive a few milliseconds apart).
+            let version = server.resource_version() as f64;
             env.wait("the change's reconcile", TIMEOUT, || {
-                reconciles().is_some_and(|n| n >= before + 1.0)
+                metric(&metrics(), "node_agent_source_revision").is_some_and(|v| v >= version)
             });
-            std::thread::sleep(Duration::from_millis(300));
             let writes = operations(&metrics());
             let settled = reconciles().unwrap_or(0.0);
             env.wait("a resync", TIMEOUT, || {
