@@ -42,6 +42,18 @@ pub enum Input {
     NodeList,
     /// `--kubeconfig`.
     Kubeconfig,
+    /// A bearer token the Kubernetes client sends: a kubeconfig user's `tokenFile`, or the
+    /// pod's service-account token.
+    Token,
+    /// The certificate authorities the Kubernetes client trusts: a kubeconfig cluster's
+    /// `certificate-authority`, or the service account's `ca.crt`.
+    CaBundle,
+    /// A kubeconfig user's `client-certificate`: a certificate and its chain.
+    ClientCertificate,
+    /// A kubeconfig user's `client-key`.
+    ClientKey,
+    /// The service account's `namespace`, read by the in-cluster configuration.
+    Namespace,
     /// The checkpoint in the state directory.
     Checkpoint,
     /// The state directory's lock file (the holder's PID); opened to be locked and written too.
@@ -62,9 +74,14 @@ const MAX_NODES: u64 = 65_536;
 
 impl Input {
     /// Every kind, for the tests that walk them.
-    pub const ALL: [Input; 7] = [
+    pub const ALL: [Input; 12] = [
         Input::NodeList,
         Input::Kubeconfig,
+        Input::Token,
+        Input::CaBundle,
+        Input::ClientCertificate,
+        Input::ClientKey,
+        Input::Namespace,
         Input::Checkpoint,
         Input::Lock,
         Input::KeyFile,
@@ -86,6 +103,11 @@ impl Input {
         match self {
             Input::NodeList => "nodes file",
             Input::Kubeconfig => "kubeconfig",
+            Input::Token => "token file",
+            Input::CaBundle => "CA bundle",
+            Input::ClientCertificate => "client certificate",
+            Input::ClientKey => "client key",
+            Input::Namespace => "namespace file",
             Input::Checkpoint => "checkpoint",
             Input::Lock => "lock file",
             Input::KeyFile => "IPsec key file",
@@ -104,6 +126,17 @@ impl Input {
             Input::NodeList => MAX_NODES * 64 * KIB,
             // Many clusters' contexts with their certificates inline.
             Input::Kubeconfig => 4 * MIB,
+            // A projected service-account token is about 1 KiB; an OIDC ID token with many group
+            // claims some KiB: 64 KiB.
+            Input::Token => 64 * KIB,
+            // A whole system trust store is a few hundred KiB of PEM: 4 MiB.
+            Input::CaBundle => 4 * MIB,
+            // A certificate is 1 to 2 KiB of PEM, with its chain a few: 1 MiB.
+            Input::ClientCertificate => MIB,
+            // An RSA-16384 key, the largest anyone uses, is about 13 KiB of PEM: 64 KiB.
+            Input::ClientKey => 64 * KIB,
+            // A namespace name is at most 63 bytes.
+            Input::Namespace => 4 * KIB,
             // A record per node ID of at most 1 KiB (a 253-byte name, UID and boot ID, a dozen
             // addresses, two pod CIDRs, a pending delete), several times a real record. The
             // decoder allocates within a budget of its own.

@@ -2,19 +2,21 @@
 //! cluster, and what the demo and the end-to-end tests drive.
 //!
 //! The file holds a Kubernetes NodeList in YAML or JSON, such as `kubectl get nodes -o yaml`.
-//! It is polled: a change of size, mtime or inode triggers a parse, and so does every relist
+//! It is polled: a change of size, mtime, ctime or inode triggers a parse, and so does every relist
 //! interval even without a change (a fresh full list is what lets a held brake go ahead). Each
 //! successful parse is a full relist. A parse error keeps the last good view and is reported with
 //! its line and column; it never reads as "no nodes". A missing file means "not synced yet".
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use serde::Deserialize;
 use state::node::RawNode;
 use tokio::sync::mpsc;
+// The source's own waits on tokio's clock, which its tests pause and move.
+use tokio::time::Instant;
 
 use state::input::{self, Input, InputError};
 
@@ -195,31 +197,37 @@ fn io_error(e: &serde_saphyr::Error) -> Option<std::io::Error> {
     None
 }
 
-/// What identifies one version of the file without reading it.
+/// What identifies one version of the file without reading it. The change time is in it
+/// because a writer can set the modification time back, even to what it was, and cannot set
+/// the change time at all: the kernel sets it at every write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Signature {
     ino: u64,
     len: u64,
     mtime_ns: i128,
+    ctime_ns: i128,
 }
 
 fn signature(path: &Path) -> Option<Signature> {
     let m = std::fs::metadata(path).ok()?;
+    let ns = |s: i64, ns: i64| i128::from(s) * 1_000_000_000 + i128::from(ns);
     Some(Signature {
         ino: m.ino(),
         len: m.len(),
-        mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+        ctime_ns: ns(m.ctime(), m.ctime_nsec()),
     })
 }
 
 impl Signature {
-    /// How long ago the file was last written, by the wall clock (a time ahead of the clock is
-    /// taken as now).
+    /// How long ago the file was last changed, by the wall clock (a time ahead of the clock is
+    /// taken as now). From the change time: a modification time set back (by a writer that
+    /// keeps it, or an NFS server whose clock lags) would make a half-written file look settled.
     fn age(&self) -> Duration {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as i128);
-        Duration::from_nanos(u64::try_from(now - self.mtime_ns).unwrap_or(0))
+        Duration::from_nanos(u64::try_from(now - self.ctime_ns).unwrap_or(0))
     }
 }
 
@@ -499,21 +507,31 @@ mod tests {
         format!("apiVersion: v1\nkind: List\nitems:\n{items}")
     }
 
-    /// Writes `text` in place, as a writer without a rename does, dated `age` ago.
-    fn write_dated(path: &Path, text: &str, age: Duration) {
+    /// The tests' settle period, on tokio's paused clock: no one can set a file's change time
+    /// back, so the settle period is waited out on the source's own clock, which a paused
+    /// runtime moves on whenever the source sleeps (6000 polls here).
+    const SETTLE: Duration = Duration::from_secs(60);
+
+    /// Writes `text` in place, as a writer without a rename does.
+    fn write(path: &Path, text: &str) {
         std::fs::write(path, text).unwrap();
-        let f = std::fs::File::options().write(true).open(path).unwrap();
-        f.set_modified(std::time::SystemTime::now() - age).unwrap();
     }
 
-    /// A source polling `path` every 10 ms, with a settle period longer than any test machine
-    /// takes for the polls a test waits through, and its events.
+    /// Writes `text` in place with its modification time set `back`: a writer that keeps the
+    /// old time, or an NFS server whose clock lags.
+    fn write_backdated(path: &Path, text: &str, back: Duration) {
+        write(path, text);
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        f.set_modified(std::time::SystemTime::now() - back).unwrap();
+    }
+
+    /// A source polling `path` every 10 ms with the settle period [`SETTLE`], and its events.
     fn settling_source(path: &Path) -> (tokio::task::JoinHandle<()>, mpsc::Receiver<SourceEvent>) {
         let source = FileSource {
             path: path.to_owned(),
             poll: Duration::from_millis(10),
-            relist: Duration::from_secs(3600),
-            settle: Duration::from_secs(600),
+            relist: Duration::from_secs(24 * 3600),
+            settle: SETTLE,
         };
         let (tx, rx) = mpsc::channel(64);
         // No requests: the source goes on polling once their sender is gone.
@@ -534,54 +552,107 @@ mod tests {
         }
     }
 
+    /// The next list, and how long the source's clock moved before it came: at least
+    /// [`SETTLE`] for a list that waited, less for one taken at once.
+    async fn timed_list(rx: &mut mpsc::Receiver<SourceEvent>) -> (Vec<String>, Duration) {
+        let began = Instant::now();
+        let names = next_list(rx).await;
+        (names, began.elapsed())
+    }
+
     /// A writer that pauses (here: for good) after the first item of a list it writes in place
-    /// leaves a valid, shorter list: it is not taken while the file is younger than the settle
-    /// period, and it is, as soon as it is older (a later look finding the same file); a list
-    /// that only adds nodes is taken at once, fresh as it is.
-    #[tokio::test(flavor = "current_thread")]
+    /// leaves a valid, shorter list: it is taken only once the file has stayed unchanged for the
+    /// settle period, like the first read of a fresh file; a list that only adds nodes is taken
+    /// at once, fresh as it is.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_list_that_drops_nodes_waits_for_the_file_to_settle() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nodes.yaml");
-        let hour = Duration::from_secs(3600);
-        write_dated(&path, &list(&["n1", "n2"]), hour);
+        write(&path, &list(&["n1", "n2"]));
         let (task, mut rx) = settling_source(&path);
-        assert_eq!(
-            next_list(&mut rx).await,
-            ["n1", "n2"],
-            "an old file is settled"
+        let (names, waited) = timed_list(&mut rx).await;
+        assert_eq!(names, ["n1", "n2"]);
+        assert!(
+            waited >= SETTLE,
+            "a fresh first read was taken after {waited:?}"
         );
         // Added to, freshly written: taken at once.
-        write_dated(&path, &list(&["n1", "n2", "n3"]), Duration::ZERO);
-        assert_eq!(next_list(&mut rx).await, ["n1", "n2", "n3"]);
-        // Torn after its first item, and the writer pauses.
-        write_dated(&path, &list(&["n1"]), Duration::ZERO);
-        let waited = tokio::time::timeout(Duration::from_millis(500), next_list(&mut rx)).await;
+        write(&path, &list(&["n1", "n2", "n3"]));
+        let (names, waited) = timed_list(&mut rx).await;
+        assert_eq!(names, ["n1", "n2", "n3"]);
+        assert!(waited < SETTLE, "a list that only adds waited {waited:?}");
+        // Torn after its first item, and the writer pauses: confirmed a settle period later.
+        write(&path, &list(&["n1"]));
+        let (names, waited) = timed_list(&mut rx).await;
+        assert_eq!(names, ["n1"]);
         assert!(
-            waited.is_err(),
-            "a fresh shorter list was taken: {waited:?}"
+            waited >= SETTLE,
+            "a fresh shorter list was taken after {waited:?}"
         );
-        // The same file, a settle period later: the removal is confirmed.
-        write_dated(&path, &list(&["n1"]), hour);
-        assert_eq!(next_list(&mut rx).await, ["n1"]);
+        println!(
+            "settle: a fresh first read and a fresh removal waited {SETTLE:?}, an addition did not"
+        );
         task.abort();
     }
 
+    /// A file just written whose modification time says it is old (set back by its writer, or
+    /// by a lagging NFS server's clock) is as fresh as it is: its removals, its changes and a
+    /// first read of it wait for the settle period all the same. Walked: each of the three, with
+    /// the modification time a minute, an hour and a year back.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_modification_time_set_back_does_not_settle_a_fresh_file() {
+        let changed = list(&["n1"]).replace("10.0.0.1", "10.0.0.9");
+        let mut cases = 0;
+        for back in [60, 3600, 365 * 24 * 3600].map(Duration::from_secs) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("nodes.yaml");
+            write_backdated(&path, &list(&["n1", "n2"]), back);
+            let (task, mut rx) = settling_source(&path);
+            let (names, waited) = timed_list(&mut rx).await;
+            assert_eq!(names, ["n1", "n2"]);
+            assert!(
+                waited >= SETTLE,
+                "{back:?} back: a first read taken after {waited:?}"
+            );
+            for (what, text) in [("a removal", list(&["n1"])), ("a change", changed.clone())] {
+                write_backdated(&path, &text, back);
+                let (names, waited) = timed_list(&mut rx).await;
+                assert_eq!(names, ["n1"], "{what}");
+                assert!(
+                    waited >= SETTLE,
+                    "{back:?} back: {what} taken after {waited:?}"
+                );
+            }
+            cases += 3;
+            task.abort();
+        }
+        println!(
+            "settle: {cases} fresh reads with the modification time set back waited {SETTLE:?}"
+        );
+    }
+
     /// A node changed in a fresh file (a writer paused inside its item: an address missing)
-    /// waits too; the first read of a fresh file waits, since it has no list to add to.
-    #[tokio::test(flavor = "current_thread")]
+    /// waits too, and the first read of a fresh file, which has no list to add to.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_changed_node_and_a_first_fresh_read_wait_for_the_file_to_settle() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nodes.yaml");
-        write_dated(&path, &list(&["n1"]), Duration::ZERO);
+        write(&path, &list(&["n1"]));
         let (task, mut rx) = settling_source(&path);
-        let waited = tokio::time::timeout(Duration::from_millis(300), next_list(&mut rx)).await;
-        assert!(waited.is_err(), "a fresh first read was taken");
-        write_dated(&path, &list(&["n1"]), Duration::from_secs(3600));
-        assert_eq!(next_list(&mut rx).await, ["n1"]);
+        let (names, waited) = timed_list(&mut rx).await;
+        assert_eq!(names, ["n1"]);
+        assert!(
+            waited >= SETTLE,
+            "a fresh first read was taken after {waited:?}"
+        );
         let changed = list(&["n1"]).replace("10.0.0.1", "10.0.0.9");
-        write_dated(&path, &changed, Duration::ZERO);
-        let waited = tokio::time::timeout(Duration::from_millis(300), next_list(&mut rx)).await;
-        assert!(waited.is_err(), "a fresh change was taken");
+        write(&path, &changed);
+        let (names, waited) = timed_list(&mut rx).await;
+        assert_eq!(names, ["n1"]);
+        assert!(
+            waited >= SETTLE,
+            "a fresh change was taken after {waited:?}"
+        );
         task.abort();
     }
 

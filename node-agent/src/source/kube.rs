@@ -13,7 +13,7 @@
 //! healthy spell resets. What ends the failure is the source's own probe, retried on that
 //! backoff until it succeeds, or data: never an event that a quiet cluster may not send.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -23,6 +23,8 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client, Config};
 use tokio::sync::mpsc;
+
+use state::input::{self, Input, InputError};
 
 use super::node_object::raw_node;
 use super::{SourceEvent, SourceRequest};
@@ -39,10 +41,103 @@ pub enum KubeSourceError {
         "in-cluster configuration (is the agent running in a pod? pass --kubeconfig otherwise): {0}"
     )]
     InCluster(kube::config::InClusterError),
-    #[error("building the Kubernetes client: {0}")]
-    Client(kube::Error),
+    /// Built from `from`: the kubeconfig, or the in-cluster service account, whose files a
+    /// failure (a key that does not parse, say) is in.
+    #[error("building the Kubernetes client from {from}: {source}")]
+    Client {
+        from: String,
+        #[source]
+        source: kube::Error,
+    },
     #[error(transparent)]
-    KubeconfigRefused(state::input::InputError),
+    KubeconfigRefused(InputError),
+    /// A file the client would read, refused by the input gate: `origin` says which
+    /// kubeconfig field, or the in-cluster service account, named it.
+    #[error("{origin}: {source}")]
+    ClientFileRefused {
+        origin: String,
+        #[source]
+        source: InputError,
+    },
+}
+
+/// Where kube's in-cluster configuration reads the pod's service account: a path fixed in kube,
+/// as in every Kubernetes client.
+pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// A file the Kubernetes client reads itself: where it was named, its path, and its kind.
+type ClientFile = (String, PathBuf, Input);
+
+/// Every file `kc` names that kube reads: each cluster's `certificate-authority`, each user's
+/// `tokenFile`, `client-certificate` and `client-key` (kube has already made the relative ones
+/// relative to the kubeconfig's directory). Every context's, not only the current one's: which
+/// one kube picks is kube's logic, and a file of the wrong kind is wrong wherever it is named.
+fn kubeconfig_files(path: &Path, kc: &Kubeconfig) -> Vec<ClientFile> {
+    let mut files = Vec::new();
+    let mut add = |whose: String, field: &str, file: &Option<String>, what| {
+        if let Some(file) = file {
+            let origin = format!("kubeconfig {}: {whose} {field}", path.display());
+            files.push((origin, PathBuf::from(file), what));
+        }
+    };
+    for named in &kc.clusters {
+        if let Some(c) = &named.cluster {
+            let whose = format!("cluster {:?}", named.name);
+            add(
+                whose,
+                "certificate-authority",
+                &c.certificate_authority,
+                Input::CaBundle,
+            );
+        }
+    }
+    for named in &kc.auth_infos {
+        if let Some(u) = &named.auth_info {
+            let whose = || format!("user {:?}", named.name);
+            add(whose(), "tokenFile", &u.token_file, Input::Token);
+            add(
+                whose(),
+                "client-certificate",
+                &u.client_certificate,
+                Input::ClientCertificate,
+            );
+            add(whose(), "client-key", &u.client_key, Input::ClientKey);
+        }
+    }
+    files
+}
+
+/// The files kube's in-cluster configuration reads in the service account directory `dir`.
+fn in_cluster_files(dir: &Path) -> Vec<ClientFile> {
+    [
+        ("token", Input::Token),
+        ("ca.crt", Input::CaBundle),
+        ("namespace", Input::Namespace),
+    ]
+    .into_iter()
+    .map(|(name, what)| {
+        (
+            "in-cluster service account".to_owned(),
+            dir.join(name),
+            what,
+        )
+    })
+    .collect()
+}
+
+/// Passes each of the client's files through the input gate's checks before kube reads it
+/// whole: kube reads them itself, and re-reads a token file as it rotates, which a
+/// configuration built from bytes read here would lose. A missing file is left to kube, which
+/// names it if it is one it reads (a stale context's missing file harms nothing).
+fn gate(files: Vec<ClientFile>) -> Result<(), KubeSourceError> {
+    for (origin, path, what) in files {
+        match input::open(&path, what) {
+            Ok(_) => {}
+            Err(e) if e.is_not_found() => {}
+            Err(source) => return Err(KubeSourceError::ClientFileRefused { origin, source }),
+        }
+    }
+    Ok(())
 }
 
 /// Where the API server is: a kubeconfig file, or the pod's in-cluster service account.
@@ -61,16 +156,23 @@ impl KubeSource {
                 };
                 // Looked at by the input gate first; kube then reads it again itself, to resolve
                 // the certificate paths in it against its directory.
-                state::input::open(path, state::input::Input::Kubeconfig)
-                    .map_err(KubeSourceError::KubeconfigRefused)?;
+                input::open(path, Input::Kubeconfig).map_err(KubeSourceError::KubeconfigRefused)?;
                 let kc = Kubeconfig::read_from(path).map_err(err)?;
+                gate(kubeconfig_files(path, &kc))?;
                 Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
                     .await
                     .map_err(err)?
             }
-            None => Config::incluster().map_err(KubeSourceError::InCluster)?,
+            None => {
+                gate(in_cluster_files(Path::new(SERVICE_ACCOUNT_DIR)))?;
+                Config::incluster().map_err(KubeSourceError::InCluster)?
+            }
         };
-        Client::try_from(config).map_err(KubeSourceError::Client)
+        let from = match &self.kubeconfig {
+            Some(path) => format!("kubeconfig {}", path.display()),
+            None => format!("the in-cluster service account ({SERVICE_ACCOUNT_DIR})"),
+        };
+        Client::try_from(config).map_err(|source| KubeSourceError::Client { from, source })
     }
 
     /// Watches until the receiver is dropped. A [`SourceRequest::Relist`] starts the watch
@@ -358,6 +460,59 @@ pub fn describe(e: &watcher::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each file of the in-cluster service account, as a FIFO, a directory or one byte over its
+    /// kind's cap (the rest regular), is refused naming the service account and the file; all
+    /// regular, or missing (left to kube's own error), passes. The kubeconfig's files are walked
+    /// by `tests/tests/it/input_gate.rs`, through the client itself.
+    #[test]
+    fn every_in_cluster_file_of_the_wrong_kind_or_size_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = in_cluster_files(dir.path());
+        let reset = || {
+            for (_, path, _) in &files {
+                let _ = std::fs::remove_file(path);
+                let _ = std::fs::remove_dir(path);
+                std::fs::write(path, "x\n").unwrap();
+            }
+        };
+        let mut cases = 0;
+        for (_, path, what) in &files {
+            let bad: [(&str, &dyn Fn()); 3] = [
+                ("is a FIFO", &|| {
+                    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+                    // SAFETY: a valid NUL-terminated path.
+                    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+                }),
+                ("is a directory", &|| std::fs::create_dir(path).unwrap()),
+                ("bytes such a file can hold", &|| {
+                    let f = std::fs::File::create(path).unwrap();
+                    f.set_len(what.cap() + 1).unwrap();
+                }),
+            ];
+            for (says, make) in bad {
+                reset();
+                std::fs::remove_file(path).unwrap();
+                make();
+                let e = gate(in_cluster_files(dir.path())).unwrap_err().to_string();
+                assert!(
+                    e.contains("in-cluster service account")
+                        && e.contains(path.to_str().unwrap())
+                        && e.contains(says),
+                    "{e}"
+                );
+                cases += 1;
+            }
+        }
+        reset();
+        gate(in_cluster_files(dir.path())).unwrap();
+        std::fs::remove_file(&files[0].1).unwrap();
+        gate(in_cluster_files(dir.path())).unwrap();
+        println!(
+            "in-cluster files: {} files x 3 wrong kinds = {cases} refused; all regular and one missing passed",
+            files.len()
+        );
+    }
 
     #[test]
     fn jittered_backoff_grows_to_its_cap_and_stays_within_half_to_full() {
