@@ -504,12 +504,16 @@ pub fn expected_routes(nodes: &[TestNode]) -> BTreeMap<String, String> {
     out
 }
 
-/// The route each pod CIDR of `n` needs: through `n`'s first address of the CIDR's family
+/// The route each pod CIDR of `n` needs: through `n`'s first InternalIP of the CIDR's family
 /// (`None` when it has none). The one rule every expectation of routes is built from.
 pub fn node_routes(n: &TestNode) -> impl Iterator<Item = (&str, Option<&str>)> {
     n.cidrs.iter().map(|c| {
         let v6 = c.contains(':');
-        let gw = n.ips.iter().find(|i| i.contains(':') == v6);
+        // Via an InternalIP only (the checker's view lists ExternalIPs among the addresses).
+        let gw = n
+            .ips
+            .iter()
+            .find(|i| i.contains(':') == v6 && !n.external.contains(i));
         (c.as_str(), gw.map(String::as_str))
     })
 }

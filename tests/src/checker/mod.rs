@@ -560,6 +560,8 @@ impl Run {
                         list
                     }
                 };
+                // What the agent reads of the list, which is what the oracle judges.
+                let read = self.modes.as_read(&list);
                 let record_before = oracle::record(&env);
                 let _ = std::fs::OpenOptions::new()
                     .append(true)
@@ -602,7 +604,7 @@ impl Run {
                     _ => {}
                 }
                 let facts = StepFacts {
-                    list: &list,
+                    list: &read,
                     previous_clean: &previous_clean,
                     record_before: record_before.as_deref(),
                     record_lost: matches!(
@@ -626,8 +628,8 @@ impl Run {
                 broke.append(&mut stuck);
                 if self.profile.torture && exit.is_some() {
                     let (leaked, missing) =
-                        oracle::exactness(&list, &after, !self.modes.nexthops_off);
-                    let changed = oracle::id_changes(&list, &after, &mut ids);
+                        oracle::exactness(&read, &after, !self.modes.nexthops_off);
+                    let changed = oracle::id_changes(&read, &after, &mut ids);
                     outcome.rounds += 1;
                     outcome.leaked += leaked;
                     outcome.missing += missing;
@@ -642,7 +644,14 @@ impl Run {
                 // what a fresh agent programs from the same record, list and foreign objects.
                 if exit == Some(0) && step.view != View::NoLocal && !self.profile.torture {
                     outcome.differential += 1;
-                    broke.extend(self.differential(&env, &list, &truth.foreign, &after, &waiting));
+                    broke.extend(self.differential(
+                        &env,
+                        &list,
+                        &read,
+                        &truth.foreign,
+                        &after,
+                        &waiting,
+                    ));
                 }
                 let (nodes, objects) = oracle::removals(&facts);
                 window.push((now, nodes, objects));
@@ -654,7 +663,7 @@ impl Run {
                     outcome.failure = Some((i, broke));
                     return outcome;
                 }
-                previous_clean = oracle::clean(&list, record_before.as_deref())
+                previous_clean = oracle::clean(&read, record_before.as_deref())
                     .into_iter()
                     .cloned()
                     .collect();
@@ -675,8 +684,9 @@ impl Run {
 
     /// The differential oracle: a fresh agent in a sandbox of its own, given the record `env`'s
     /// agent wrote, the same list and the same foreign objects, programs an empty kernel. For
-    /// every clean listed node (valid, claiming nothing another claims), its map entries,
-    /// routes and nexthops must be those `env`'s kernel holds (`after`), and the fresh agent's
+    /// every clean node of what the agent read of the list (`read`: valid, claiming nothing
+    /// another claims), its map entries, routes and nexthops must be those `env`'s kernel holds
+    /// (`after`), and the fresh agent's
     /// record must give it the same ID. Exempt, and why: what broken, unlisted or held nodes
     /// left (a broken node keeps what it had, a held removal keeps its objects: both depend on
     /// the history by design); nodes waiting for an ID (a freed ID may cool past the floor
@@ -687,6 +697,7 @@ impl Run {
         &self,
         env: &AgentEnv,
         list: &[TestNode],
+        read: &[TestNode],
         foreign: &[usize],
         after: &Snapshot,
         waiting: &BTreeSet<String>,
@@ -724,7 +735,7 @@ impl Run {
         };
         // A node waiting for an ID at the edge of the ID space is held as it was; a moment later
         // (the fresh run) an ID may have cooled past the floor: when, not what.
-        for n in oracle::clean(list, record.as_deref())
+        for n in oracle::clean(read, record.as_deref())
             .into_iter()
             .filter(|n| !waiting.contains(&n.name))
         {
@@ -788,7 +799,8 @@ impl Run {
             ));
         }
         let after = Snapshot::take(env);
-        let remote: Vec<&TestNode> = list.iter().filter(|n| n.name != "local").collect();
+        let read = self.modes.as_read(&list);
+        let remote: Vec<&TestNode> = read.iter().filter(|n| n.name != "local").collect();
         let want_ips: std::collections::BTreeSet<&str> = remote
             .iter()
             .flat_map(|n| n.ips.iter().map(String::as_str))

@@ -43,6 +43,11 @@ pub fn slot_ipv4(slot: usize) -> String {
 pub fn slot_ipv6(slot: usize) -> String {
     format!("fd00:88::7:{:x}", slot + 10)
 }
+/// The ExternalIP a node made at `slot` has (one in three): a range of its own, so that only a
+/// node that took another's slot while that one lives shares it.
+pub fn slot_external(slot: usize) -> String {
+    format!("10.88.6.{}", 10 + slot % 200)
+}
 pub fn slot_cidr4(slot: usize) -> String {
     format!("10.{}.{}.0/24", 130 + slot / 250, slot % 250 + 1)
 }
@@ -205,6 +210,9 @@ pub struct Modes {
     /// watch events while it runs: its plans are event-sized. Not with the small ID space, whose
     /// oracle needs the nodes a run reports waiting for an ID (a one-shot run's report).
     pub events: bool,
+    /// `--include-external-ips`: a node's ExternalIPs are mapped and claimed like its
+    /// InternalIPs. Without it the agent ignores them, and so does the oracle.
+    pub external_ips: bool,
 }
 
 impl Modes {
@@ -221,7 +229,26 @@ impl Modes {
             brake_off,
             small_ids,
             events: !p.torture && !small_ids && rng.chance(60),
+            external_ips: rng.chance(30),
         }
+    }
+
+    /// `list` as the agent in these modes reads it, for the oracle: where ExternalIPs are read
+    /// they are addresses of the node's own after its InternalIPs (mapped and claimed alike,
+    /// and still named in `external`, since routes go via InternalIPs only); where they are not,
+    /// they are nothing.
+    pub fn as_read(&self, list: &[TestNode]) -> Vec<TestNode> {
+        list.iter()
+            .cloned()
+            .map(|mut n| {
+                if self.external_ips {
+                    n.ips.extend(n.external.clone());
+                } else {
+                    n.external.clear();
+                }
+                n
+            })
+            .collect()
     }
 
     /// The agent's arguments for these modes.
@@ -235,6 +262,9 @@ impl Modes {
         }
         if self.brake_off {
             a.extend(["--max-prune-ratio", "1"]);
+        }
+        if self.external_ips {
+            a.push("--include-external-ips");
         }
         if self.small_ids {
             a.extend(["--max-node-id", "12", "--test-id-cooldown", "3s"]);
@@ -259,6 +289,9 @@ impl Modes {
         }
         if self.small_ids {
             n.push("small-id-space");
+        }
+        if self.external_ips {
+            n.push("external-ips");
         }
         n.push(if self.brake_off {
             "brake-off"
@@ -517,6 +550,9 @@ fn make(name: &str, slot: usize, cidr: usize, dual: bool, generation: u32) -> Te
         uid: Some(format!("{name}-{generation}")),
         ..TestNode::default()
     };
+    if generation.is_multiple_of(3) {
+        n.external.push(slot_external(slot));
+    }
     if dual {
         n.ips.push(slot_ipv6(slot));
         n.cidrs.push(slot_cidr6(cidr));
