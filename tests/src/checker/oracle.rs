@@ -510,11 +510,13 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             }
         }
         let id = n.ips.first().and_then(|ip| f.before.map.get(ip)).copied();
-        for c in &n.cidrs {
+        // Only the routes the node needs: one of a family it has no InternalIP in (only an
+        // ExternalIP) is a leftover that must go.
+        for (c, _) in node_routes(n).filter(|(_, gw)| gw.is_some()) {
             // A route whose nexthop someone else took over goes: it would send their way.
             let taken = id.is_some_and(|id| f.before.nexthop_taken(id, c.contains(':')));
-            if f.before.our_routes().contains_key(c.as_str())
-                && !f.after.our_routes().contains_key(c.as_str())
+            if f.before.our_routes().contains_key(c)
+                && !f.after.our_routes().contains_key(c)
                 && !taken
             {
                 v.push(format!("{}'s route {c} was deleted", n.name));
