@@ -20,7 +20,7 @@ use rtnetlink::Handle;
 use state::address_policy::{judge_ip, judge_net};
 use state::plan::OnLink;
 
-use super::routes::MAIN_TABLE;
+use super::netlink::MAIN_TABLE;
 use crate::kernel::DumpError;
 
 /// Every address assigned to one of the host's interfaces that is up, both families, sorted,

@@ -38,8 +38,7 @@ use crate::kernel::{DumpError, OpError};
 
 /// Route protocol number marking our routes unless configured otherwise.
 pub const DEFAULT_ROUTE_PROTOCOL: u8 = 201;
-/// The main routing table.
-pub const MAIN_TABLE: u32 = 254;
+pub use super::netlink::MAIN_TABLE;
 
 pub struct RouteBackend {
     /// For the dumps.

@@ -72,6 +72,10 @@ impl std::error::Error for KernelError {
     }
 }
 
+/// The main routing table (`RT_TABLE_MAIN`): where the host's own routes are, and ours unless
+/// `--route-table` says otherwise.
+pub const MAIN_TABLE: u32 = 254;
+
 /// The outcome of one operation from the kernel's answer, the same for every netlink backend:
 /// deleting what is already gone is done (`ENOENT`, `ESRCH`); an exclusive create that finds
 /// something at the identity is [`OpError::Occupied`] (it appeared since the dump and is left
