@@ -14,7 +14,8 @@ use std::ffi::OsStr;
 use std::time::{Duration, Instant};
 
 use super::model::Action;
-use super::{Acted, Outcome, cut, cut_fired, kill_after_reconcile, lose_records, reconciles};
+use super::once::{Acted, cut, cut_fired, kill_after_reconcile, lose_records, reconciles};
+use super::outcome::Outcome;
 use crate::agent::{AgentEnv, Daemon, TestNode, k8s_node, metric, scrape_metrics};
 use crate::apiserver::ApiServer;
 use node_agent::runtime::cut::CUT_ENV;

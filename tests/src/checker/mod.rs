@@ -16,7 +16,9 @@
 
 pub mod events;
 pub mod model;
+mod once;
 pub mod oracle;
+mod outcome;
 
 use std::collections::BTreeSet;
 use std::io::Write as _;
@@ -24,11 +26,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use self::model::{Action, Change, Modes, Profile, Rng, Step, Truth, View, slot_cidr4};
+use self::once::{Acted, act};
 use self::oracle::{Recorded, Snapshot, StepFacts};
+pub use self::outcome::Outcome;
 use crate::agent::{AgentEnv, TestNode};
 use crate::{ip, report, sandbox};
-use node_agent::runtime::cut::CUT_ENV;
-use node_agent_common as abi;
 
 /// How much to run.
 #[derive(Clone, Copy, Debug)]
@@ -76,53 +78,6 @@ pub fn steps_from_env(default: usize) -> usize {
 
 /// The agent's default confirm delay: removals within it are counted together.
 const WINDOW: Duration = Duration::from_secs(60);
-
-/// What a history run found.
-#[derive(Debug, Default)]
-pub struct Outcome {
-    pub steps: usize,
-    /// The first step that broke an invariant, with what it broke.
-    pub failure: Option<(usize, Vec<String>)>,
-    /// Crash torture's figures: restarts checked for exactness, objects leaked and missing
-    /// after them, and IDs of unchanged nodes that changed.
-    pub rounds: usize,
-    pub leaked: usize,
-    pub missing: usize,
-    pub id_changes: usize,
-    /// Where the kills landed: before the kernel changed, after it changed but before the
-    /// checkpoint did, after the checkpoint was written.
-    pub kills: [usize; 3],
-    /// Runs ended at once (a daemon killed, a test cut's `kill`), and operations or checkpoint
-    /// writes failed by a test cut.
-    pub crashes: usize,
-    pub failed_ops: usize,
-    /// Runs that reported a brake hold, and forced (`--force-prune`) runs.
-    pub holds: usize,
-    pub confirmations: usize,
-    /// Steps at rest compared with a fresh agent's kernel.
-    pub differential: usize,
-    /// Runs that read a nodes file caught half-written.
-    pub torn: usize,
-}
-
-impl Outcome {
-    fn add(&mut self, o: &Outcome) {
-        self.steps += o.steps;
-        self.rounds += o.rounds;
-        self.leaked += o.leaked;
-        self.missing += o.missing;
-        self.id_changes += o.id_changes;
-        for (t, k) in self.kills.iter_mut().zip(o.kills) {
-            *t += k;
-        }
-        self.crashes += o.crashes;
-        self.failed_ops += o.failed_ops;
-        self.holds += o.holds;
-        self.confirmations += o.confirmations;
-        self.differential += o.differential;
-        self.torn += o.torn;
-    }
-}
 
 /// Runs the histories of `budget`; panics with the (shrunk) history of the first failure.
 pub fn check(name: &str, budget: Budget) {
@@ -285,215 +240,6 @@ fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
         ]);
     }
     *planted = want.to_vec();
-}
-
-/// Runs the agent as `action` says, with `args`; the exit status, or `None` for a run that was
-/// ended (a daemon killed, a test cut) or cut short by a failure a test injected (judged as a
-/// crash: what it must not break it must not break, and the next run mends the rest).
-fn act(
-    env: &AgentEnv,
-    action: &Action,
-    list: &[TestNode],
-    args: &[&str],
-    seen: &mut Outcome,
-) -> Acted {
-    // A one-shot run's log joins the daemons' in the agent log: the evidence of a failure.
-    let mut waiting = BTreeSet::new();
-    let mut once = |args: &[&str], cut: Option<String>, torn: Option<u64>| {
-        let cut_env = cut
-            .as_ref()
-            .map(|c| (CUT_ENV, std::ffi::OsStr::new(c.as_str())));
-        let (code, report, stderr) = match torn {
-            None => env.once_with_env(cut_env.as_slice(), args),
-            Some(pct) => {
-                let (ran, read_torn) = torn_once(env, list, pct, args);
-                seen.torn += usize::from(read_torn);
-                ran
-            }
-        };
-        let _ = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(env.log())
-            .and_then(|mut f| std::io::Write::write_all(&mut f, stderr.as_bytes()));
-        if !report["brake"].is_null() {
-            seen.holds += 1;
-        }
-        waiting = report["errors"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|e| {
-                e["error"]
-                    .as_str()
-                    .is_some_and(|e| e.contains("allocating a node ID"))
-            })
-            .filter_map(|e| Some(e["node"].as_str()?.to_owned()))
-            .collect();
-        match cut_fired(&stderr) {
-            Some(true) => {
-                seen.crashes += 1;
-                None
-            }
-            Some(false) => {
-                seen.failed_ops += 1;
-                None
-            }
-            None => Some(code),
-        }
-    };
-    let exit = match action {
-        Action::Once => once(args, None, None),
-        Action::TornWrite { pct } => once(args, None, Some(*pct)),
-        Action::OnceForced => {
-            seen.confirmations += 1;
-            once(&[args, &["--force-prune"]].concat(), None, None)
-        }
-        Action::LoseCheckpoint | Action::LoseKernelRecords | Action::CorruptCheckpoint { .. } => {
-            lose_records(env, action);
-            once(args, None, None)
-        }
-        Action::Cut { .. } => once(args, cut(action), None),
-        Action::KilledDaemon { ms } => {
-            seen.crashes += 1;
-            let mut d = env.spawn(args);
-            std::thread::sleep(Duration::from_millis(*ms));
-            let _ = d.kill();
-            let _ = d.wait();
-            None
-        }
-        Action::KilledAfterApply { us } => {
-            seen.crashes += 1;
-            let before = reconciles(env);
-            kill_after_reconcile(env, env.spawn(args), before, *us);
-            None
-        }
-    };
-    Acted { exit, waiting }
-}
-
-/// Reconciles the agent's log says finished with kernel writes.
-fn reconciles(env: &AgentEnv) -> usize {
-    std::fs::read_to_string(env.log())
-        .unwrap_or_default()
-        .matches(" reconciled ")
-        .count()
-}
-
-/// Kills `d` with SIGKILL `us` microseconds after the log shows a reconcile past the `before`th
-/// finished: between the kernel apply and the checkpoint write, or during the write.
-fn kill_after_reconcile(env: &AgentEnv, mut d: crate::agent::Daemon, before: usize, us: u64) {
-    // A round that changes nothing logs no such line (it is at debug): give up waiting.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while reconciles(env) == before && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    std::thread::sleep(Duration::from_micros(us));
-    let _ = d.kill();
-    let _ = d.wait();
-}
-
-/// What `action` takes from the agent before its run: the checkpoint lost or corrupt, the
-/// kernel's records unpinned.
-fn lose_records(env: &AgentEnv, action: &Action) {
-    match action {
-        Action::LoseCheckpoint => {
-            let _ = std::fs::remove_file(env.checkpoint());
-        }
-        Action::LoseKernelRecords => {
-            for pin in [abi::RECENT_REMOVALS_PIN, abi::FREED_IDS_PIN] {
-                let _ = std::fs::remove_file(node_agent::datapath::pin_dir(&env.bpffs).join(pin));
-            }
-        }
-        Action::CorruptCheckpoint { at } => {
-            if let Ok(mut bytes) = std::fs::read(env.checkpoint()) {
-                let i = at % bytes.len().max(1);
-                if let Some(b) = bytes.get_mut(i) {
-                    *b ^= 0x5A;
-                }
-                let _ = std::fs::write(env.checkpoint(), bytes);
-            }
-        }
-        _ => {}
-    }
-}
-
-/// The test cut (`NODE_AGENT_TEST_CUT`) an action sets, if it is a cut.
-fn cut(action: &Action) -> Option<String> {
-    match action {
-        Action::Cut { sequence, at, kill } => {
-            let how = if *kill { "kill" } else { "fail" };
-            Some(format!("{sequence}:{at}:{how}"))
-        }
-        _ => None,
-    }
-}
-
-/// Whether a test cut fired in `stderr` (an agent's log): `Some(true)` if it ended the run,
-/// `Some(false)` if it failed an operation.
-fn cut_fired(stderr: &str) -> Option<bool> {
-    stderr.lines().find_map(|l| {
-        l.strip_prefix(&format!("{CUT_ENV}: "))
-            .map(|l| l.ends_with(": kill"))
-    })
-}
-
-/// `run --once` while the nodes file is written in place the way a writer that pauses leaves
-/// it: the first items of `list` (`pct` percent, the local node first), a valid and shorter
-/// list, then, once the run has read it, all of it. The run must end on the whole list (the
-/// settle period, 1 s here, keeps a read that drops nodes from being taken). Whether the run read
-/// the short list is told by the file's access time, set far back first (the kernel moves it to
-/// now on the first read); the last value says so (`false` on a file system that keeps no access
-/// times, or a run that ended first).
-fn torn_once(
-    env: &AgentEnv,
-    list: &[TestNode],
-    pct: u64,
-    args: &[&str],
-) -> ((i32, serde_json::Value, String), bool) {
-    use std::os::unix::fs::MetadataExt as _;
-    let keep = (list.len() * pct as usize / 100).max(1);
-    std::fs::write(&env.nodes_file, crate::agent::node_list(&list[..keep])).unwrap();
-    // Accessed "long ago": the first read sets the access time to now (relatime updates an
-    // access time older than the modification time).
-    std::fs::File::options()
-        .write(true)
-        .open(&env.nodes_file)
-        .and_then(|f| {
-            f.set_times(
-                std::fs::FileTimes::new()
-                    .set_accessed(std::time::UNIX_EPOCH + Duration::from_secs(1)),
-            )
-        })
-        .unwrap();
-    let read = || std::fs::metadata(&env.nodes_file).is_ok_and(|m| m.atime() > 1);
-    let mut run = vec!["--once", "--output", "json", "--sync-timeout", "90s"];
-    run.extend_from_slice(args);
-    run.extend(["--nodes-file-settle", "1s"]);
-    let mut child = env
-        .command(&run)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !read() && Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let torn = read();
-    std::fs::write(&env.nodes_file, crate::agent::node_list(list)).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let report = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-    ((out.status.code().unwrap_or(-1), report, stderr), torn)
-}
-
-/// What a step's run did.
-struct Acted {
-    /// Its exit status; `None` for a run ended or cut short.
-    exit: Option<i32>,
-    /// The nodes it reported waiting for a node ID (every ID in use or cooling).
-    waiting: BTreeSet<String>,
 }
 
 /// Keeps what a failing step leaves for a post-mortem in `dir`: the agent's log (every run's,

@@ -103,17 +103,16 @@ impl Snapshot {
             .collect()
     }
 
-    /// Whether a foreign nexthop keeps node `id`'s routes of a family from being written: it
-    /// holds the first ID of the node's pair, and the agent has no nexthop at the second (a
-    /// node readdressed onto its second ID keeps its routes through it; otherwise the agent
-    /// would use the first).
+    /// Whether foreign nexthops keep node `id`'s routes of a family from being written: they
+    /// hold both IDs of the node's pair (with one free or ours, the agent uses that one).
     pub fn nexthop_taken(&self, id: u16, v6: bool) -> bool {
         let family = if v6 { Family::V6 } else { Family::V4 };
-        let second = NexthopId::of_pair(NodeId::new(id).expect("a remote node's ID"), family, true);
-        self.nexthops
-            .get(&nexthop_id(id, v6))
-            .is_some_and(|(_, p)| !ours(p))
-            && !self.nexthops.get(&second.0).is_some_and(|(_, p)| ours(p))
+        let node = NodeId::new(id).expect("a remote node's ID");
+        [false, true].into_iter().all(|second| {
+            self.nexthops
+                .get(&NexthopId::of_pair(node, family, second).0)
+                .is_some_and(|(_, p)| !ours(p))
+        })
     }
 
     /// Our nexthops that no route uses, or that routes of ours use though the map gives their
