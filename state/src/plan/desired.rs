@@ -78,8 +78,10 @@ impl KernelNexthops for Inventory {
 /// Node `id`'s nexthop of `family` toward `gateway`, at the one of its two IDs that `kernel`
 /// calls for:
 /// 1. the ID of a nexthop of ours that already has this gateway (the first ID if both do);
-/// 2. with nothing of ours at either, the first ID (a foreign nexthop there keeps the routes
-///    from being written, and is reported, as at any identity of ours);
+/// 2. with nothing of ours at either, the first ID nothing foreign holds, so that a fresh
+///    start and one that kept the node's nexthop at its second ID agree; with a foreign
+///    nexthop at both, the first (it keeps the routes from being written, and is reported, as
+///    at any identity of ours);
 /// 3. where ours has another gateway (the node was readdressed), an ID with nothing there: the
 ///    new nexthop is made there, the routes move to it and then the old one is deleted, instead
 ///    of replacing the old one under its routes, which makes the kernel walk every IPv4 route
@@ -107,9 +109,6 @@ pub fn nexthop_toward(
     {
         return (at(second), None);
     }
-    let Some(old) = ours[0].or(ours[1]) else {
-        return (at(false), None);
-    };
     let view = kernel.inventory();
     let identity = |second| ObjectId::Nexthop {
         id: NexthopId::of_pair(id, family, second),
@@ -117,6 +116,15 @@ pub fn nexthop_toward(
     let free = |second| {
         let i = identity(second);
         !view.contains(&i) && view.foreign(&i).is_none()
+    };
+    let Some(old) = ours[0].or(ours[1]) else {
+        return (
+            at([false, true]
+                .into_iter()
+                .find(|&s| free(s))
+                .unwrap_or(false)),
+            None,
+        );
     };
     let unshared = |second: bool| {
         ours[usize::from(second)].is_some() && view.foreign_user(&identity(second)).is_none()

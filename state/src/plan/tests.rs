@@ -857,35 +857,64 @@ fn a_new_node_id_moves_the_routes_before_the_old_nexthop_goes() {
     }));
 }
 
+/// A foreign nexthop at a node's first ID sends its nexthop to the second, as a node readdressed
+/// there keeps it (a fresh start and a long-running agent agree); at both IDs, the node's routes
+/// of that family stay unwritten and the foreign nexthop is reported.
 #[test]
-fn a_foreign_nexthop_at_a_nodes_id_keeps_its_routes_of_that_family_unwritten() {
-    let r = with_nexthops();
-    let mut k = Kernel::default();
-    let taken = ObjectId::Nexthop {
+fn a_foreign_nexthop_at_a_nodes_first_id_sends_it_to_the_second_and_at_both_keeps_its_routes_unwritten()
+ {
+    let dual = || {
+        node(
+            "a",
+            &["10.0.0.1", "fd00::1"],
+            &["10.1.1.0/24", "fd01:1::/64"],
+        )
+    };
+    let first = ObjectId::Nexthop {
         id: nh_id(1, Family::V4),
     };
-    k.foreign
-        .insert(taken.clone(), "nexthop 201400001 proto static".into());
-    let dual = node(
-        "a",
-        &["10.0.0.1", "fd00::1"],
-        &["10.1.1.0/24", "fd01:1::/64"],
-    );
-    let (p, _) = r.reconcile(None, &[dual], &mut k);
-    assert!(matches!(
-        problems(&p)[..],
-        [("a", InputProblem::Foreign { .. })]
-    ));
-    assert!(!k.ours.contains_key(&taken));
-    assert!(
-        !k.ours.values().any(|o| o.uses() == Some(taken.clone())),
-        "no route through it"
-    );
-    assert!(
-        k.has(&nh_route("fd01:1::/64", 1)),
-        "the other family is programmed"
-    );
-    assert!(k.has(&map("10.0.0.1", 1)));
+    let second = ObjectId::Nexthop {
+        id: NexthopId::of_pair(NodeId::new(1).unwrap(), Family::V4, true),
+    };
+    for held in [vec![first.clone()], vec![first.clone(), second.clone()]] {
+        let r = with_nexthops();
+        let mut k = Kernel::default();
+        for id in &held {
+            k.foreign.insert(id.clone(), format!("{id:?} proto static"));
+        }
+        let (p, _) = r.reconcile(None, &[dual()], &mut k);
+        for id in &held {
+            assert!(!k.ours.contains_key(id), "{id:?} stays theirs");
+        }
+        let v4_route = k
+            .ours
+            .values()
+            .find(|o| matches!(o, KernelObject::Route(r) if r.dst.to_string() == "10.1.1.0/24"))
+            .cloned();
+        if held.len() == 1 {
+            assert!(problems(&p).is_empty(), "{:?}", problems(&p));
+            assert!(
+                k.ours.contains_key(&second),
+                "the nexthop went to the second ID"
+            );
+            assert_eq!(
+                v4_route.and_then(|r| r.uses()),
+                Some(second.clone()),
+                "the route goes through the second ID"
+            );
+        } else {
+            assert!(matches!(
+                problems(&p)[..],
+                [("a", InputProblem::Foreign { .. })]
+            ));
+            assert!(v4_route.is_none(), "no route through either");
+        }
+        assert!(
+            k.has(&nh_route("fd01:1::/64", 1)),
+            "the other family is programmed"
+        );
+        assert!(k.has(&map("10.0.0.1", 1)));
+    }
 }
 
 #[test]
