@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::model::Action;
 use super::once::{Acted, cut, cut_fired, kill_after_reconcile, lose_records, reconciles};
+use super::oracle::Snapshot;
 use super::outcome::Outcome;
 use crate::agent::{AgentEnv, Daemon, TestNode, k8s_node, metric, scrape_metrics};
 use crate::apiserver::ApiServer;
@@ -179,6 +180,7 @@ pub(super) fn act(
         Acted {
             exit: None,
             waiting: Default::default(),
+            shown: None,
         }
     };
     match action {
@@ -200,10 +202,13 @@ pub(super) fn act(
         _ => {}
     }
     let mut at_rest = rest(&mut d, cluster.listed());
-    if let Rest::At(_) = at_rest
-        && let Some(version) = cluster.serve(list)
-    {
-        at_rest = rest(&mut d, version);
+    let mut shown = None;
+    if let Rest::At(_) = at_rest {
+        // What the daemon did at its start it did to the last step's list.
+        shown = Some(Snapshot::take(env));
+        if let Some(version) = cluster.serve(list) {
+            at_rest = rest(&mut d, version);
+        }
     }
     // The daemon at rest answers for the exit status a one-shot run would give.
     let exit = match at_rest {
@@ -241,11 +246,13 @@ pub(super) fn act(
             Acted {
                 exit: None,
                 waiting: Default::default(),
+                shown,
             }
         }
         None => Acted {
             exit,
             waiting: Default::default(),
+            shown,
         },
     }
 }

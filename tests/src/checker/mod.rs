@@ -315,7 +315,11 @@ impl Run {
                     .open(env.log())
                     .and_then(|mut f| writeln!(f, "=== step {i}: {step}"));
                 let mut stuck = Vec::new();
-                let Acted { exit, waiting } = match &mut cluster {
+                let Acted {
+                    exit,
+                    waiting,
+                    shown,
+                } = match &mut cluster {
                     Some(c) => events::act(
                         &env,
                         c,
@@ -358,6 +362,7 @@ impl Run {
                         Action::LoseCheckpoint | Action::CorruptCheckpoint { .. }
                     ),
                     before: &before,
+                    shown: shown.as_ref().unwrap_or(&before),
                     after: &after,
                     exit,
                     forced: step.action == Action::OnceForced,

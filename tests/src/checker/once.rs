@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use super::model::Action;
+use super::oracle::Snapshot;
 use super::outcome::Outcome;
 use crate::agent::{AgentEnv, Daemon, TestNode};
 use node_agent::runtime::cut::CUT_ENV;
@@ -93,7 +94,11 @@ pub(super) fn act(
             None
         }
     };
-    Acted { exit, waiting }
+    Acted {
+        exit,
+        waiting,
+        shown: None,
+    }
 }
 
 /// Reconciles the agent's log says finished with kernel writes.
@@ -218,4 +223,7 @@ pub(super) struct Acted {
     pub exit: Option<i32>,
     /// The nodes it reported waiting for a node ID (every ID in use or cooling).
     pub waiting: BTreeSet<String>,
+    /// The kernel when the step's list reached the agent, where that was after the run began
+    /// (a daemon that first came to rest on the last step's list); `None`: at its start.
+    pub shown: Option<Snapshot>,
 }

@@ -301,6 +301,9 @@ pub struct StepFacts<'a> {
     /// The step lost or corrupted the checkpoint before the agent ran: the agent saw no record.
     pub record_lost: bool,
     pub before: &'a Snapshot,
+    /// The kernel when the step's list reached the agent: `before`, or later for a daemon that
+    /// first came to rest on the last step's list.
+    pub shown: &'a Snapshot,
     pub after: &'a Snapshot,
     /// The run's exit status; `None` for a daemon that was killed.
     pub exit: Option<i32>,
@@ -475,8 +478,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
         }
     }
     // A list without the local node changes nothing.
-    if f.no_local && (f.before.map != f.after.map || f.before.our_routes() != f.after.our_routes())
-    {
+    if f.no_local && (f.shown.map != f.after.map || f.shown.our_routes() != f.after.our_routes()) {
         v.push("a list without the local node changed the kernel".into());
     }
     if f.no_local && f.exit.is_some_and(|c| c != 3) {
