@@ -574,8 +574,14 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             }
         }
     }
-    // No deletion beyond the brake without --force-prune.
+    // No deletion beyond the brake without --force-prune, judged from when the step's list
+    // reached the agent: what a daemon did at its start it did to the last step's list, and
+    // the nodes it programmed then are known nodes when the list comes.
     if !f.forced {
+        let f = &StepFacts {
+            before: f.shown,
+            ..*f
+        };
         let (nodes, objects) = removals(f);
         let known = f
             .agent_record()
