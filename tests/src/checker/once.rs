@@ -181,7 +181,7 @@ pub(super) fn torn_once(
     args: &[&str],
 ) -> ((i32, serde_json::Value, String), bool) {
     use std::os::unix::fs::MetadataExt as _;
-    let keep = (list.len() * pct as usize / 100).max(1);
+    let keep = (list.len() * pct as usize / 100).clamp(1.min(list.len()), list.len());
     std::fs::write(&env.nodes_file, crate::agent::node_list(&list[..keep])).unwrap();
     // Accessed "long ago": the first read sets the access time to now (relatime updates an
     // access time older than the modification time).
