@@ -43,10 +43,11 @@ pub fn slot_ipv4(slot: usize) -> String {
 pub fn slot_ipv6(slot: usize) -> String {
     format!("fd00:88::7:{:x}", slot + 10)
 }
-/// The ExternalIP a node made at `slot` has (one in three): a range of its own, so that only a
-/// node that took another's slot while that one lives shares it.
-pub fn slot_external(slot: usize) -> String {
-    format!("10.88.6.{}", 10 + slot % 200)
+/// The ExternalIP of the `generation`th node made (one in three has one): a range of its own,
+/// one address per node ever made, so that no two nodes share one (crash torture's exactness
+/// assumes a cluster without conflicts).
+pub fn external_ip(generation: u32) -> String {
+    format!("10.89.{}.{}", generation / 200, 10 + generation % 200)
 }
 pub fn slot_cidr4(slot: usize) -> String {
     format!("10.{}.{}.0/24", 130 + slot / 250, slot % 250 + 1)
@@ -551,7 +552,7 @@ fn make(name: &str, slot: usize, cidr: usize, dual: bool, generation: u32) -> Te
         ..TestNode::default()
     };
     if generation.is_multiple_of(3) {
-        n.external.push(slot_external(slot));
+        n.external.push(external_ip(generation));
     }
     if dual {
         n.ips.push(slot_ipv6(slot));
@@ -660,9 +661,11 @@ impl Truth {
                 };
                 let old = &self.nodes[&n];
                 let dual = old.ips.len() > 1;
-                let uid = old.uid.clone();
+                let (uid, external) = (old.uid.clone(), old.external.clone());
                 let mut new = make(&n, slot, cidr, dual, 0);
+                // The same node, readdressed: its UID and its ExternalIP stay.
                 new.uid = uid;
+                new.external = external;
                 self.nodes.insert(n, new);
             }
             Change::RecycleIps { pick, name, cidr } => {
