@@ -109,7 +109,7 @@ enum Rest {
     Stuck,
 }
 
-/// Waits until `d` has reconciled resourceVersion `version`.
+/// Waits until `d` has reconciled resourceVersion `version`, and at least once.
 fn rest(d: &mut Daemon, version: u64) -> Rest {
     let deadline = Instant::now() + PATIENCE;
     loop {
@@ -117,7 +117,13 @@ fn rest(d: &mut Daemon, version: u64) -> Rest {
             return Rest::Exited(status.code().unwrap_or(-1));
         }
         let text = scrape_metrics(METRICS);
-        if metric(&text, "node_agent_source_revision").is_some_and(|v| v >= version as f64) {
+        // A first reconcile finished too: before it, the gauge's 0 reflects nothing (a
+        // cluster without a node has no version to wait for).
+        let reconciled =
+            metric(&text, "node_agent_reconcile_duration_seconds_count").is_some_and(|n| n >= 1.0);
+        if reconciled
+            && metric(&text, "node_agent_source_revision").is_some_and(|v| v >= version as f64)
+        {
             return Rest::At(text);
         }
         if Instant::now() > deadline {
