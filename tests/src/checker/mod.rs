@@ -366,6 +366,7 @@ impl Run {
                     after: &after,
                     exit,
                     forced: step.action == Action::OnceForced,
+                    event_sized: cluster.is_some(),
                     no_local: step.view == View::NoLocal,
                     foreign_slots: &truth.foreign,
                     window: window

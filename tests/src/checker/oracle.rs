@@ -308,6 +308,8 @@ pub struct StepFacts<'a> {
     /// The run's exit status; `None` for a daemon that was killed.
     pub exit: Option<i32>,
     pub forced: bool,
+    /// The step's list reached a daemon as watch events, planned one by one.
+    pub event_sized: bool,
     /// The list lacks the local node.
     pub no_local: bool,
     /// Pod CIDR slots with a foreign route.
@@ -583,13 +585,20 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             ..*f
         };
         let (nodes, objects) = removals(f);
-        let known = f
-            .agent_record()
-            .unwrap_or_default()
-            .iter()
-            .filter(|r| r.attempts == 0)
-            .count()
-            + unrecorded_ids(f).0;
+        let record = f.agent_record().unwrap_or_default();
+        // Planned one event at a time, a node the list adds joins the record before the next
+        // event's plan counts it (a rolling replacement passes the brake by design): each is
+        // known by the time a removal after it is weighed.
+        let joined = match f.event_sized {
+            true => f
+                .list
+                .iter()
+                .filter(|n| n.name != local_node().name && !record.iter().any(|r| same_node(r, n)))
+                .count(),
+            false => 0,
+        };
+        let known =
+            record.iter().filter(|r| r.attempts == 0).count() + unrecorded_ids(f).0 + joined;
         let (wn, wo) = f.window;
         let node_ratio = ratio(nodes + wn, known + wn);
         if nodes > 0 && node_ratio > f.max_ratio {
