@@ -9,59 +9,17 @@
 
 use std::collections::BTreeSet;
 use std::hint::black_box;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use state::checkpoint::{Checkpoint, CheckpointStore, decode, encode};
+use state::checkpoint::{Checkpoint, CheckpointStore, NodeRecords, decode, encode};
 use state::inventory::Inventory;
-use state::node::RawNode;
-use state::node::{AddressKind, Node, NodeAddress};
-use state::plan::{BrakeMemory, ClaimIndex, LiveView, PlanConfig, PlanInput, plan, plan_scoped};
+use state::node::Node;
+use state::plan::{BrakeMemory, ClaimIndex, LiveView, PlanInput, plan, plan_scoped};
 
-fn bench_node(i: usize, slot: usize) -> Node {
-    let v4 = Ipv4Addr::new(10, (slot >> 16) as u8 | 0x80, (slot >> 8) as u8, slot as u8);
-    let v6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, (slot >> 16) as u16, slot as u16);
-    Node {
-        name: format!("ip-10-0-{}-{}.eu-west-1.compute.internal", i / 256, i % 256),
-        uid: format!("{:08x}-1b2c-4d3e-8f40-{:012x}", i, i * 7919).into(),
-        addresses: vec![
-            NodeAddress {
-                kind: AddressKind::InternalIP,
-                ip: IpAddr::V4(v4),
-            },
-            NodeAddress {
-                kind: AddressKind::InternalIP,
-                ip: IpAddr::V6(v6),
-            },
-        ]
-        .into(),
-        pod_cidrs: vec![
-            // A /26 each in 10.0.0.0/9: room for 131,072 slots.
-            ipnet::Ipv4Net::new(Ipv4Addr::from(0x0a00_0000 + ((slot as u32) << 6)), 26)
-                .unwrap()
-                .into(),
-            format!("fd01:{:x}:{:x}::/64", slot >> 16, slot & 0xffff)
-                .parse()
-                .unwrap(),
-        ]
-        .into(),
-        boot_id: format!("{:08x}-aaaa-bbbb-cccc-{:012x}", i * 31, i).into(),
-        node_id: None,
-    }
-}
-
-/// The local node, outside every remote node's addresses.
-fn local() -> Node {
-    Node::from_raw(RawNode {
-        name: "local".into(),
-        uid: "uid-local".into(),
-        addresses: vec![("InternalIP".into(), "192.168.0.1".into())],
-        pod_cidrs: vec!["10.250.0.0/24".into()],
-        boot_id: String::new(),
-    })
-    .expect("a valid node")
-}
+#[path = "../tests/common/cluster.rs"]
+mod cluster;
+use cluster::node as bench_node;
 
 /// Median of `runs` timings of `f`.
 fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
@@ -120,17 +78,22 @@ fn main() {
 fn splice_event(settled: &Checkpoint, runs: usize) -> Duration {
     let mut record = settled.clone();
     let header = Checkpoint {
-        nodes: Vec::new(),
+        nodes: NodeRecords::new(),
         pending_deletes: Vec::new(),
         ..settled.clone()
     };
-    let gone = record.nodes[record.nodes.len() / 2].clone();
+    let gone = record
+        .nodes
+        .iter()
+        .nth(record.nodes.len() / 2)
+        .expect("a record")
+        .clone();
     let new = Node {
         name: format!("{}-new", gone.name),
         ..gone.clone()
     };
     let part = |n: &Node| Checkpoint {
-        nodes: vec![n.clone()],
+        nodes: [n.clone()].into(),
         ..header.clone()
     };
     let turn = time(runs, || {
@@ -145,44 +108,18 @@ fn splice_event(settled: &Checkpoint, runs: usize) -> Duration {
 }
 
 fn run(nodes: usize) -> Figures {
-    let cfg = PlanConfig {
-        local_node: "local".into(),
-        local_addresses: vec!["192.168.0.1".parse().unwrap()],
-        agent_version: "bench".into(),
-        // The agent's default for a new map: a dual-stack cluster of 65,536 nodes.
-        map_capacity: 131_072,
-        // No ID cool-down: at 65,000 nodes only 535 never-used IDs remain and the churn's new
-        // nodes would be held for want of one (the ID space's edge, tested on its own).
-        id_cooldown: Duration::ZERO,
-        ..PlanConfig::default()
-    };
-    let now = Duration::from_secs(1_750_000_000);
+    let cfg = cluster::config();
+    let now = cluster::NOW;
     // Converge once on the original cluster.
     let before: Vec<Node> = (0..nodes).map(|i| bench_node(i, i)).collect();
-    // In name order, as the agent's views come (its live state is a map by name).
-    let with_local = |mut nodes: Vec<Node>| {
-        nodes.push(local());
-        nodes.sort_by(|a, b| a.name.cmp(&b.name));
-        LiveView {
-            nodes: nodes.into_iter().map(Arc::new).collect(),
-            malformed: Vec::new(),
-            synced: true,
-            relists: 1,
-        }
-    };
     let brake = BrakeMemory::default();
-    let first = plan(&PlanInput {
-        record: None,
-        live: &with_local(before.clone()),
-        inventory: &Inventory::new(),
-        allocator: &Default::default(),
-        brake: &brake,
-        confirmed_hold: None,
+    let (restored, inventory) = cluster::converge(
+        None,
+        Inventory::new(),
+        &cluster::view(before.clone()),
+        &cfg,
         now,
-        config: &cfg,
-    });
-    let inventory: Inventory = first.ops().iter().map(|op| op.object().clone()).collect();
-    let restored = first.checkpoint.clone();
+    );
 
     // Churn while down: the first 5% deleted, the next 5% readdressed, 5% new (half of them on
     // deleted IPs).
@@ -195,7 +132,7 @@ fn run(nodes: usize) -> Figures {
             if k % 2 == 0 { k } else { nodes + 2 * five + k },
         )
     }));
-    let live = with_local(live);
+    let live = cluster::view(live);
     let input = PlanInput {
         record: Some(&restored),
         live: &live,
@@ -209,29 +146,13 @@ fn run(nodes: usize) -> Figures {
     let p = plan(&input);
     let runs = if nodes > 20_000 { 5 } else { 21 };
     let plan_time = time(runs, || plan(&input));
-    // Every source event re-plans the whole cluster today: the cost of a plan with nothing to do,
-    // once the churn has settled (new nodes that found no free ID in the churn's plan get the
-    // IDs it freed in the next one).
-    let mut settled = p.checkpoint.clone();
-    let mut settled_inventory = inventory.clone();
+    // A resync's cost: a full plan with nothing to do, once the churn has settled.
+    let mut churned = inventory.clone();
     for op in p.ops() {
-        settled_inventory.apply(&op);
+        churned.apply(&op);
     }
-    for _ in 0..3 {
-        let next = plan(&PlanInput {
-            record: Some(&settled),
-            inventory: &settled_inventory,
-            allocator: &settled.ids,
-            ..input
-        });
-        if next.ops().is_empty() {
-            break;
-        }
-        for op in next.ops() {
-            settled_inventory.apply(&op);
-        }
-        settled = next.checkpoint;
-    }
+    let (settled, settled_inventory) =
+        cluster::converge(Some(p.checkpoint.clone()), churned, &live, &cfg, input.now);
     let unchanged = PlanInput {
         record: Some(&settled),
         inventory: &settled_inventory,
@@ -253,7 +174,7 @@ fn run(nodes: usize) -> Figures {
     let event = |name: String, changed: Option<Node>, unsettled: Option<&Node>| {
         let mut touched: BTreeSet<String> = [name].into();
         touched.extend(unsettled.map(|n| n.name.clone()));
-        let live = with_local(changed.into_iter().chain(unsettled.cloned()).collect());
+        let live = cluster::view(changed.into_iter().chain(unsettled.cloned()).collect());
         let input = PlanInput {
             live: &live,
             ..unchanged

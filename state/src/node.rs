@@ -6,7 +6,6 @@
 //! typed error naming the node and the field instead of a crash (invariant 12).
 
 use std::net::IpAddr;
-use std::ops::Range;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
@@ -257,12 +256,6 @@ impl Node {
     pub fn ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
         self.addresses.iter().map(|a| a.ip)
     }
-}
-
-/// Where the records named `name` sit in `nodes`, which is sorted by name (a record).
-pub(crate) fn name_range(nodes: &[Node], name: &str) -> Range<usize> {
-    let start = nodes.partition_point(|n| n.name.as_str() < name);
-    start..start + nodes[start..].partition_point(|n| n.name == name)
 }
 
 #[cfg(test)]

@@ -75,7 +75,8 @@ fn v1_content() -> Checkpoint {
                 &["10.1.2.0/24"],
                 7,
             ),
-        ],
+        ]
+        .into(),
         pending_deletes: vec![PendingDelete {
             node: fixture_node(
                 "worker-gone",
@@ -196,7 +197,7 @@ fn decodes_the_version_1_fixture_with_neutral_values_for_what_it_lacks() {
     let cp = fixture(FIXTURE_V1, 1);
     assert_eq!(cp, v1_content());
     assert!(cp.removals.is_empty() && cp.ipsec_keys.is_empty());
-    assert_eq!(cp.nodes[1].node_id, NodeId::new(7));
+    assert_eq!(cp.nodes.named("worker-b")[0].node_id, NodeId::new(7));
     assert_eq!(cp.pending_deletes[0].attempts, 2);
 }
 

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde::Serialize;
 use state::checkpoint;
+use state::checkpoint::NodeRecords;
 use state::node::Node;
 
 use super::Output;
@@ -30,7 +31,7 @@ struct Shown<'a> {
     written_at: String,
     age_seconds: u64,
     local_node: &'a str,
-    nodes: &'a [Node],
+    nodes: &'a NodeRecords,
     pending_deletes: Vec<Pending<'a>>,
     /// Removals the brake let through within its window (`--prune-confirm-delay`), oldest
     /// first: what the next removals are counted with.

@@ -9,20 +9,21 @@
 pub mod clock;
 mod error;
 pub mod format;
+mod node_records;
 mod payload;
 pub mod store;
 
-use std::ops::Range;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::ids::AllocatorState;
-use crate::node::{Node, name_range};
+use crate::node::Node;
 
 pub use clock::BootTime;
 pub use error::{DecodeError, EncodeError, PayloadError};
 pub use format::{FORMAT_VERSION, MAGIC, decode, encode};
+pub use node_records::NodeRecords;
 pub use store::{
     CheckpointStore, LoadOutcome, StoreError, Unusable, lock_held_by, lock_holder, lock_pin_dir,
     read,
@@ -67,7 +68,7 @@ pub struct Checkpoint {
     /// The node this agent runs on. Its record is never stored: ID 0 is implicit and its state
     /// is not ours to delete, so [`format::encode`] drops it and the planner ignores it.
     pub local_node: String,
-    pub nodes: Vec<Node>,
+    pub nodes: NodeRecords,
     pub pending_deletes: Vec<PendingDelete>,
     /// Freed node IDs and when, so the cool-down outlives a restart.
     pub ids: AllocatorState,
@@ -113,13 +114,10 @@ impl Checkpoint {
 
     /// Puts the record of an event-sized plan into this one: the nodes and pending deletes
     /// named in `names` are replaced by `part`'s, everything that is not per node (IDs,
-    /// removals, keys, held orphans, version, time) comes from `part`. Returns whether anything but the time
-    /// changed. A name with as many records before as after is replaced in place, so the cost
-    /// of a readdress follows the names; the records of names added or removed are taken out
-    /// and merged in, in place, each in one pass. Splicing them in one by one moved the rest of
-    /// the record once per name: with a few thousand new nodes at 65,000, that was a seventh of
-    /// a restart.
-    pub fn splice(&mut self, names: &[String], part: Checkpoint) -> bool {
+    /// removals, keys, held orphans, version, time) comes from `part`. The records of each name
+    /// are replaced where they stand ([`NodeRecords::replace`]), so the cost follows the names,
+    /// not the size of the record.
+    pub fn splice(&mut self, names: &[String], part: Checkpoint) -> Spliced {
         let Checkpoint {
             agent_version,
             written_at,
@@ -132,48 +130,24 @@ impl Checkpoint {
             ipsec_keys,
             orphans_held,
         } = part;
-        nodes.sort_by(|a, b| a.name.cmp(&b.name));
         let mut changed = self.agent_version != agent_version
             || self.ids != ids
             || self.removals != removals
             || self.ipsec_keys != ipsec_keys
             || self.orphans_held != orphans_held;
-        let spliced = spliced_names(names, &nodes);
-        let mut incoming = nodes.into_iter().peekable();
-        // Names whose count of records changes, and their new records, both in name order.
-        let mut resized: Vec<&str> = Vec::new();
-        let mut arriving: Vec<Node> = Vec::new();
-        for name in &spliced {
-            let mut group = Vec::new();
-            while let Some(n) = incoming.next_if(|n| n.name == *name) {
-                group.push(n);
+        let mut records_written = 0;
+        for name in spliced_names(names, &nodes) {
+            let group = nodes.take(&name);
+            if self.nodes.named(&name) != &group[..] {
+                changed = true;
+                records_written += self.nodes.replace(&name, group);
             }
-            let at = name_range(&self.nodes, name);
-            if at.len() == group.len() {
-                // A node readdressed: replaced in place, the rest of the record unmoved.
-                for (slot, n) in self.nodes[at].iter_mut().zip(group) {
-                    changed |= *slot != n;
-                    *slot = n;
-                }
-            } else {
-                resized.push(name);
-                arriving.extend(group);
-            }
-        }
-        if !resized.is_empty() {
-            changed = true;
-            let gone: Vec<Range<usize>> = resized
-                .iter()
-                .map(|name| name_range(&self.nodes, name))
-                .filter(|r| !r.is_empty())
-                .collect();
-            remove_ranges(&mut self.nodes, &gone);
-            merge_in(&mut self.nodes, arriving);
         }
         let before = self.pending_deletes.len();
         self.pending_deletes
             .retain(|p| !names.contains(&p.node.name));
         changed |= self.pending_deletes.len() != before || !pending_deletes.is_empty();
+        records_written += before - self.pending_deletes.len() + pending_deletes.len();
         self.pending_deletes.extend(pending_deletes);
         self.agent_version = agent_version;
         self.written_at = written_at;
@@ -182,47 +156,26 @@ impl Checkpoint {
         self.removals = removals;
         self.ipsec_keys = ipsec_keys;
         self.orphans_held = orphans_held;
-        changed
-    }
-}
-
-/// Removes `gone` (ascending, disjoint) from `nodes` in place: each record after the first
-/// removed moves once, and nothing is allocated.
-fn remove_ranges(nodes: &mut Vec<Node>, gone: &[Range<usize>]) {
-    let mut gone = gone.iter().peekable();
-    let mut at = 0;
-    nodes.retain(|_| {
-        while gone.next_if(|r| r.end <= at).is_some() {}
-        let keep = !gone.peek().is_some_and(|r| r.contains(&at));
-        at += 1;
-        keep
-    });
-}
-
-/// Puts `arriving` into `nodes`, both in name order and sharing no name, in place: from the back,
-/// so that each record after the first arrival moves once. A new list of the whole record (one
-/// pass, but 65,000 records copied into fresh memory) cost an event at 65,000 nodes 5-15 ms, ten
-/// times the rest of it.
-fn merge_in(nodes: &mut Vec<Node>, mut arriving: Vec<Node>) {
-    let mut src = nodes.len();
-    // The room at the end is filled with copies of the arrivals, each overwritten below.
-    nodes.extend_from_slice(&arriving);
-    let mut dst = nodes.len();
-    // `dst - src` is the count of arrivals not yet placed: every slot from `dst` on is final.
-    while let Some(n) = arriving.pop() {
-        while src > 0 && nodes[src - 1].name > n.name {
-            src -= 1;
-            dst -= 1;
-            nodes.swap(src, dst);
+        Spliced {
+            changed,
+            records_written,
         }
-        dst -= 1;
-        nodes[dst] = n;
     }
+}
+
+/// What [`Checkpoint::splice`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spliced {
+    /// Anything but the time changed.
+    pub changed: bool,
+    /// Records taken out and put in: an event's work on the record, the same at any size of
+    /// cluster (`state/tests/per_event.rs`).
+    pub records_written: usize,
 }
 
 /// The names whose records [`Checkpoint::splice`] replaces: those named and those of the part's
 /// nodes, sorted, each once. [`crate::plan::ClaimIndex::splice`] follows the same names.
-pub(crate) fn spliced_names(names: &[String], part: &[Node]) -> Vec<String> {
+pub(crate) fn spliced_names(names: &[String], part: &NodeRecords) -> Vec<String> {
     let mut spliced: Vec<String> = names.to_vec();
     spliced.extend(part.iter().map(|n| n.name.clone()));
     spliced.sort_unstable();
@@ -257,59 +210,5 @@ impl Checkpoint {
             .iter()
             .chain(self.pending_deletes.iter().map(|p| &p.node))
             .filter(|n| n.name != self.local_node)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use proptest::prelude::*;
-
-    use super::*;
-    use crate::node::RawNode;
-
-    fn named(name: String) -> Node {
-        Node::from_raw(RawNode {
-            name,
-            uid: "uid".into(),
-            addresses: vec![("InternalIP".into(), "10.0.0.1".into())],
-            pod_cidrs: Vec::new(),
-            boot_id: String::new(),
-        })
-        .expect("a valid node")
-    }
-
-    proptest! {
-        /// Splicing in place keeps name order and loses, repeats or keeps nothing it should
-        /// not, wherever the names fall: before, between, after and among the record's.
-        #[test]
-        fn ranges_removed_and_arrivals_merged_in_place_give_the_sorted_result(
-            record in proptest::collection::btree_set(0u16..400, 0..60),
-            arriving in proptest::collection::btree_set(0u16..400, 0..30),
-            gone in proptest::collection::btree_set(0u16..400, 0..30),
-        ) {
-            // Names sort as their numbers do; several records of one name stay together.
-            let name = |k: u16| format!("node-{k:03}");
-            let mut nodes: Vec<Node> = record
-                .iter()
-                .flat_map(|&k| std::iter::repeat_n(named(name(k)), 1 + usize::from(k % 3 == 0)))
-                .collect();
-            let ranges: Vec<Range<usize>> = gone
-                .iter()
-                .map(|&k| name_range(&nodes, &name(k)))
-                .filter(|r| !r.is_empty())
-                .collect();
-            let arriving: Vec<u16> = arriving.difference(&record).copied().collect();
-            let mut want: Vec<String> = nodes
-                .iter()
-                .map(|n| n.name.clone())
-                .filter(|n| !gone.iter().any(|&k| name(k) == *n))
-                .chain(arriving.iter().map(|&k| name(k)))
-                .collect();
-            want.sort();
-            remove_ranges(&mut nodes, &ranges);
-            merge_in(&mut nodes, arriving.iter().map(|&k| named(name(k))).collect());
-            let got: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
-            prop_assert_eq!(got, want);
-        }
     }
 }

@@ -23,9 +23,9 @@ use foldhash::{HashMap, HashMapExt};
 use ipnet::IpNet;
 
 use super::resource::{Resource, resources_of};
-use crate::checkpoint::{Checkpoint, spliced_names};
+use crate::checkpoint::{Checkpoint, NodeRecords, spliced_names};
 use crate::ids::IdSet;
-use crate::node::{Node, name_range};
+use crate::node::Node;
 use crate::objects::NodeId;
 
 /// Claims by resource hash, node IDs by record, and what the rest of the cluster adds up to.
@@ -67,9 +67,9 @@ impl ClaimIndex {
 
     /// Follows [`Checkpoint::splice`]: call it with the record *before* that splice, the same
     /// names, and the nodes of the part about to be spliced in.
-    pub fn splice(&mut self, record: &Checkpoint, names: &[String], part: &[Node]) {
+    pub fn splice(&mut self, record: &Checkpoint, names: &[String], part: &NodeRecords) {
         for name in &spliced_names(names, part) {
-            for n in &record.nodes[name_range(&record.nodes, name)] {
+            for n in record.nodes.named(name) {
                 self.remove(n);
             }
         }
@@ -266,7 +266,8 @@ mod tests {
             nodes: vec![
                 with_id(node("a", &["10.0.0.1"], &["10.1.1.0/24"]), 1),
                 with_id(node("b", &["10.0.0.2"], &["10.1.2.0/24"]), 2),
-            ],
+            ]
+            .into(),
             ..Checkpoint::default()
         };
         let mut index = ClaimIndex::of(&record);
@@ -281,7 +282,8 @@ mod tests {
             nodes: vec![
                 with_id(node("b", &["10.0.0.1"], &["10.1.2.0/24"]), 2),
                 with_id(node("c", &["10.0.0.3"], &["10.1.3.0/24"]), 3),
-            ],
+            ]
+            .into(),
             ..Checkpoint::default()
         };
         index.splice(&record, &names, &part.nodes);
@@ -297,7 +299,7 @@ mod tests {
         // names both records), and says the IDs are not distinct.
         let names = ["d".to_string()];
         let part = Checkpoint {
-            nodes: vec![with_id(node("d", &["10.0.0.4"], &["10.1.4.0/24"]), 3)],
+            nodes: vec![with_id(node("d", &["10.0.0.4"], &["10.1.4.0/24"]), 3)].into(),
             ..Checkpoint::default()
         };
         index.splice(&record, &names, &part.nodes);

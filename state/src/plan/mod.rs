@@ -401,7 +401,7 @@ fn next_record(input: &PlanInput<'_>, elsewhere: Option<&Elsewhere>, made: Made<
         // The agent reads the boot clock when it writes the record.
         boot: None,
         local_node: cfg.local_node.clone(),
-        nodes: cp_nodes,
+        nodes: cp_nodes.into(),
         pending_deletes: pending,
         ids: alloc.state(),
         removals: brake_memory.window.clone(),

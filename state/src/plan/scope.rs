@@ -17,7 +17,6 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::ops::Range;
 use std::sync::Arc;
 
 use ipnet::IpNet;
@@ -29,7 +28,7 @@ use super::view::{Elsewhere, LiveView, PlanInput};
 use super::{Plan, plan_with};
 use crate::checkpoint::Checkpoint;
 use crate::inventory::Inventory;
-use crate::node::{Node, name_range};
+use crate::node::Node;
 use crate::objects::{KernelObject, ObjectKind};
 
 /// The plan for a change to the nodes named in `touched`, or `None` where only a full plan
@@ -55,18 +54,17 @@ pub fn plan_scoped(
     if !steady_input(input, record, index, touched) {
         return None;
     }
-    let nodes = &record.nodes[..];
-    let local = name_range(nodes, &input.config.local_node);
-    let part = part_of(input.live, record, index, touched, &local);
+    let local = record.nodes.named(&input.config.local_node);
+    let part = part_of(input.live, record, index, touched, &input.config.local_node);
 
     // The rest of the cluster, by count: every record has an ID and no two the same.
     let mut ids = index.ids().clone();
-    for n in part.iter().copied().chain(&nodes[local.clone()]) {
+    for n in part.iter().copied().chain(local) {
         ids.remove(n.node_id?);
     }
     let inventory = part_inventory(input, &part)?;
     let elsewhere = Elsewhere {
-        known_nodes: nodes.len() - local.len() - part.len(),
+        known_nodes: record.nodes.len() - local.len() - part.len(),
         objects: input.inventory.len() - inventory.len(),
         map_entries: input.inventory.count(ObjectKind::MapEntry)
             - inventory.count(ObjectKind::MapEntry),
@@ -128,23 +126,34 @@ fn steady_input(
         && index.ids_are_distinct()
 }
 
-/// The part's records, the local node's (at `local`) left out.
+/// The part's records, the local node's left out.
 fn part_of<'r>(
     live: &LiveView,
     record: &'r Checkpoint,
     index: &ClaimIndex,
     touched: &BTreeSet<String>,
-    local: &Range<usize>,
+    local: &str,
 ) -> Vec<&'r Node> {
     let claimed = claimed_by(touched, live, record);
-    // The part, by place in the record (sorted by name, as the record is): the touched nodes'
-    // records, and every record the index names as a claimant of what they claim that does
-    // claim some of it.
-    let nodes = &record.nodes[..];
-    let mut at: BTreeSet<usize> = touched.iter().flat_map(|t| name_range(nodes, t)).collect();
+    let nodes = &record.nodes;
+    // The part, in the record's order (by name, then place among the name's records): the
+    // touched nodes' records, and every record the index names as a claimant of what they
+    // claim that does claim some of it.
+    let mut at: BTreeSet<(&'r str, usize)> = BTreeSet::new();
+    let mut take = |name: &str, keep: &dyn Fn(&Node) -> bool| {
+        let of_name = nodes.named(name).iter().enumerate();
+        at.extend(
+            of_name
+                .filter(|(_, n)| keep(n))
+                .map(|(i, n)| (n.name.as_str(), i)),
+        );
+    };
+    for t in touched {
+        take(t, &|_| true);
+    }
     for r in &claimed {
         for name in index.claimants(r) {
-            at.extend(name_range(nodes, name).filter(|&i| claims_any(&nodes[i], &claimed)));
+            take(name, &|n| claims_any(n, &claimed));
         }
     }
     // And every record whose pod CIDR covers an address the touched nodes have, or had, or
@@ -153,21 +162,18 @@ fn part_of<'r>(
     let (ips, cidrs) = addresses_and_cidrs(touched, live, record);
     for ip in &ips {
         for name in index.covering(*ip) {
-            at.extend(
-                name_range(nodes, name)
-                    .filter(|&i| nodes[i].pod_cidrs.iter().any(|c| c.contains(ip))),
-            );
+            take(name, &|n| n.pod_cidrs.iter().any(|c| c.contains(ip)));
         }
     }
     for c in &cidrs {
         for name in index.covered(c) {
-            at.extend(
-                name_range(nodes, name).filter(|&i| nodes[i].ips().any(|ip| c.contains(&ip))),
-            );
+            take(name, &|n| n.ips().any(|ip| c.contains(&ip)));
         }
     }
-    at.retain(|i| !local.contains(i));
-    at.into_iter().map(|i| &nodes[i]).collect()
+    at.into_iter()
+        .filter(|(name, _)| *name != local)
+        .map(|(name, i)| &nodes.named(name)[i])
+        .collect()
 }
 
 /// The part's kernel objects: what its records need, found by identity (their nexthops at the
@@ -202,9 +208,7 @@ fn touched_nodes<'a>(
         .iter()
         .map(|n| &**n)
         .filter(|n| touched.contains(&n.name));
-    let recorded = touched
-        .iter()
-        .flat_map(|t| &record.nodes[name_range(&record.nodes, t)]);
+    let recorded = touched.iter().flat_map(|t| record.nodes.named(t));
     live.chain(recorded)
 }
 

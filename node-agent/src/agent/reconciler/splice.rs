@@ -44,7 +44,7 @@ impl<K: Kernel> Reconciler<K> {
                 if let Some(index) = &mut self.events.claims {
                     index.splice(record, names, &cp.nodes);
                 }
-                record.splice(names, cp)
+                record.splice(names, cp).changed
             }
             _ => {
                 let changed = self

@@ -548,15 +548,16 @@ impl Entry for PendingDelete {
 }
 
 /// A node list without the local node's record, names coded one against the other in order.
-fn encode_list<T: Entry>(
-    entries: &[T],
+fn encode_list<'a, T: Entry + 'a>(
+    entries: impl IntoIterator<Item = &'a T, IntoIter: Clone>,
     local_node: &str,
     e: &mut Enc<'_>,
 ) -> Result<(), WireEncodeError> {
     let remote = |t: &&T| t.node().name != local_node;
-    encode_len(entries.iter().filter(remote).count(), e)?;
+    let entries = entries.into_iter();
+    encode_len(entries.clone().filter(remote).count(), e)?;
     let mut prev = "";
-    for t in entries.iter().filter(remote) {
+    for t in entries.filter(remote) {
         encode_record(t.node(), prev, e)?;
         t.encode_tail(e)?;
         prev = &t.node().name;

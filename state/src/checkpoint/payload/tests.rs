@@ -363,7 +363,9 @@ fn payload_round_trips_and_the_decoder_names_the_bad_field() {
     });
     assert_eq!(bad_field(&payload(&odd)), "ipsec_keys[1].spi");
     let mut odd = cp.clone();
-    odd.nodes[0].addresses[1] = odd.nodes[0].addresses[0];
+    let mut first = odd.nodes.iter().next().expect("a record").clone();
+    first.addresses[1] = first.addresses[0];
+    odd.nodes.replace(&first.name.clone(), [first]);
     assert!(matches!(
         decode(&payload(&odd), FORMAT_VERSION),
         Err(DecodeError::InvalidNode(_))

@@ -20,7 +20,7 @@ pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {
         written_at,
         boot: None,
         local_node: owned(d, local_node)?,
-        nodes: decode_list("nodes", local_node, d)?,
+        nodes: decode_list("nodes", local_node, d)?.into(),
         pending_deletes: decode_list("pending_deletes", local_node, d)?,
         ids: decode_freed(d)?,
         removals: Vec::new(),

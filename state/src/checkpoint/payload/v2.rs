@@ -80,7 +80,7 @@ pub(super) fn encode(cp: &Checkpoint, e: &mut Enc<'_>) -> Result<(), WireEncodeE
     cp.agent_version.encode(e)?;
     Time::from(cp.written_at).encode(e)?;
     cp.local_node.encode(e)?;
-    encode_list(&cp.nodes, &cp.local_node, e)?;
+    encode_list(cp.nodes.iter(), &cp.local_node, e)?;
     encode_list(&cp.pending_deletes, &cp.local_node, e)?;
     encode_freed(&cp.ids, e)?;
     encode_seq(
@@ -133,7 +133,7 @@ pub(super) fn decode(d: &mut Dec<'_>) -> Result<Checkpoint, DecodeError> {
         written_at,
         boot: None,
         local_node: owned(d, local_node)?,
-        nodes,
+        nodes: nodes.into(),
         pending_deletes,
         ids,
         removals,

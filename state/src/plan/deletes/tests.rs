@@ -114,7 +114,8 @@ fn ip_recycled_to_a_node_with_an_id_of_its_own_is_updated_not_deleted() {
     let mut k2 = k.clone();
     k2.put(map("fd00::1", 1));
     let mut cp2 = cp.clone();
-    cp2.nodes[0] = with_id(node("a", &["10.0.0.1", "fd00::1"], &["10.1.1.0/24"]), 1);
+    let a1 = with_id(node("a", &["10.0.0.1", "fd00::1"], &["10.1.1.0/24"]), 1);
+    cp2.nodes.replace("a", [a1]);
     let p = r.plan(Some(&cp2), &[a2, c()], &k2);
     assert!(
         p.upserts
