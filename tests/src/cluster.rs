@@ -2,15 +2,20 @@
 //! what the IPsec proofs run on (`tests/tests/it/ipsec.rs`).
 //!
 //! The sandbox's own namespace is the switch: a bridge `wire` with one port per node. Node `i`
-//! is the namespace `node<i>` with `eth0` on the wire (192.168.77.i, fd00:77::i), a bridge
-//! `cni0` (10.244.i.1/24, fd00:244:i::1/64) and forwarding on; its pod is the namespace
-//! `pod<i>` (10.244.i.2, fd00:244:i::2, MTU 1400 to leave room for ESP). Each node's agent has
+//! is the namespace `node<i>` with `eth0` on the wire (192.168.77.i, fd00:77::i); its pod is the
+//! namespace `pod<i>`, made as a container runtime makes it, by the reference CNI plugins
+//! (`xtask::cni`): a `cni0` bridge holding the gateways (10.244.i.1/24, fd00:244:i::1/64), the
+//! pod's `eth0` on it (10.244.i.2, fd00:244:i::2, leased by `host-local`, MTU 1400 to leave room
+//! for ESP). [`Cluster::remove_pods`] runs their `DEL`. Each node's agent has
 //! its own bpffs, state directory and key file, and runs with `ip netns exec`, as a
 //! DaemonSet's pod runs in the host's network namespace.
 //!
 //! [`Capture`] counts the frames that enter the wire by what they are: ESP, or pod traffic in
-//! the clear (an IP packet with a pod address), or other (ARP, neighbour discovery).
+//! the clear (an IP packet with a pod address), or other (ARP, neighbour discovery). The pods'
+//! traffic (pings and TCP bytes, through [`ping`], [`LongPing`] and [`tcp_transfer`]) is
+//! tallied per cluster, for the `pods:` line of [`Cluster::remove_pods`].
 
+use std::cell::Cell;
 use std::fmt::Write as _;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -21,6 +26,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use xtask::host::parse_ping;
+
+use xtask::cni::PodNetwork;
 
 use crate::agent::{Daemon, TestNode, node_list, wait_for};
 use crate::{agent_bin, in_netns, ip, ip_batch, run, sysctl};
@@ -63,6 +70,20 @@ impl SimNode {
     }
     pub fn log(&self) -> PathBuf {
         self.dir.join("agent.log")
+    }
+
+    /// Its pod network: the reference CNI plugins' `cni0` bridge, the node's pod CIDRs, MTU 1400
+    /// to leave room for ESP, leases under the node's directory.
+    pub fn pod_network(&self) -> PodNetwork {
+        let i = self.index;
+        PodNetwork {
+            name: "cluster".into(),
+            node_ns: self.ns(),
+            bridge: "cni0".into(),
+            cidrs: vec![format!("10.244.{i}.0/24"), format!("fd00:244:{i}::/64")],
+            mtu: Some(1400),
+            leases: self.dir.join("ipam"),
+        }
     }
 
     /// The node as the NodeList shows it (`uid` set by the caller when it is recycled).
@@ -204,6 +225,7 @@ pub struct Cluster {
 impl Cluster {
     /// The switch, in the calling thread's namespace (a sandbox).
     pub fn new(dir: &Path) -> Self {
+        TRAFFIC.set(Traffic::default());
         ip(&["link", "add", "wire", "type", "bridge"]);
         ip(&["link", "set", "wire", "up"]);
         Self {
@@ -233,31 +255,55 @@ impl Cluster {
         ]);
         ip(&["link", "set", &port, "master", "wire", "up"]);
         let i = index;
-        let mut node = String::new();
-        let _ = write!(
-            node,
-            "link set lo up\n\
-             addr add 192.168.77.{i}/24 dev eth0\naddr add fd00:77::{i}/64 dev eth0 nodad\n\
-             link set eth0 up\n\
-             link add cni0 type bridge\n\
-             addr add 10.244.{i}.1/24 dev cni0\naddr add fd00:244:{i}::1/64 dev cni0 nodad\n\
-             link set cni0 up\n\
-             link add p{i} type veth peer name eth0 netns {pod}\n\
-             link set p{i} mtu 1400 master cni0 up\n"
+        ip_batch(
+            &["-n", &ns],
+            &format!(
+                "link set lo up\n\
+                 addr add 192.168.77.{i}/24 dev eth0\naddr add fd00:77::{i}/64 dev eth0 nodad\n\
+                 link set eth0 up\n"
+            ),
         );
-        ip_batch(&["-n", &ns], &node);
-        let pod_cmds = format!(
-            "link set lo up\nlink set eth0 mtu 1400 up\n\
-             addr add 10.244.{i}.2/24 dev eth0\naddr add fd00:244:{i}::2/64 dev eth0 nodad\n\
-             route add default via 10.244.{i}.1\nroute add default via fd00:244:{i}::1\n"
+        // The pod, as a container runtime makes it: the sandbox namespace, then the plugins.
+        let ips = n
+            .pod_network()
+            .add(&pod)
+            .unwrap_or_else(|e| panic!("{name}'s pod: {e:#}"));
+        assert_eq!(
+            ips,
+            [n.pod4(), n.pod6()],
+            "{name}'s pod: host-local leases the first address after the gateway"
         );
-        ip_batch(&["-n", &pod], &pod_cmds);
         in_netns(&ns, || {
             sysctl("net/ipv4/ip_forward", "1");
             sysctl("net/ipv6/conf/all/forwarding", "1");
         });
         self.nodes.push(n.clone());
         n
+    }
+
+    /// `CNI_COMMAND=DEL` for every pod, then its namespace goes; fails unless every lease was
+    /// released. Returns the cluster's `pods:` line: pods made and deleted, and their traffic.
+    pub fn remove_pods(&mut self) -> String {
+        for n in &self.nodes {
+            let net = n.pod_network();
+            net.del(&n.pod_ns())
+                .unwrap_or_else(|e| panic!("{}'s pod: {e:#}", n.name));
+            ip(&["netns", "del", &n.pod_ns()]);
+            let held = net.leases_held();
+            assert!(
+                held.is_empty(),
+                "{}: leases left after DEL: {held:?}",
+                n.name
+            );
+        }
+        let t = TRAFFIC.get();
+        format!(
+            "pods: {} made and deleted through the CNI plugins, 0 leases left; {} pings sent, {} answered; TCP {} KiB",
+            self.nodes.len(),
+            t.pings_sent,
+            t.pings_answered,
+            t.tcp_bytes / 1024
+        )
     }
 
     /// Writes the NodeList every agent reads.
@@ -316,6 +362,24 @@ impl Cluster {
     }
 }
 
+/// What the pods of this thread's cluster sent and got.
+#[derive(Clone, Copy, Debug, Default)]
+struct Traffic {
+    pings_sent: u64,
+    pings_answered: u64,
+    tcp_bytes: u64,
+}
+
+thread_local! {
+    static TRAFFIC: Cell<Traffic> = Cell::new(Traffic::default());
+}
+
+fn tally(f: impl FnOnce(&mut Traffic)) {
+    let mut t = TRAFFIC.get();
+    f(&mut t);
+    TRAFFIC.set(t);
+}
+
 /// Writes a key file holding `keys` (SPI and hex), mode 0600: per-pair keys (`<spi>+`), or
 /// global ones.
 pub fn write_keys(path: &Path, keys: &[(u8, &str)], per_pair: bool) {
@@ -347,8 +411,12 @@ pub fn ping(pod_ns: &str, dst: &str, count: u32) -> (u64, u64) {
         ])
         .output()
         .expect("starting ping");
-    parse_ping(&String::from_utf8_lossy(&out.stdout))
-        .unwrap_or_else(|| panic!("no ping summary: {}", String::from_utf8_lossy(&out.stderr)))
+    let (sent, received) = parse_ping(&String::from_utf8_lossy(&out.stdout))
+        .unwrap_or_else(|| panic!("no ping summary: {}", String::from_utf8_lossy(&out.stderr)));
+    tally(|t| {
+        (t.pings_sent, t.pings_answered) = (t.pings_sent + sent, t.pings_answered + received)
+    });
+    (sent, received)
 }
 
 /// A ping that runs until stopped: `ping -i <interval>` from a pod.
@@ -385,6 +453,9 @@ impl LongPing {
         }
         self.0.wait().unwrap();
         let (sent, received) = parse_ping(&stdout).expect("a ping summary");
+        tally(|t| {
+            (t.pings_sent, t.pings_answered) = (t.pings_sent + sent, t.pings_answered + received)
+        });
         PingRun {
             sent,
             received,
@@ -504,7 +575,9 @@ pub fn tcp_transfer(from: &str, to_ns: &str, to: &str, bytes: usize) -> usize {
                 left -= k;
             }
         });
-        server.join().unwrap()
+        let got = server.join().unwrap();
+        tally(|t| t.tcp_bytes += got as u64);
+        got
     })
 }
 

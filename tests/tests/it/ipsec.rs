@@ -51,6 +51,7 @@ fn with_cluster(name: &str, body: impl FnOnce(&mut Cluster) + Send) {
         std::fs::create_dir_all(&dir).unwrap();
         let mut c = Cluster::new(&dir);
         body(&mut c);
+        report(&c.remove_pods());
     });
 }
 

@@ -1,8 +1,6 @@
 //! The demo's cluster: the nodes of `examples/nodes.yaml` as the sandbox builds them, the one
 //! that restarts, the ones that go away, and the NodeList without them.
 
-use std::path::Path;
-
 /// A node of `examples/nodes.yaml`, as the sandbox builds it (a unit test holds the two to each
 /// other).
 pub(super) struct Node {
@@ -63,22 +61,6 @@ pub(super) fn gone() -> Vec<usize> {
     (0..NODES.len())
         .filter(|&i| GONE.contains(&NODES[i].name))
         .collect()
-}
-
-/// The leases host-local holds under `dir`: a file per address, beside its `lock` and
-/// `last_reserved_ip.*` bookkeeping.
-pub(super) fn ipam_leases(dir: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    for n in &NODES {
-        let net = dir.join(n.name).join("ipam/demo");
-        for entry in std::fs::read_dir(&net).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name != "lock" && !name.starts_with("last_reserved_ip") {
-                out.push(format!("{}/{name}", n.name));
-            }
-        }
-    }
-    out
 }
 
 /// The NodeList without the items named in `gone`: items are the blocks that start with `- `.

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use super::cluster::{LOCAL, NODES, drop_nodes, gone, ipam_leases};
+use xtask::cni::PodNetwork;
+
+use super::cluster::{LOCAL, NODES, drop_nodes, gone};
 use super::transcript::{OnNode, Transcript};
 use crate::cmd;
-
-const CNI_PATH: &str = "/usr/lib/cni";
 
 /// The sandbox and what lives in it. Dropping it tears down whatever is still up, so a failed
 /// step leaves nothing behind either; [`Sandbox::teardown`] does the same and checks it.
@@ -119,96 +119,33 @@ impl Sandbox {
         ])
     }
 
-    /// The `bridge` plugin's config for node `i`'s pods: a `cni0` bridge holding the gateway,
-    /// addresses from the node's pod CIDR, leases under the node's directory.
-    pub(super) fn bridge_conf(&self, i: usize) -> String {
-        let conf = serde_json::json!({
-            "cniVersion": "1.0.0",
-            "name": "demo",
-            "type": "bridge",
-            "bridge": "cni0",
-            "isGateway": true,
-            "ipam": {
-                "type": "host-local",
-                "ranges": [[{"subnet": NODES[i].pod_cidr}]],
-                "routes": [{"dst": "0.0.0.0/0"}],
-                "dataDir": self.node_dir(i).join("ipam"),
-            },
-        });
-        serde_json::to_string_pretty(&conf).expect("JSON")
-    }
-
-    pub(super) fn loopback_conf() -> &'static str {
-        r#"{"cniVersion": "1.0.0", "name": "demo-lo", "type": "loopback"}"#
-    }
-
-    /// Runs a CNI plugin for node `i`'s pod, in the node's namespace as a kubelet would, and
-    /// returns its result (JSON).
-    pub(super) fn cni(
-        &self,
-        i: usize,
-        command: &str,
-        plugin: &str,
-        ifname: &str,
-    ) -> anyhow::Result<String> {
-        use std::io::Write as _;
-        let n = &NODES[i];
-        let conf = match plugin {
-            "bridge" => self.bridge_conf(i),
-            _ => Self::loopback_conf().to_owned(),
-        };
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", n.name])
-            .arg(Path::new(CNI_PATH).join(plugin))
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", n.pod)
-            .env("CNI_NETNS", format!("/run/netns/{}", n.pod))
-            .env("CNI_IFNAME", ifname)
-            .env("CNI_PATH", CNI_PATH)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting {CNI_PATH}/{plugin}"))?;
-        child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(conf.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "CNI {command} {plugin} for {}: {}\n{}{}",
-                n.pod,
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+    /// Node `i`'s pod network: a `cni0` bridge holding the gateway, addresses from the node's
+    /// pod CIDR, leases under the node's directory.
+    pub(super) fn net(&self, i: usize) -> PodNetwork {
+        PodNetwork {
+            name: "demo".into(),
+            node_ns: NODES[i].name.into(),
+            bridge: "cni0".into(),
+            cidrs: vec![NODES[i].pod_cidr.into()],
+            mtu: None,
+            leases: self.node_dir(i).join("ipam"),
         }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// Node `i`'s pod: its namespace, `lo` up, `eth0` on the node's `cni0`. Returns its IPv4.
     pub(super) fn add_pod(&mut self, i: usize) -> anyhow::Result<String> {
         quiet(&["ip", "netns", "add", NODES[i].pod])?;
         self.pods.push(i);
-        self.cni(i, "ADD", "loopback", "lo")?;
-        let result = self.cni(i, "ADD", "bridge", "eth0")?;
-        let json: serde_json::Value =
-            serde_json::from_str(&result).context("the bridge plugin's result")?;
-        let addr = json["ips"][0]["address"]
-            .as_str()
-            .with_context(|| format!("no address in the bridge plugin's result: {result}"))?;
-        Ok(addr.split('/').next().unwrap_or(addr).to_owned())
+        let ips = self.net(i).add(NODES[i].pod)?;
+        Ok(ips[0].clone())
     }
 
     /// `CNI_COMMAND=DEL` for node `i`'s pod, then its namespace goes.
     pub(super) fn del_pod(&mut self, i: usize) -> anyhow::Result<()> {
         self.pods.retain(|&p| p != i);
-        let bridge = self.cni(i, "DEL", "bridge", "eth0");
-        let lo = self.cni(i, "DEL", "loopback", "lo");
+        let del = self.net(i).del(NODES[i].pod);
         let ns = quiet(&["ip", "netns", "del", NODES[i].pod]);
-        bridge.and(lo).and(ns)
+        del.and(ns)
     }
 
     pub(super) fn agent_cmd(&self, i: usize, extra: &[&str]) -> Command {
@@ -443,7 +380,13 @@ impl Sandbox {
             result = result.and(self.remove_node(i));
         }
         let left_ns = cmd::output(Command::new("ip").args(["netns", "list"])).unwrap_or_default();
-        let leases = ipam_leases(&self.dir);
+        let leases: Vec<String> = (0..NODES.len())
+            .flat_map(|i| {
+                let held = self.net(i).leases_held();
+                held.into_iter()
+                    .map(move |l| format!("{}/{l}", NODES[i].name))
+            })
+            .collect();
         if self.wire {
             self.wire = false;
             result = result.and(quiet(&["ip", "link", "del", "wire"]));

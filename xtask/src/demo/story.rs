@@ -40,7 +40,7 @@ impl Sandbox {
         let conf = format!(
             "bridge config of {} (CNI_COMMAND=ADD, run in the node's namespace):\n{}",
             NODES[LOCAL].name,
-            shown(&self.bridge_conf(LOCAL))
+            shown(&self.net(LOCAL).bridge_conf())
         );
         self.transcript.say("pods", &conf);
         let mut pod_ips = Vec::new();

@@ -11,6 +11,8 @@ pub const PACKAGES: &[&str] = &[
     "xz-utils",
     "zstd",
     "lz4",
+    // The reference CNI plugins the tests make their pods with (`xtask::cni`).
+    "containernetworking-plugins",
 ];
 
 /// Installs whatever is missing; one dpkg-query per package when everything is there.

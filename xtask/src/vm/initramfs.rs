@@ -49,6 +49,11 @@ pub fn tools(vm_dir: &Path, payload: &Payload, test_args: &[String]) -> anyhow::
     for bin in &payload.binaries {
         libs.extend(ldd(bin)?);
     }
+    // Static Go binaries: nothing for `ldd` to find.
+    for plugin in xtask::cni::PLUGINS {
+        let path = Path::new(xtask::cni::PLUGIN_DIR).join(plugin);
+        a.host_file(&path, path.to_str().expect("a UTF-8 path"))?;
+    }
     libs.insert(LIBGCC.to_owned());
     for lib in &libs {
         a.host_file(Path::new(lib), lib)?;
