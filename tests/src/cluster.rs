@@ -313,7 +313,8 @@ impl Cluster {
         std::fs::rename(&tmp, &self.nodes_file).unwrap();
     }
 
-    /// Starts `n`'s agent with IPsec; `extra` flags come last (delays, resync).
+    /// Starts `n`'s agent, with IPsec where the node has a key file; `extra` flags come last
+    /// (delays, resync).
     pub fn start_agent(&self, n: &SimNode, extra: &[&str]) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -332,10 +333,11 @@ impl Cluster {
             .arg(n.state_dir())
             .arg("--bpffs")
             .arg(n.bpffs())
-            .args(["--datapath-iface", "eth0", "--pod-iface", "cni0"])
-            .arg("--ipsec-key-file")
-            .arg(n.key_file())
-            .args(extra)
+            .args(["--datapath-iface", "eth0", "--pod-iface", "cni0"]);
+        if n.key_file().exists() {
+            c.arg("--ipsec-key-file").arg(n.key_file());
+        }
+        c.args(extra)
             .env("NODE_AGENT_LOG", "info")
             .stdout(Stdio::null())
             .stderr(log);
@@ -360,6 +362,30 @@ impl Cluster {
             );
         }
     }
+}
+
+/// Runs `body` on a new cluster in a sandbox, when `can_run` (given the test's name) says this
+/// kernel can; then deletes the pods through CNI and prints the cluster's `pods:` line. Skips,
+/// saying why, where no sandbox can be made.
+pub fn with_cluster(
+    name: &str,
+    can_run: impl FnOnce(&str) -> bool + Send,
+    body: impl FnOnce(&mut Cluster) + Send,
+) {
+    if let Err(why) = crate::can_sandbox() {
+        crate::skip(name, &why);
+        return;
+    }
+    crate::sandbox(|sb| {
+        if !can_run(name) {
+            return;
+        }
+        let dir = sb.bpffs.parent().unwrap().join("cluster");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = Cluster::new(&dir);
+        body(&mut c);
+        crate::report(&c.remove_pods());
+    });
 }
 
 /// What the pods of this thread's cluster sent and got.
@@ -395,8 +421,22 @@ pub fn write_keys(path: &Path, keys: &[(u8, &str)], per_pair: bool) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-/// `ping` from a pod: `(sent, received)`. Busybox's or iputils' summary line is parsed.
+/// `ping` from a pod: `(sent, received)`, tallied in the cluster's `pods:` line. Busybox's or
+/// iputils' summary line is parsed.
 pub fn ping(pod_ns: &str, dst: &str, count: u32) -> (u64, u64) {
+    let (sent, received) = ping_untallied(pod_ns, dst, count);
+    tally(|t| {
+        (t.pings_sent, t.pings_answered) = (t.pings_sent + sent, t.pings_answered + received)
+    });
+    (sent, received)
+}
+
+/// Whether one ping from a pod is answered: for waits, which the `pods:` line does not count.
+pub fn answers(pod_ns: &str, dst: &str) -> bool {
+    ping_untallied(pod_ns, dst, 1).1 == 1
+}
+
+fn ping_untallied(pod_ns: &str, dst: &str, count: u32) -> (u64, u64) {
     let out = Command::new("ip")
         .args([
             "netns",
@@ -411,12 +451,8 @@ pub fn ping(pod_ns: &str, dst: &str, count: u32) -> (u64, u64) {
         ])
         .output()
         .expect("starting ping");
-    let (sent, received) = parse_ping(&String::from_utf8_lossy(&out.stdout))
-        .unwrap_or_else(|| panic!("no ping summary: {}", String::from_utf8_lossy(&out.stderr)));
-    tally(|t| {
-        (t.pings_sent, t.pings_answered) = (t.pings_sent + sent, t.pings_answered + received)
-    });
-    (sent, received)
+    parse_ping(&String::from_utf8_lossy(&out.stdout))
+        .unwrap_or_else(|| panic!("no ping summary: {}", String::from_utf8_lossy(&out.stderr)))
 }
 
 /// A ping that runs until stopped: `ping -i <interval>` from a pod.
@@ -474,7 +510,7 @@ impl Drop for LongPing {
     }
 }
 
-/// The runs of sequence numbers below `sent` that no reply line names (`seq=N` in busybox's
+/// The runs of the `sent` sequence numbers that no reply line names (`seq=N` in busybox's
 /// lines, `icmp_seq=N` in iputils').
 pub fn lost_runs(text: &str, sent: u64) -> Vec<std::ops::RangeInclusive<u64>> {
     let answered: std::collections::BTreeSet<u64> = text
@@ -485,8 +521,10 @@ pub fn lost_runs(text: &str, sent: u64) -> Vec<std::ops::RangeInclusive<u64>> {
             digits.parse().ok()
         })
         .collect();
+    // Busybox numbers from 0 (`seq=`), iputils from 1 (`icmp_seq=`).
+    let first = u64::from(text.contains("icmp_seq="));
     let mut runs: Vec<std::ops::RangeInclusive<u64>> = Vec::new();
-    for seq in (0..sent).filter(|s| !answered.contains(s)) {
+    for seq in (first..first + sent).filter(|s| !answered.contains(s)) {
         match runs.last_mut() {
             Some(r) if *r.end() + 1 == seq => *r = *r.start()..=seq,
             _ => runs.push(seq..=seq),
@@ -764,7 +802,8 @@ mod tests {
                   64 bytes from 10.244.2.2: seq=3 ttl=63 time=1 ms\n\
                   64 bytes from 10.244.2.2: seq=5 ttl=63 time=1 ms\n";
         assert_eq!(lost_runs(bb, 7), vec![1..=2, 4..=4, 6..=6]);
-        let iputils = "64 bytes from 10.244.2.2: icmp_seq=1 ttl=63 time=1 ms\n";
-        assert_eq!(lost_runs(iputils, 2), vec![0..=0]);
+        let iputils = "64 bytes from 10.244.2.2: icmp_seq=1 ttl=63 time=1 ms\n\
+                       64 bytes from 10.244.2.2: icmp_seq=3 ttl=63 time=1 ms\n";
+        assert_eq!(lost_runs(iputils, 4), vec![2..=2, 4..=4]);
     }
 }

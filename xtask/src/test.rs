@@ -12,9 +12,16 @@ use crate::{apt, build_ebpf, docs, image, setup, vm};
 /// What the image and alert tests need beyond `setup`: podman to build the image and debootstrap
 /// for its stand-in base (tests/tests/it/image.rs), promtool from `prometheus` to check and unit-test
 /// the alert rules (tests/tests/it/deploy/alerts.rs), libfaketime from `faketime` to step one agent's
-/// wall clock without the host's (tests/tests/it/rules.rs). Not part of `setup`: the demo needs
-/// none of them.
-const TEST_PACKAGES: &[&str] = &["podman", "debootstrap", "prometheus", "faketime"];
+/// wall clock without the host's (tests/tests/it/rules.rs), the reference CNI plugins and `ping`
+/// for the pods of the host tier (tests/tests/it/pods.rs). Not part of `setup`.
+const TEST_PACKAGES: &[&str] = &[
+    "podman",
+    "debootstrap",
+    "prometheus",
+    "faketime",
+    "containernetworking-plugins",
+    "iputils-ping",
+];
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -12,9 +12,9 @@ use std::time::Duration;
 use node_agent::backends::xfrm::{KeyBook, XfrmBackend};
 use node_agent_tests::agent::{TestNode, wait_for};
 use node_agent_tests::cluster::{
-    Capture, Cluster, LongPing, SimNode, Timeline, ping, tcp_transfer, write_keys,
+    self, Capture, Cluster, LongPing, SimNode, Timeline, ping, tcp_transfer, write_keys,
 };
-use node_agent_tests::{can_sandbox, report, runtime, sandbox, skip, skip_without_esp};
+use node_agent_tests::{report, runtime, skip_without_esp};
 
 const KEY3: &str = "0102030405060708090a0b0c0d0e0f1011121314";
 const KEY4: &str = "a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4";
@@ -37,22 +37,9 @@ fn esp_missing(name: &str) -> bool {
     }
 }
 
-/// Runs `body` in a sandbox where ESP works; skips where it cannot.
+/// Runs `body` on a cluster where ESP works; skips where it cannot.
 fn with_cluster(name: &str, body: impl FnOnce(&mut Cluster) + Send) {
-    if let Err(why) = can_sandbox() {
-        skip(name, &why);
-        return;
-    }
-    sandbox(|sb| {
-        if esp_missing(name) {
-            return;
-        }
-        let dir = sb.bpffs.parent().unwrap().join("cluster");
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut c = Cluster::new(&dir);
-        body(&mut c);
-        report(&c.remove_pods());
-    });
+    cluster::with_cluster(name, |name| !esp_missing(name), body);
 }
 
 fn assert_no_clear_pod_traffic(what: &str, cap: &Capture) {

@@ -76,6 +76,7 @@ pub const KERNEL_TIER: &[&str] = &[
     "nexthops::",
     "xfrm::",
     "ipsec::",
+    "pods::",
     "caps::",
     "agent::",
     "rules::",

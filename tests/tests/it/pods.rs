@@ -1,0 +1,160 @@
+//! Kernel tier (host and VM): pods made by the reference CNI plugins on four nodes, each with its
+//! own agent (`node_agent_tests::cluster`), keep talking across nodes while one node's agent is
+//! restarted, killed with SIGKILL, and down while another node goes away. Only the gone node's
+//! pod stops answering; its routes leave the restarted node.
+//!
+//! Without IPsec: the host kernels of the development machines have no ESP, and the IPsec tests
+//! (`ipsec.rs`) cover the same moves with encryption in the VM tier.
+
+use std::time::Duration;
+
+use node_agent_tests::agent::{TestNode, wait_for};
+use node_agent_tests::cluster::{
+    self, Cluster, LongPing, PingRun, SimNode, answers, ping, tcp_transfer,
+};
+use node_agent_tests::report;
+
+/// Waits until `n`'s agent, just started, has finished its first reconcile.
+fn reconciled(n: &SimNode) {
+    let count = || n.metric("node_agent_reconcile_duration_seconds_count");
+    wait_for("a reconcile", Duration::from_secs(60), || {
+        count().is_some_and(|c| c > 0.0)
+    });
+}
+
+/// Waits until `from`'s pod reaches `to`'s pod over both families.
+fn reaches(from: &SimNode, to: &SimNode) {
+    wait_for(
+        &format!("{}'s pod reaching {}'s", from.name, to.name),
+        Duration::from_secs(60),
+        || answers(&from.pod_ns(), &to.pod4()) && answers(&from.pod_ns(), &to.pod6()),
+    );
+}
+
+fn routes_toward(n: &SimNode, gone: &SimNode) -> Vec<String> {
+    let mut routes: Vec<String> = Vec::new();
+    for family in ["-4", "-6"] {
+        routes.extend(
+            n.ip(&[family, "route", "show"])
+                .lines()
+                .filter(|l| {
+                    l.contains(&format!("10.244.{}.", gone.index))
+                        || l.contains(&format!("fd00:244:{}:", gone.index))
+                })
+                .map(str::to_owned),
+        );
+    }
+    routes
+}
+
+fn lost(what: &str, run: &PingRun) {
+    report(&format!(
+        "pods: {what}: {} of {} pings answered, lost {:?}",
+        run.received, run.sent, run.lost
+    ));
+}
+
+#[test]
+fn pods_on_other_nodes_keep_talking_across_a_restart_a_kill_and_a_node_removed_while_down() {
+    cluster::with_cluster(
+        node_agent_tests::test_name!(),
+        |_| true,
+        |c: &mut Cluster| {
+            let nodes: Vec<SimNode> = (1..=4)
+                .map(|i| c.add_node(&format!("node-{i}"), i))
+                .collect();
+            let [one, two, three, four] = [&nodes[0], &nodes[1], &nodes[2], &nodes[3]];
+            let listed: Vec<TestNode> = nodes.iter().map(SimNode::test_node).collect();
+            c.write_nodes(&listed);
+            let mut agents: Vec<_> = nodes.iter().map(|n| c.start_agent(n, &[])).collect();
+            for to in [two, three, four] {
+                reaches(one, to);
+                reaches(to, one);
+            }
+
+            // Traffic both ways through node-1, and toward the node that will go.
+            let runs = [
+                (
+                    "node-1 -> node-2",
+                    LongPing::start(&one.pod_ns(), &two.pod4(), "0.1"),
+                ),
+                (
+                    "node-3 -> node-1",
+                    LongPing::start(&three.pod_ns(), &one.pod6(), "0.1"),
+                ),
+                (
+                    "node-1 -> node-4",
+                    LongPing::start(&one.pod_ns(), &four.pod4(), "0.1"),
+                ),
+            ];
+
+            // A restart: SIGTERM, then a new agent on the same state.
+            // SAFETY: kill on a child we own.
+            unsafe { libc::kill(agents[0].id() as i32, libc::SIGTERM) };
+            agents[0].wait().unwrap();
+            agents[0] = c.start_agent(one, &[]);
+            reconciled(one);
+            std::thread::sleep(Duration::from_secs(1));
+
+            // A crash: SIGKILL, then a new agent.
+            agents[0].kill().unwrap();
+            agents[0].wait().unwrap();
+            agents[0] = c.start_agent(one, &[]);
+            reconciled(one);
+            std::thread::sleep(Duration::from_secs(1));
+
+            // node-1's agent down while node-4 goes: its agent stops, its pod is deleted, it
+            // leaves the list; the other agents clean up as they see it.
+            agents[0].kill().unwrap();
+            agents[0].wait().unwrap();
+            agents[3].kill().unwrap();
+            agents[3].wait().unwrap();
+            c.write_nodes(&listed[..3]);
+            wait_for(
+                "node-2 and node-3 forgetting node-4",
+                Duration::from_secs(60),
+                || routes_toward(two, four).is_empty() && routes_toward(three, four).is_empty(),
+            );
+            assert!(
+                !routes_toward(one, four).is_empty(),
+                "node-1's agent is down: its routes toward node-4 are still there"
+            );
+            agents[0] = c.start_agent(one, &[]);
+            wait_for(
+                "node-1's restarted agent removing node-4's routes",
+                Duration::from_secs(60),
+                || routes_toward(one, four).is_empty(),
+            );
+            // node-4's pod is still there, but no longer reached from node-1; the other runs
+            // go on meanwhile.
+            assert_eq!(
+                ping(&one.pod_ns(), &four.pod4(), 2),
+                (2, 0),
+                "node-4 is gone"
+            );
+
+            let [to_two, to_one, to_four] = runs.map(|(what, run)| (what, run.stop()));
+            for (what, run) in [&to_two, &to_one] {
+                lost(what, run);
+                assert!(run.sent > 20, "{what}: the pings ran through every step");
+                assert!(run.lost.is_empty(), "{what}: pods on live nodes lost pings");
+            }
+            lost(to_four.0, &to_four.1);
+            assert!(
+                to_four.1.received > 0,
+                "node-4's pod answered until it went"
+            );
+            assert!(!to_four.1.lost.is_empty(), "and not after");
+
+            let mib = 1 << 20;
+            assert_eq!(
+                tcp_transfer(&one.pod_ns(), &three.pod_ns(), &three.pod4(), mib),
+                mib,
+                "1 MiB over TCP from node-1's pod to node-3's after it all"
+            );
+            for to in [two, three] {
+                assert_eq!(ping(&one.pod_ns(), &to.pod6(), 2), (2, 2));
+            }
+        },
+    );
+}
