@@ -7,7 +7,7 @@
 //! | `backends` | kernel | map, routes, xfrm policies against the real kernel |
 //! | `xfrm` | kernel (VM for states) | xfrm states and policies |
 //! | `ipsec` | VM | pod traffic between node namespaces, encrypted: the wire sees only ESP; rotation; restart with churn |
-//! | `pods` | kernel | pods made by the CNI plugins on four nodes keep talking across a restart, a kill and a node removed while down |
+//! | `pods` | kernel | pods made by the CNI plugins on four nodes keep talking across a map growth, a restart, a kill and a node removed while down |
 //! | `caps` | kernel (VM for IPsec) | the agent under exactly the manifest's capabilities, and one line naming each missing one |
 //! | `agent` | end to end | the real binary against NodeList files: restarts, the brake, crashes |
 //! | `rollback` | end to end | the documented rollback to the previous release, against its recorded route shape (or its binary) |

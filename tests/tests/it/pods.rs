@@ -1,6 +1,6 @@
 //! Kernel tier (host and VM): pods made by the reference CNI plugins on four nodes, each with its
-//! own agent (`node_agent_tests::cluster`), keep talking across nodes while one node's agent is
-//! restarted, killed with SIGKILL, and down while another node goes away. Only the gone node's
+//! own agent (`node_agent_tests::cluster`), keep talking across nodes while one node's maps grow
+//! online, its agent is restarted, killed with SIGKILL, and down while another node goes away. Only the gone node's
 //! pod stops answering; its routes leave the restarted node.
 //!
 //! Without IPsec: the host kernels of the development machines have no ESP, and the IPsec tests
@@ -55,7 +55,8 @@ fn lost(what: &str, run: &PingRun) {
 }
 
 #[test]
-fn pods_on_other_nodes_keep_talking_across_a_restart_a_kill_and_a_node_removed_while_down() {
+fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_and_a_node_removed_while_down()
+ {
     cluster::with_cluster(
         node_agent_tests::test_name!(),
         |_| true,
@@ -65,15 +66,22 @@ fn pods_on_other_nodes_keep_talking_across_a_restart_a_kill_and_a_node_removed_w
                 .collect();
             let [one, two, three, four] = [&nodes[0], &nodes[1], &nodes[2], &nodes[3]];
             let listed: Vec<TestNode> = nodes.iter().map(SimNode::test_node).collect();
-            c.write_nodes(&listed);
-            let mut agents: Vec<_> = nodes.iter().map(|n| c.start_agent(n, &[])).collect();
-            for to in [two, three, four] {
+            // node-1's maps hold 6 entries: its two peers' 4 addresses fit, and node-4's joining
+            // grows them online, under the traffic.
+            let small = ["--node-map-max", "6"];
+            let flags = |n: &SimNode| if n.index == 1 { &small[..] } else { &[][..] };
+            c.write_nodes(&listed[..3]);
+            let mut agents: Vec<_> = nodes[..3]
+                .iter()
+                .map(|n| c.start_agent(n, flags(n)))
+                .collect();
+            for to in [two, three] {
                 reaches(one, to);
                 reaches(to, one);
             }
 
-            // Traffic both ways through node-1, and toward the node that will go.
-            let runs = [
+            // Traffic both ways through node-1.
+            let mut runs = vec![
                 (
                     "node-1 -> node-2",
                     LongPing::start(&one.pod_ns(), &two.pod4(), "0.1"),
@@ -82,24 +90,38 @@ fn pods_on_other_nodes_keep_talking_across_a_restart_a_kill_and_a_node_removed_w
                     "node-3 -> node-1",
                     LongPing::start(&three.pod_ns(), &one.pod6(), "0.1"),
                 ),
-                (
-                    "node-1 -> node-4",
-                    LongPing::start(&one.pod_ns(), &four.pod4(), "0.1"),
-                ),
             ];
+
+            // Growth: node-4 joins.
+            let grown = || one.log_grep(&["maps grown online"]).lines().count();
+            assert_eq!(grown(), 0, "node-1's maps had room for two peers");
+            c.write_nodes(&listed);
+            agents.push(c.start_agent(four, &[]));
+            reaches(one, four);
+            reaches(four, one);
+            assert_eq!(
+                grown(),
+                1,
+                "node-4 grew node-1's maps: {}",
+                one.log_tail(20)
+            );
+            runs.push((
+                "node-1 -> node-4",
+                LongPing::start(&one.pod_ns(), &four.pod4(), "0.1"),
+            ));
 
             // A restart: SIGTERM, then a new agent on the same state.
             // SAFETY: kill on a child we own.
             unsafe { libc::kill(agents[0].id() as i32, libc::SIGTERM) };
             agents[0].wait().unwrap();
-            agents[0] = c.start_agent(one, &[]);
+            agents[0] = c.start_agent(one, &small);
             reconciled(one);
             std::thread::sleep(Duration::from_secs(1));
 
             // A crash: SIGKILL, then a new agent.
             agents[0].kill().unwrap();
             agents[0].wait().unwrap();
-            agents[0] = c.start_agent(one, &[]);
+            agents[0] = c.start_agent(one, &small);
             reconciled(one);
             std::thread::sleep(Duration::from_secs(1));
 
@@ -119,7 +141,7 @@ fn pods_on_other_nodes_keep_talking_across_a_restart_a_kill_and_a_node_removed_w
                 !routes_toward(one, four).is_empty(),
                 "node-1's agent is down: its routes toward node-4 are still there"
             );
-            agents[0] = c.start_agent(one, &[]);
+            agents[0] = c.start_agent(one, &small);
             wait_for(
                 "node-1's restarted agent removing node-4's routes",
                 Duration::from_secs(60),
@@ -133,7 +155,12 @@ fn pods_on_other_nodes_keep_talking_across_a_restart_a_kill_and_a_node_removed_w
                 "node-4 is gone"
             );
 
-            let [to_two, to_one, to_four] = runs.map(|(what, run)| (what, run.stop()));
+            let [to_two, to_one, to_four]: [(&str, PingRun); 3] = runs
+                .into_iter()
+                .map(|(what, run)| (what, run.stop()))
+                .collect::<Vec<_>>()
+                .try_into()
+                .expect("three runs");
             for (what, run) in [&to_two, &to_one] {
                 lost(what, run);
                 assert!(run.sent > 20, "{what}: the pings ran through every step");
