@@ -256,7 +256,7 @@ fn normalize(text: &str) -> Vec<String> {
 
 /// One line with what varies between runs masked: `2026-11-28T08:00:35.555083Z`, the digits
 /// after `node-agent-demo-`, `elapsed_ms=`, `corrupt-`, `btf_id `, `memlock ` (kernels differ),
-/// `"confirmable_at_unix": `, `(12s ago)`, and a kernel object ID that starts a line
+/// `"confirmable_at_unix": `, `(pid `, `(12s ago)`, and a kernel object ID that starts a line
 /// (`42780: hash ...`).
 fn mask(line: &str) -> String {
     let id = line.bytes().take_while(u8::is_ascii_digit).count();
@@ -279,6 +279,7 @@ fn mask(line: &str) -> String {
             "btf_id ",
             "memlock ",
             "\"confirmable_at_unix\": ",
+            "(pid ",
             "(",
         ]
         .iter()
@@ -366,8 +367,8 @@ mod tests {
 
     #[test]
     fn what_varies_between_runs_is_not_a_difference_and_the_rest_is() {
-        let a = "2026-11-28T08:00:35.555083Z INFO x elapsed_ms=2 path=/tmp/node-agent-demo-28052/s\nwritten 2026-11-28T08:00:41Z (0s ago)\nnodes.ckpt.corrupt-1795515559.196071215\n";
-        let b = "written 2026-11-29T09:10:11Z (12s ago)\n2026-11-29T10:00:00.1Z INFO x elapsed_ms=58 path=/tmp/node-agent-demo-7/s\nnodes.ckpt.corrupt-1.2\n";
+        let a = "2026-11-28T08:00:35.555083Z INFO x elapsed_ms=2 path=/tmp/node-agent-demo-28052/s\nwritten 2026-11-28T08:00:41Z (0s ago)\nnodes.ckpt.corrupt-1795515559.196071215\nanother node-agent (pid 12364) holds the lock\n";
+        let b = "written 2026-11-29T09:10:11Z (12s ago)\n2026-11-29T10:00:00.1Z INFO x elapsed_ms=58 path=/tmp/node-agent-demo-7/s\nnodes.ckpt.corrupt-1.2\nanother node-agent (pid 7) holds the lock\n";
         let show = |id: u32, btf: u32| {
             format!(
                 "{id}: hash  name NODE_IDS  flags 0x1\n\tkey 20B  memlock {btf}B\n\tbtf_id {btf}\n"
