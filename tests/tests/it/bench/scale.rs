@@ -360,18 +360,36 @@ fn bench_agent_at_scale_ipsec() {
         );
         return;
     }
+    let mut ratios: Vec<(u32, [(&str, f64); 6])> = Vec::new();
     for n in sizes("NODE_AGENT_BENCH_IPSEC_SIZES", &[5_000]) {
         let off = at_size(n, false);
         let on = at_size(n, true);
-        report(&format!(
-            "bench: ipsec_cost_{n} on/off: cold start {:.1}x, unchanged restart {:.1}x, churn restart {:.1}x, event latency {:.1}x, CPU per event {:.1}x, peak RSS {:.1}x",
-            on.cold / off.cold,
-            on.unchanged / off.unchanged,
-            on.churn / off.churn,
-            on.event_ms / off.event_ms,
-            on.event_cpu_ms / off.event_cpu_ms,
-            on.rss_mib / off.rss_mib,
-        ));
+        let figures = [
+            ("cold_start", on.cold / off.cold),
+            ("unchanged_restart", on.unchanged / off.unchanged),
+            ("churn_restart", on.churn / off.churn),
+            ("event_to_kernel", on.event_ms / off.event_ms),
+            ("cpu_per_event", on.event_cpu_ms / off.event_cpu_ms),
+            ("peak_rss", on.rss_mib / off.rss_mib),
+        ];
+        for (figure, ratio) in figures {
+            report(&format!(
+                "bench: ipsec_ratio_{figure}_{n} {ratio:.2} x (IPsec on / off)"
+            ));
+        }
+        ratios.push((n, figures));
+    }
+    // How each ratio grows from the smallest size to the largest: flat is what an SPI per
+    // sender is for (docs/ipsec.md, "Size").
+    if let (Some((small, a)), Some((large, b))) = (ratios.first(), ratios.last())
+        && large > small
+    {
+        for ((figure, x), (_, y)) in a.iter().zip(b) {
+            report(&format!(
+                "bench: ipsec_ratio_growth_{figure} {:.2} x (the ratio at {large} nodes over the ratio at {small})",
+                y / x
+            ));
+        }
     }
 }
 
