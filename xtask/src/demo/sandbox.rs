@@ -259,6 +259,18 @@ impl Sandbox {
         Ok(())
     }
 
+    /// Waits until node `i`'s agent's log, since it was started, has a line with `needle`.
+    pub(super) fn wait_log(&self, i: usize, needle: &str) -> anyhow::Result<()> {
+        let start = Instant::now();
+        while !std::fs::read_to_string(self.log(i))?.contains(needle) {
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!("{}'s agent logged no `{needle}` in 30 s", NODES[i].name);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
     /// Waits until node `i`'s routes to the pod CIDRs of the [`GONE`] nodes are gone.
     pub(super) fn wait_routes_gone(&self, i: usize) -> anyhow::Result<()> {
         let start = Instant::now();

@@ -14,7 +14,10 @@ impl Sandbox {
         self.show_the_job(scripts, &pod_ips)?;
         self.lose_nodes_while_down()?;
         self.restart(&pod_ips)?;
-        step("demo: 9. CNI DEL for every pod, agents stopped, namespaces deleted, bpffs unmounted");
+        self.hold_a_wipe()?;
+        step(
+            "demo: 10. CNI DEL for every pod, agents stopped, namespaces deleted, bpffs unmounted",
+        );
         Ok(())
     }
 
@@ -195,5 +198,84 @@ impl Sandbox {
         let pings = self.ping_mesh(&left, pod_ips);
         self.transcript.say("pings-after", &pings.text);
         pings.result
+    }
+
+    /// Step 9: the list loses every remote node at once, as an RBAC error or the wrong cluster
+    /// would make it look. The local daemon holds the wipe; an operator's wrong confirmation is
+    /// refused, the right one releases it.
+    fn hold_a_wipe(&mut self) -> anyhow::Result<()> {
+        let local = NODES[LOCAL].name;
+        step(&format!(
+            "demo: 9. the list loses every remote node at once; {local}'s daemon holds the wipe \
+             until an operator confirms it"
+        ));
+        // The new daemon's log starts empty.
+        self.local_log_shown = 0;
+        // Whether its first list is the whole one or already the wipe, it holds.
+        self.start_agent(LOCAL, &["--nodes-file-poll", "200ms"])?;
+        let remote: Vec<&str> = NODES
+            .iter()
+            .map(|n| n.name)
+            .filter(|n| *n != local && !GONE.contains(n))
+            .collect();
+        let text = std::fs::read_to_string(&self.nodes_file)?;
+        let tmp = self.nodes_file.with_extension("tmp");
+        std::fs::write(&tmp, drop_nodes(&text, &remote))?;
+        std::fs::rename(&tmp, &self.nodes_file)?;
+
+        let agent = self.agent.to_str().expect("a UTF-8 path").to_owned();
+        let state = self.state(LOCAL).to_str().expect("a UTF-8 path").to_owned();
+        let status = [agent.as_str(), "prune", "status", "--state-dir", &state];
+        let start = std::time::Instant::now();
+        let held = loop {
+            let out = show(&status)?;
+            if let Some(id) = out
+                .lines()
+                .find_map(|l| l.strip_prefix("hold "))
+                .and_then(|l| l.split_whitespace().next())
+            {
+                self.transcript.say("hold-status", &out);
+                break id.to_owned();
+            }
+            if start.elapsed() > std::time::Duration::from_secs(30) {
+                bail!("{local}'s daemon held nothing 30 s after the wipe:\n{out}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        };
+
+        let wrong = "0123456789ab";
+        let out = std::process::Command::new(&agent)
+            .args(["prune", "confirm", wrong, "--state-dir", &state])
+            .output()
+            .context("running node-agent prune confirm")?;
+        if out.status.success() {
+            bail!("a confirmation of hold {wrong} went through; {held} is held");
+        }
+        let refused = format!(
+            "$ node-agent prune confirm {wrong} --state-dir {}\n{}",
+            shown(&state),
+            shown(&String::from_utf8_lossy(&out.stderr))
+        );
+        self.transcript.say("hold-wrong", &refused);
+        let confirm = [
+            agent.as_str(),
+            "prune",
+            "confirm",
+            &held,
+            "--state-dir",
+            &state,
+        ];
+        let sent = show(&confirm)?;
+        self.transcript.say("hold-confirmed", &sent);
+        self.wait_log(LOCAL, "the brake released held removals")?;
+        self.wait_log(LOCAL, "reconciled writes")?;
+        let log: String = self
+            .local_log()?
+            .lines()
+            .filter(|l| l.contains("node_agent::agent::reconciler"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        self.transcript.say("hold-log", &log);
+        Ok(())
     }
 }

@@ -33,6 +33,10 @@ pub const PARTS: &[&str] = &[
     "run-once",
     "clean-result",
     "pings-after",
+    "hold-status",
+    "hold-wrong",
+    "hold-confirmed",
+    "hold-log",
     "teardown",
 ];
 
