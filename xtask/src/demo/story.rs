@@ -3,7 +3,7 @@
 use anyhow::{Context, bail};
 
 use super::cluster::{GONE, LOCAL, NODES, drop_nodes, gone};
-use super::sandbox::{Sandbox, show, shown};
+use super::sandbox::{Sandbox, quiet, show, shown};
 use super::transcript::OnNode;
 use crate::cmd::{root, step};
 
@@ -14,9 +14,10 @@ impl Sandbox {
         self.show_the_job(scripts, &pod_ips)?;
         self.lose_nodes_while_down()?;
         self.restart(&pod_ips)?;
+        self.repair_drift()?;
         self.hold_a_wipe()?;
         step(
-            "demo: 10. CNI DEL for every pod, agents stopped, namespaces deleted, bpffs unmounted",
+            "demo: 11. CNI DEL for every pod, agents stopped, namespaces deleted, bpffs unmounted",
         );
         Ok(())
     }
@@ -200,13 +201,44 @@ impl Sandbox {
         pings.result
     }
 
-    /// Step 9: the list loses every remote node at once, as an RBAC error or the wrong cluster
+    /// Step 9: a route of ours deleted by hand behind a running daemon is written back at its
+    /// next resync (1 s here, 5 minutes by default).
+    fn repair_drift(&mut self) -> anyhow::Result<()> {
+        let local = NODES[LOCAL].name;
+        let (victim, cidr) = NODES
+            .iter()
+            .find(|n| n.name != local && !GONE.contains(&n.name))
+            .map(|n| (n.name, n.pod_cidr))
+            .expect("a remote node left");
+        step(&format!(
+            "demo: 9. {local}'s route to {victim}'s pods deleted by hand under a running daemon \
+             comes back at its next resync"
+        ));
+        self.local_log_shown = 0;
+        self.start_agent(
+            LOCAL,
+            &["--nodes-file-poll", "200ms", "--resync-interval", "1s"],
+        )?;
+        self.wait_readyz(LOCAL)?;
+        quiet(&["ip", "-n", local, "route", "del", cidr, "proto", "201"])?;
+        self.wait_log(LOCAL, "repaired drift")?;
+        let log: String = self
+            .local_log()?
+            .lines()
+            .filter(|l| l.contains("repaired drift"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        self.transcript.say("drift-log", &log);
+        self.stop_agent(LOCAL)
+    }
+
+    /// Step 10: the list loses every remote node at once, as an RBAC error or the wrong cluster
     /// would make it look. The local daemon holds the wipe; an operator's wrong confirmation is
     /// refused, the right one releases it.
     fn hold_a_wipe(&mut self) -> anyhow::Result<()> {
         let local = NODES[LOCAL].name;
         step(&format!(
-            "demo: 9. the list loses every remote node at once; {local}'s daemon holds the wipe \
+            "demo: 10. the list loses every remote node at once; {local}'s daemon holds the wipe \
              until an operator confirms it"
         ));
         // The new daemon's log starts empty.

@@ -105,7 +105,7 @@ const TCP_PORT: u16 = 7100;
 
 /// Runs `f` on a thread of its own in the named network namespace (sockets belong to the
 /// namespace of the thread that makes them).
-fn in_netns<T>(ns: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+pub(super) fn in_netns<T>(ns: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
     use std::os::fd::AsRawFd as _;
     let file = std::fs::File::open(format!("/run/netns/{ns}"))
         .with_context(|| format!("opening namespace {ns}"))?;

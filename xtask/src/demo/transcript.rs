@@ -33,6 +33,7 @@ pub const PARTS: &[&str] = &[
     "run-once",
     "clean-result",
     "pings-after",
+    "drift-log",
     "hold-status",
     "hold-wrong",
     "hold-confirmed",
