@@ -241,6 +241,16 @@ impl Sandbox {
         Ok(shown(new))
     }
 
+    /// The local agent's log lines since the last call that hold `needle`.
+    pub(super) fn local_log_lines(&mut self, needle: &str) -> anyhow::Result<String> {
+        Ok(self
+            .local_log()?
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(|l| format!("{l}\n"))
+            .collect())
+    }
+
     /// Waits for node `i`'s agent's first checkpoint: it has reconciled.
     pub(super) fn wait_ready(&mut self, i: usize) -> anyhow::Result<()> {
         let ckpt = self.state(i).join("nodes.ckpt");

@@ -222,12 +222,7 @@ impl Sandbox {
         self.wait_readyz(LOCAL)?;
         quiet(&["ip", "-n", local, "route", "del", cidr, "proto", "201"])?;
         self.wait_log(LOCAL, "repaired drift")?;
-        let log: String = self
-            .local_log()?
-            .lines()
-            .filter(|l| l.contains("repaired drift"))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let log = self.local_log_lines("repaired drift")?;
         self.transcript.say("drift-log", &log);
         self.stop_agent(LOCAL)
     }
@@ -301,12 +296,7 @@ impl Sandbox {
         self.transcript.say("hold-confirmed", &sent);
         self.wait_log(LOCAL, "the brake released held removals")?;
         self.wait_log(LOCAL, "reconciled writes")?;
-        let log: String = self
-            .local_log()?
-            .lines()
-            .filter(|l| l.contains("node_agent::agent::reconciler"))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let log = self.local_log_lines("node_agent::agent::reconciler")?;
         self.transcript.say("hold-log", &log);
         Ok(())
     }
