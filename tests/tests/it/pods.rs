@@ -1,6 +1,7 @@
 //! Kernel tier (host and VM): pods made by the reference CNI plugins on four nodes, each with its
 //! own agent (`node_agent_tests::cluster`), keep talking across nodes while one node's maps grow
-//! online, its agent is restarted, killed with SIGKILL, and down while another node goes away. Only the gone node's
+//! online, its agent is restarted, killed with SIGKILL, rolled back to the previous release's
+//! route shape and upgraded again, and down while another node goes away. Only the gone node's
 //! pod stops answering; its routes leave the restarted node.
 //!
 //! Without IPsec: the host kernels of the development machines have no ESP, and the IPsec tests
@@ -47,6 +48,22 @@ fn routes_toward(n: &SimNode, gone: &SimNode) -> Vec<String> {
     routes
 }
 
+/// `n`'s routes of ours (protocol 201, both families): how many go through a nexthop object,
+/// how many have their own gateway.
+fn route_shapes(n: &SimNode) -> (usize, usize) {
+    let mut shapes = (0, 0);
+    for family in ["-4", "-6"] {
+        for l in n.ip(&[family, "route", "show", "proto", "201"]).lines() {
+            if l.contains(" nhid ") {
+                shapes.0 += 1;
+            } else if l.contains(" via ") {
+                shapes.1 += 1;
+            }
+        }
+    }
+    shapes
+}
+
 fn lost(what: &str, run: &PingRun) {
     report(&format!(
         "pods: {what}: {} of {} pings answered, lost {:?}",
@@ -55,7 +72,7 @@ fn lost(what: &str, run: &PingRun) {
 }
 
 #[test]
-fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_and_a_node_removed_while_down()
+fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgrade_and_a_node_removed_while_down()
  {
     cluster::with_cluster(
         node_agent_tests::test_name!(),
@@ -110,20 +127,36 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_and_a_n
                 LongPing::start(&one.pod_ns(), &four.pod4(), "0.1"),
             ));
 
-            // A restart: SIGTERM, then a new agent on the same state.
-            // SAFETY: kill on a child we own.
-            unsafe { libc::kill(agents[0].id() as i32, libc::SIGTERM) };
-            agents[0].wait().unwrap();
-            agents[0] = c.start_agent(one, &small);
-            reconciled(one);
-            std::thread::sleep(Duration::from_secs(1));
-
-            // A crash: SIGKILL, then a new agent.
-            agents[0].kill().unwrap();
-            agents[0].wait().unwrap();
-            agents[0] = c.start_agent(one, &small);
-            reconciled(one);
-            std::thread::sleep(Duration::from_secs(1));
+            // A restart (SIGTERM), a crash (SIGKILL), then docs/install.md's first rollback step
+            // and the upgrade back: routes with their own gateways, the shape the previous
+            // release (4815775) writes (`rollback.rs` holds it to that release's recorded
+            // routes), then this release again, which replaces each route in place by one
+            // through its node's nexthop.
+            let rollback = [&small[..], &["--route-nexthops", "false"]].concat();
+            let steps: [(&str, libc::c_int, &[&str], usize); 4] = [
+                ("restarted", libc::SIGTERM, &small, 3),
+                ("killed", libc::SIGKILL, &small, 3),
+                ("rolled back", libc::SIGTERM, &rollback, 0),
+                ("upgraded", libc::SIGTERM, &small, 3),
+            ];
+            for (what, signal, flags, peers_through_nexthops) in steps {
+                let shapes = (2 * peers_through_nexthops, 6 - 2 * peers_through_nexthops);
+                // SAFETY: kill on a child we own.
+                unsafe { libc::kill(agents[0].id() as i32, signal) };
+                agents[0].wait().unwrap();
+                agents[0] = c.start_agent(one, flags);
+                reconciled(one);
+                wait_for(
+                    &format!("node-1 {what}: (through nexthops, own gateway) = {shapes:?}"),
+                    Duration::from_secs(60),
+                    || route_shapes(one) == shapes,
+                );
+                report(&format!(
+                    "pods: node-1 {what}: {} routes through nexthops, {} with their own gateway",
+                    shapes.0, shapes.1
+                ));
+                std::thread::sleep(Duration::from_secs(1));
+            }
 
             // node-1's agent down while node-4 goes: its agent stops, its pod is deleted, it
             // leaves the list; the other agents clean up as they see it.
