@@ -84,6 +84,35 @@ pub mod xfrm_mark {
     }
 }
 
+/// The ESP SPIs of ours, shared by the datapath, which reads the key's number out of a received
+/// packet's SPI into the IN mark, and the agent, which writes the states. The key's number
+/// (1..=15, the 4 SPI bits of the mark) is always the low 4 bits. Two layouts:
+/// - **key**: the SPI is the key's number. Every IN state a node holds has its own address as
+///   destination and that SPI, so the kernel keeps them all in one hash chain.
+/// - **per-sender**: a tag of the sending address ([`MIN_TAG`](esp_spi::MIN_TAG) or more, so
+///   the SPI is at least 256, the first value RFC 4303 does not reserve) sits above the key's
+///   number, and the IN states spread over the chains.
+pub mod esp_spi {
+    /// The bits of the key's number.
+    pub const KEY_MASK: u32 = 0x0F;
+    pub const TAG_SHIFT: u32 = 4;
+    /// The smallest sender tag.
+    pub const MIN_TAG: u32 = 16;
+    /// Sender tags are `MIN_TAG..MIN_TAG + TAG_SPAN`: 24 bits.
+    pub const TAG_SPAN: u32 = (1 << 24) - MIN_TAG;
+
+    /// The key number an SPI of ours carries, or `None` for an SPI in neither layout.
+    pub const fn key_of(spi: u32) -> Option<u8> {
+        let key = spi & KEY_MASK;
+        let tag = spi >> TAG_SHIFT;
+        if key == 0 || (tag != 0 && (tag < MIN_TAG || tag - MIN_TAG >= TAG_SPAN)) {
+            None
+        } else {
+            Some(key as u8)
+        }
+    }
+}
+
 /// Name of the ingress classifier in the object file.
 pub const INGRESS_PROG: &str = "tc_ingress";
 /// Name of the egress classifier in the object file.

@@ -29,7 +29,7 @@ use aya_ebpf::{
 };
 use node_agent_common::{
     DEFAULT_MARK_MASK, DEFAULT_NODE_MAP_MAX, NODE_STATS_ENTRIES, NodeKey, NodeStats, NodeValue,
-    POD_CIDR_FULL_BITS, xfrm_mark,
+    POD_CIDR_FULL_BITS, esp_spi, xfrm_mark,
 };
 
 /// Remote node addresses to node IDs. The agent sets the capacity when it first creates the pin;
@@ -191,8 +191,8 @@ fn peer_key(ctx: &TcContext, dir: Direction) -> Option<NodeKey> {
     }
 }
 
-/// The SPI of an ESP packet (IPv4 with any header length, IPv6 with ESP as the first next
-/// header) when it is one of ours (1..=15, the SPI bits of the mark), else `None`.
+/// The key number of an ESP packet's SPI (IPv4 with any header length, IPv6 with ESP as the
+/// first next header) when the SPI is one of ours in either layout (`esp_spi`), else `None`.
 #[inline(always)]
 fn esp_spi(ctx: &TcContext) -> Option<u8> {
     let proto = u16::from_be(ctx.load::<u16>(ETH_HLEN - 2).ok()?);
@@ -212,10 +212,7 @@ fn esp_spi(ctx: &TcContext) -> Option<u8> {
         }
         _ => return None,
     };
-    match u32::from_be(ctx.load::<u32>(spi_at).ok()?) {
-        spi @ 1..=15 => Some(spi as u8),
-        _ => None,
-    }
+    esp_spi::key_of(u32::from_be(ctx.load::<u32>(spi_at).ok()?))
 }
 
 #[cfg(not(test))]

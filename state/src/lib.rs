@@ -12,6 +12,7 @@ pub mod node;
 pub mod objects;
 pub mod plan;
 pub mod rotation;
+pub mod spi;
 #[cfg(any(test, feature = "testing"))]
 #[doc(hidden)]
 pub mod testing;

@@ -13,6 +13,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::family::Family;
+pub use crate::spi::{Spi, SpiLayout};
 
 /// A remote node's ID: 1..=65535. Zero is the local node and is never assigned, so it is not
 /// representable.
@@ -240,7 +241,8 @@ impl Route {
 pub struct XfrmState {
     pub src: IpAddr,
     pub dst: IpAddr,
-    pub spi: u8,
+    /// In the layout of its key, for the sending end `src`.
+    pub spi: Spi,
     pub dir: XfrmDir,
     pub node_id: NodeId,
     /// Which key the state holds: a fingerprint of its algorithm, ICV length and key material
@@ -312,7 +314,8 @@ pub struct XfrmPolicy {
     /// Tunnel endpoints of the template: this node and the remote node.
     pub tmpl_src: IpAddr,
     pub tmpl_dst: IpAddr,
-    pub spi: u8,
+    /// The SPI of the OUT state the template selects (its mark carries the key's number).
+    pub spi: Spi,
 }
 
 /// Any object we own in the kernel.
@@ -348,7 +351,7 @@ pub enum ObjectId {
     /// can, and are two objects.
     XfrmState {
         dst: IpAddr,
-        spi: u8,
+        spi: Spi,
         mark: u32,
     },
     XfrmPolicy {
@@ -450,13 +453,13 @@ impl KernelObject {
             Self::XfrmState(s) => ObjectId::XfrmState {
                 dst: s.dst,
                 spi: s.spi,
-                mark: mark::encode(s.node_id, s.spi, s.dir),
+                mark: mark::encode(s.node_id, s.spi.key(), s.dir),
             },
             Self::XfrmPolicy(p) => ObjectId::XfrmPolicy {
                 src: p.src,
                 dst: p.dst,
                 dir: p.dir,
-                mark: mark::encode(p.node_id, p.spi, p.dir),
+                mark: mark::encode(p.node_id, p.spi.key(), p.dir),
             },
             Self::XfrmGuard(g) => ObjectId::XfrmGuard {
                 family: g.family,

@@ -22,14 +22,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::checkpoint::KeySeen;
-use crate::objects::KeyTag;
+use crate::objects::{KeyTag, SpiLayout};
 use crate::plan::{IpsecConfig, KeyInUse, KeyTags};
 
-/// A key of the key file, as far as planning is concerned: its SPI and what its states hold.
+/// A key of the key file, as far as planning is concerned: its SPI, what its states hold and
+/// their SPI layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileKey {
     pub spi: u8,
     pub tag: KeyTag,
+    pub layout: SpiLayout,
 }
 
 /// The rotation's two delays.
@@ -87,6 +89,7 @@ pub fn rotation(
         .map(|(_, k)| KeyInUse {
             spi: k.spi,
             tag: k.tag,
+            layout: k.layout,
         })
         .collect();
     let switch_next =
@@ -126,6 +129,7 @@ mod tests {
         FileKey {
             spi,
             tag: KeyTag(u64::from(spi) * 0x101),
+            layout: SpiLayout::Key,
         }
     }
 
@@ -244,6 +248,52 @@ mod tests {
         assert_eq!((r.ipsec.send_spi, spis(&r)), (3, vec![3, 4]));
         assert_eq!(r.next_change, Some(1090 * S), "the original switch time");
         assert_eq!(r.ipsec.seen, seen);
+    }
+
+    /// The way to the per-sender layout is a rotation to a key written with it: its states
+    /// exist beside the old key's before anything is sent with it, and the layout goes with
+    /// the key through the switch and the retirement.
+    #[test]
+    fn a_rotation_to_a_per_sender_key_moves_the_layout_with_the_key() {
+        let seen = [
+            KeySeen {
+                spi: 3,
+                first_seen: Duration::ZERO,
+            },
+            KeySeen {
+                spi: 4,
+                first_seen: 1000 * S,
+            },
+        ];
+        let file = [
+            key(3),
+            FileKey {
+                layout: SpiLayout::PerSender,
+                ..key(4)
+            },
+        ];
+        let layouts = |r: &Rotation| {
+            let sent = r.ipsec.send_layout();
+            let all: Vec<_> = r.ipsec.keys.iter().map(|k| (k.spi, k.layout)).collect();
+            (sent, all)
+        };
+        let (key_l, per_sender) = (SpiLayout::Key, SpiLayout::PerSender);
+        let at = |t| rotation(&file, &seen, t, DELAYS, Arc::new(GlobalTags));
+        assert_eq!(
+            layouts(&at(1000 * S)),
+            (key_l, vec![(3, key_l), (4, per_sender)]),
+            "received in both layouts, sent in the old"
+        );
+        assert_eq!(
+            layouts(&at(1000 * S + DELAYS.propagation)),
+            (per_sender, vec![(3, key_l), (4, per_sender)]),
+            "sent in the new once every peer receives it"
+        );
+        assert_eq!(
+            layouts(&at(1000 * S + DELAYS.propagation + DELAYS.retirement)),
+            (per_sender, vec![(4, per_sender)]),
+            "the old layout retired with its key"
+        );
     }
 
     #[test]

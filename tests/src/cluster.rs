@@ -25,12 +25,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use xtask::host::parse_ping;
-
+use state::objects::SpiLayout;
 use xtask::cni::PodNetwork;
+use xtask::host::parse_ping;
 
 use crate::agent::{Daemon, TestNode, node_list, wait_for};
 use crate::{agent_bin, in_netns, ip, ip_batch, run, sysctl};
+
+/// The key number an SPI of ours carries, 0 for one of neither layout.
+fn key_of(spi: u32) -> u32 {
+    node_agent_common::esp_spi::key_of(spi).map_or(0, u32::from)
+}
 
 /// One simulated node.
 #[derive(Clone, Debug)]
@@ -121,7 +126,7 @@ impl SimNode {
             .join(", ")
     }
 
-    /// The node's xfrm states as `(src, dst, spi)`.
+    /// The node's xfrm states as `(src, dst, spi)`, the SPI as the wire carries it.
     pub fn states(&self) -> Vec<(String, String, u32)> {
         let text = self.ip(&["xfrm", "state"]);
         let mut out = Vec::new();
@@ -142,9 +147,10 @@ impl SimNode {
         out
     }
 
-    /// The SPIs of the node's states, each once.
+    /// The key numbers of the node's states (the low 4 bits of their SPIs in either layout),
+    /// each once.
     pub fn spis(&self) -> Vec<u32> {
-        let mut s: Vec<u32> = self.states().iter().map(|s| s.2).collect();
+        let mut s: Vec<u32> = self.states().iter().map(|s| key_of(s.2)).collect();
         s.sort_unstable();
         s.dedup();
         s
@@ -344,13 +350,14 @@ impl Cluster {
         Daemon(c.spawn().unwrap())
     }
 
-    /// Waits until `n` holds exactly `states` xfrm states, all of SPI `spi`.
+    /// Waits until `n` holds exactly `states` xfrm states, all of key `spi` (in either SPI
+    /// layout).
     pub fn wait_states(&self, n: &SimNode, states: usize, spi: u32, timeout: Duration) {
         let what = format!("{}: {states} xfrm states of SPI {spi}", n.name);
         if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             wait_for(&what, timeout, || {
                 let s = n.states();
-                s.len() == states && s.iter().all(|x| x.2 == spi)
+                s.len() == states && s.iter().all(|x| key_of(x.2) == spi)
             })
         })) {
             panic!(
@@ -406,14 +413,18 @@ fn tally(f: impl FnOnce(&mut Traffic)) {
     TRAFFIC.set(t);
 }
 
-/// Writes a key file holding `keys` (SPI and hex), mode 0600: per-pair keys (`<spi>+`), or
-/// global ones.
-pub fn write_keys(path: &Path, keys: &[(u8, &str)], per_pair: bool) {
+/// Writes a key file holding `keys` (SPI, hex and SPI layout), mode 0600: per-pair keys
+/// (`<spi>+`), or global ones.
+pub fn write_keys(path: &Path, keys: &[(u8, &str, SpiLayout)], per_pair: bool) {
     use std::os::unix::fs::PermissionsExt;
     let plus = if per_pair { "+" } else { "" };
     let mut text = String::new();
-    for (spi, hex) in keys {
-        let _ = writeln!(text, "{spi}{plus} rfc4106(gcm(aes)) 0x{hex} 128");
+    for (spi, hex, layout) in keys {
+        let option = match layout {
+            SpiLayout::Key => "",
+            SpiLayout::PerSender => " per-sender-spi",
+        };
+        let _ = writeln!(text, "{spi}{plus} rfc4106(gcm(aes)) 0x{hex} 128{option}");
     }
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).unwrap();

@@ -50,6 +50,8 @@ pub struct Status {
 pub struct KeyStatus {
     pub spi: u8,
     pub per_pair: bool,
+    /// How its states lay out their SPI: `key` or `per-sender`.
+    pub spi_layout: &'static str,
     /// The key's fingerprint (see `docs/ipsec.md`), never the key.
     pub tag: String,
     /// When this node first saw it, from the checkpoint.
@@ -64,6 +66,9 @@ pub struct NodeStatus {
     pub node_id: Option<u16>,
     pub states: Vec<StateStatus>,
     pub policies: usize,
+    /// The SPI layout of what this node sends toward it (its OUT states under the SPI sent
+    /// with): `key` or `per-sender`; `None` without such a state.
+    pub sent_layout: Option<&'static str>,
     /// What it lacks for the SPI sent with: `out ipv4`, `in ipv6`...
     pub missing: Vec<String>,
 }
@@ -73,7 +78,8 @@ pub struct StateStatus {
     pub dir: &'static str,
     pub src: IpAddr,
     pub dst: IpAddr,
-    pub spi: u8,
+    /// The SPI as the kernel and the wire have it.
+    pub spi: u32,
     pub key: String,
 }
 
@@ -122,6 +128,7 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
             status.keys.push(KeyStatus {
                 spi: k.spi(),
                 per_pair: k.per_pair(),
+                spi_layout: k.layout().name(),
                 tag: k.tag().to_string(),
                 first_seen_unix: cp.as_ref().and_then(|c| {
                     c.ipsec_keys
@@ -129,7 +136,7 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
                         .find(|s| s.spi == k.spi())
                         .map(|s| s.first_seen.as_secs())
                 }),
-                states: states.iter().filter(|s| s.spi == k.spi()).count(),
+                states: states.iter().filter(|s| s.spi.key() == k.spi()).count(),
             });
         }
     }
@@ -141,7 +148,7 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
     let families: BTreeSet<Family> = policies.guards.iter().map(|g| g.family).collect();
     let receiving: BTreeSet<Family> = states
         .iter()
-        .filter(|s| s.dir == XfrmDir::In && Some(s.spi) == status.send_spi)
+        .filter(|s| s.dir == XfrmDir::In && Some(s.spi.key()) == status.send_spi)
         .map(|s| Family::of(&s.src))
         .collect();
     for n in cp.iter().flat_map(|c| c.nodes.iter()) {
@@ -158,7 +165,7 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
                 for dir in wanted.into_iter().filter(|w| w.1).map(|w| w.0) {
                     let has = st
                         .iter()
-                        .any(|s| s.spi == spi && s.dir == dir && Family::of(&s.src) == *f);
+                        .any(|s| s.spi.key() == spi && s.dir == dir && Family::of(&s.src) == *f);
                     if !has {
                         missing.push(format!("{} {}", dir_name(dir), family_name(*f)));
                     }
@@ -177,11 +184,15 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
                     dir: dir_name(s.dir),
                     src: s.src,
                     dst: s.dst,
-                    spi: s.spi,
+                    spi: s.spi.wire(),
                     key: s.key.to_string(),
                 })
                 .collect(),
             policies: pol,
+            sent_layout: st
+                .iter()
+                .find(|s| s.dir == XfrmDir::Out && Some(s.spi.key()) == status.send_spi)
+                .map(|s| s.spi.layout().name()),
             missing,
         });
     }
@@ -261,25 +272,26 @@ fn print_text(s: &Status, out: &mut impl Write) -> std::io::Result<()> {
         let kind = if k.per_pair { "per-pair" } else { "global" };
         writeln!(
             out,
-            "key SPI {} ({kind}, tag {}): {} states",
-            k.spi, k.tag, k.states
+            "key SPI {} ({kind}, {} layout, tag {}): {} states",
+            k.spi, k.spi_layout, k.tag, k.states
         )?;
     }
     writeln!(out, "guards: {}", join_or_none(&s.guards))?;
     writeln!(
         out,
-        "{:<24} {:>7} {:>10} {:>8}  MISSING",
-        "NODE", "NODE_ID", "STATES", "POLICIES"
+        "{:<24} {:>7} {:>10} {:>8} {:>10}  MISSING",
+        "NODE", "NODE_ID", "STATES", "POLICIES", "SENT"
     )?;
     for n in &s.nodes {
         let id = n.node_id.map_or_else(|| "-".into(), |i| i.to_string());
         writeln!(
             out,
-            "{:<24} {:>7} {:>10} {:>8}  {}",
+            "{:<24} {:>7} {:>10} {:>8} {:>10}  {}",
             n.name,
             id,
             n.states.len(),
             n.policies,
+            n.sent_layout.unwrap_or("-"),
             join_or_none(&n.missing)
         )?;
     }

@@ -90,6 +90,7 @@ pub struct Metrics {
     pub node_input_errors: Gauge,
     pub node_map_fill_ratio: Gauge<f64, AtomicU64>,
     pub ipsec_send_spi: Gauge,
+    pub ipsec_send_per_sender_spi: Gauge,
     pub ipsec_keys_in_use: Gauge,
     pub ipsec_key_file_error: Gauge,
 }
@@ -121,6 +122,7 @@ impl Default for Metrics {
             node_input_errors: Gauge::default(),
             node_map_fill_ratio: Gauge::default(),
             ipsec_send_spi: Gauge::default(),
+            ipsec_send_per_sender_spi: Gauge::default(),
             ipsec_keys_in_use: Gauge::default(),
             ipsec_key_file_error: Gauge::default(),
             registry: Registry::default(),
@@ -229,6 +231,11 @@ impl Default for Metrics {
             "ipsec_send_spi",
             "The SPI this node sends with (0 without IPsec)",
             m.ipsec_send_spi.clone(),
+        );
+        registry.register(
+            "ipsec_send_per_sender_spi",
+            "1 while this node sends with a key of the per-sender SPI layout, 0 in the key layout or without IPsec",
+            m.ipsec_send_per_sender_spi.clone(),
         );
         registry.register(
             "ipsec_keys_in_use",

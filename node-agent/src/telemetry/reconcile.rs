@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use state::checkpoint::Checkpoint;
 use state::inventory::Inventory;
-use state::objects::{ObjectKind, Op};
-use state::plan::{HoldKind, InputProblem, Plan};
+use state::objects::{ObjectKind, Op, SpiLayout};
+use state::plan::{HoldKind, InputProblem, IpsecConfig, Plan};
 
 use super::Telemetry;
 use super::metrics::{KindLabel, OpLabels, StateLabel};
@@ -43,11 +43,15 @@ impl Telemetry {
             .inc();
     }
 
-    /// Sets where the IPsec key rotation stands: the SPI sent with, and how many keys have
-    /// states.
-    pub fn record_keys(&self, send_spi: u8, keys: usize) {
-        self.metrics.ipsec_send_spi.set(i64::from(send_spi));
-        self.metrics.ipsec_keys_in_use.set(keys as i64);
+    /// Sets where the IPsec key rotation stands: the key sent with and its SPI layout, and how
+    /// many keys have states.
+    pub fn record_keys(&self, ipsec: &IpsecConfig) {
+        let per_sender = ipsec.send_layout() == SpiLayout::PerSender;
+        self.metrics.ipsec_send_spi.set(i64::from(ipsec.send_spi));
+        self.metrics
+            .ipsec_send_per_sender_spi
+            .set(i64::from(per_sender));
+        self.metrics.ipsec_keys_in_use.set(ipsec.keys.len() as i64);
     }
 
     /// Sets what a reconcile left: the record's nodes, the brake's hold, the plan's input

@@ -10,7 +10,7 @@ use ipnet::IpNet;
 
 use crate::checkpoint::KeySeen;
 use crate::ids::MAX_ID;
-use crate::objects::KeyTag;
+use crate::objects::{KeyTag, SpiLayout};
 
 /// IPsec settings that shape the desired objects.
 #[derive(Clone, Debug)]
@@ -37,22 +37,36 @@ impl PartialEq for IpsecConfig {
 }
 
 impl IpsecConfig {
+    /// The SPI layout traffic is sent in: the layout of the key sent with.
+    pub fn send_layout(&self) -> SpiLayout {
+        self.keys
+            .iter()
+            .find(|k| k.spi == self.send_spi)
+            .map_or(SpiLayout::Key, |k| k.layout)
+    }
+
     /// One global key, sent with: no rotation under way.
     pub fn single(spi: u8, tag: KeyTag) -> Self {
         Self {
             send_spi: spi,
-            keys: vec![KeyInUse { spi, tag }],
+            keys: vec![KeyInUse {
+                spi,
+                tag,
+                layout: SpiLayout::Key,
+            }],
             seen: Vec::new(),
             tags: Arc::new(GlobalTags),
         }
     }
 }
 
-/// A key whose states exist: its SPI and the tag of the key file's key.
+/// A key whose states exist: its number, the tag of the key file's key, and how its states lay
+/// out their SPI.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeyInUse {
     pub spi: u8,
     pub tag: KeyTag,
+    pub layout: SpiLayout,
 }
 
 /// The two ends of a state and their boot IDs: what a per-pair key is derived from.

@@ -15,7 +15,7 @@ pub use super::resource::maps_address;
 use crate::inventory::Inventory;
 use crate::node::{Family, Node};
 use crate::objects::{
-    KernelObject, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, PodCidrEntry, Route, Via,
+    KernelObject, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, PodCidrEntry, Route, Spi, Via,
     XfrmDir, XfrmGuard, XfrmPolicy, XfrmState,
 };
 
@@ -274,7 +274,7 @@ pub fn desired_objects(
                 out.push(KernelObject::XfrmState(XfrmState {
                     src,
                     dst,
-                    spi: key.spi,
+                    spi: Spi::new(key.spi, key.layout, src),
                     dir,
                     node_id: id,
                     key: ipsec.tags.tag(key, &pair),
@@ -288,7 +288,7 @@ pub fn desired_objects(
                     node_id: id,
                     tmpl_src: local,
                     tmpl_dst: remote,
-                    spi: key.spi,
+                    spi: Spi::new(key.spi, key.layout, local),
                 }));
             }
         }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use self::support::*;
 use super::*;
 use crate::objects::{
-    KernelObject, KeyTag, Nexthop, NexthopId, ObjectKind, Route, Via, XfrmDir, XfrmState,
+    KernelObject, KeyTag, Nexthop, NexthopId, ObjectKind, Route, SpiLayout, Via, XfrmDir, XfrmState,
 };
 
 // ---- The basics: programming, restarts, ownership by identity ----
@@ -259,12 +259,24 @@ fn spi_change_supersedes_old_xfrm_objects_without_the_brake() {
 
 #[test]
 fn a_rotation_keeps_both_keys_states_and_switches_only_the_marks() {
+    // To a key of either SPI layout: the per-sender one is how a cluster moves to it.
+    for layout in [SpiLayout::Key, SpiLayout::PerSender] {
+        rotation_to_a_key_of(layout);
+    }
+}
+
+fn rotation_to_a_key_of(layout: SpiLayout) {
     let mut r = Run::new();
     let (old, new) = (
-        KeyInUse { spi: 3, tag: TAG },
+        KeyInUse {
+            spi: 3,
+            tag: TAG,
+            layout: SpiLayout::Key,
+        },
         KeyInUse {
             spi: 4,
             tag: KeyTag(0x2222),
+            layout,
         },
     );
     r.cfg.ipsec = Some(IpsecConfig::single(3, TAG));
@@ -292,6 +304,20 @@ fn a_rotation_keeps_both_keys_states_and_switches_only_the_marks() {
             .count()
     };
     assert_eq!(states(&k), 4, "two keys, both directions");
+    let layouts: BTreeSet<(u8, SpiLayout)> = k
+        .ours
+        .values()
+        .filter_map(|o| match o {
+            KernelObject::XfrmState(s) => Some((s.spi.key(), s.spi.layout())),
+            KernelObject::XfrmPolicy(p) => Some((p.spi.key(), p.spi.layout())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        layouts,
+        BTreeSet::from([(3, SpiLayout::Key), (4, layout)]),
+        "each key's states and policies in its layout"
+    );
     // The switch: only the marks change, in place.
     r.cfg.ipsec = Some(IpsecConfig {
         send_spi: 4,
@@ -322,8 +348,8 @@ fn a_rotation_keeps_both_keys_states_and_switches_only_the_marks() {
         p.deletes
             .iter()
             .all(|d| d.reason == DeleteReason::Superseded
-                && matches!(&d.object, KernelObject::XfrmState(s) if s.spi == 3)
-                    | matches!(&d.object, KernelObject::XfrmPolicy(p) if p.spi == 3))
+                && matches!(&d.object, KernelObject::XfrmState(s) if s.spi.key() == 3)
+                    | matches!(&d.object, KernelObject::XfrmPolicy(p) if p.spi.key() == 3))
     );
     k.apply(&p.ops());
     assert_eq!(states(&k), 2);

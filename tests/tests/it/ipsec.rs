@@ -15,9 +15,22 @@ use node_agent_tests::cluster::{
     self, Capture, Cluster, LongPing, SimNode, Timeline, ping, tcp_transfer, write_keys,
 };
 use node_agent_tests::{report, runtime, skip_without_esp};
+use state::objects::SpiLayout;
+use state::spi::sender_tag;
 
-const KEY3: &str = "0102030405060708090a0b0c0d0e0f1011121314";
-const KEY4: &str = "a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4";
+/// Key 3 in the key SPI layout (what every release sends), and key 4 in either layout.
+const KEY3: (u8, &str, SpiLayout) = (
+    3,
+    "0102030405060708090a0b0c0d0e0f1011121314",
+    SpiLayout::Key,
+);
+const KEY4: (u8, &str, SpiLayout) = (
+    4,
+    "a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4",
+    SpiLayout::Key,
+);
+const KEY4_PER_SENDER: (u8, &str, SpiLayout) = (4, KEY4.1, SpiLayout::PerSender);
+const KEY3_PER_SENDER: (u8, &str, SpiLayout) = (3, KEY3.1, SpiLayout::PerSender);
 /// Per node and peer: an IN and an OUT state for each family.
 const STATES_PER_PEER: usize = 4;
 
@@ -86,7 +99,7 @@ fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
         let a = c.add_node("node-a", 1);
         let b = c.add_node("node-b", 2);
         for n in [&a, &b] {
-            write_keys(&n.key_file(), &[(3, KEY3)], true);
+            write_keys(&n.key_file(), &[KEY3], true);
         }
         c.write_nodes(&[a.test_node(), b.test_node()]);
         // The resync that repairs a deleted state comes after the checks that it is missing.
@@ -201,7 +214,7 @@ fn pod_traffic_crosses_the_wire_only_as_esp_and_a_missing_state_drops_it() {
             "ipsec: after the repair, before a key rotation: {received} of {sent} pings got through"
         ));
         for n in [&a, &b] {
-            write_keys(&n.key_file(), &[(3, KEY3), (4, KEY4)], true);
+            write_keys(&n.key_file(), &[KEY3, KEY4], true);
         }
         for n in [&a, &b] {
             c.wait_states(n, STATES_PER_PEER, 4, Duration::from_secs(30));
@@ -266,12 +279,13 @@ fn watch_rotation(a: &SimNode, b: &SimNode, t: &Timeline, stop: &AtomicBool) {
 /// retires the old key on its own schedule, and a node whose agent is down when that comes
 /// still sends with it.
 #[test]
-fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_key() {
+fn a_key_rotation_to_the_per_sender_spi_layout_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_key()
+ {
     with_cluster(node_agent_tests::test_name!(), |c| {
         let a = c.add_node("node-a", 1);
         let b = c.add_node("node-b", 2);
         for n in [&a, &b] {
-            write_keys(&n.key_file(), &[(3, KEY3)], true);
+            write_keys(&n.key_file(), &[KEY3], true);
         }
         c.write_nodes(&[a.test_node(), b.test_node()]);
         let delays = [
@@ -295,10 +309,10 @@ fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_k
             let pings = LongPing::start(&a.pod_ns(), &b.pod4(), "0.1");
             std::thread::sleep(Duration::from_secs(1));
             // The Secret reaches the two nodes a second apart.
-            write_keys(&a.key_file(), &[(3, KEY3), (4, KEY4)], true);
+            write_keys(&a.key_file(), &[KEY3, KEY4_PER_SENDER], true);
             t.mark("node-a's key file gets key 4");
             std::thread::sleep(Duration::from_secs(1));
-            write_keys(&b.key_file(), &[(3, KEY3), (4, KEY4)], true);
+            write_keys(&b.key_file(), &[KEY3, KEY4_PER_SENDER], true);
             t.mark("node-b's key file gets key 4");
             // The agent writes the new key's states one message at a time, so the wait is for
             // the whole set: a look between two of those writes sees both SPIs and 6 states.
@@ -308,8 +322,8 @@ fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_k
                 Duration::from_secs(10),
                 || {
                     let states = a.states();
-                    let spis: BTreeSet<u32> = states.iter().map(|s| s.2).collect();
-                    states.len() == 2 * STATES_PER_PEER && spis == BTreeSet::from([3, 4])
+                    let keys: BTreeSet<u32> = states.iter().map(|s| s.2 & 0x0F).collect();
+                    states.len() == 2 * STATES_PER_PEER && keys == BTreeSet::from([3, 4])
                 },
             );
             t.mark("node-a has states for 3 and 4");
@@ -330,7 +344,7 @@ fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_k
         let lost = run.sent - run.received;
         let steps = ["IPsec keys", "reconciled", "deleted"];
         report(&format!(
-            "ipsec: key rotation 3 -> 4 with node-a killed half-way: {lost} of {} pings lost{}",
+            "ipsec: key rotation 3 (key SPI layout) -> 4 (per-sender) with node-a killed half-way: {lost} of {} pings lost{}",
             run.sent,
             if lost == 0 {
                 String::new()
@@ -361,8 +375,28 @@ fn a_key_rotation_loses_almost_nothing_survives_a_kill_and_leaves_only_the_new_k
         );
         for n in [&a, &b] {
             assert_eq!(n.metric("node_agent_ipsec_send_spi"), Some(4.0));
+            assert_eq!(n.metric("node_agent_ipsec_send_per_sender_spi"), Some(1.0));
             assert_eq!(n.metric("node_agent_ipsec_keys_in_use"), Some(1.0));
+            let states = n.states();
+            let per_sender = |s: &(String, String, u32)| {
+                s.2 & 0x0F == 4 && s.2 >> 4 == sender_tag(s.0.parse().unwrap())
+            };
+            assert!(
+                states.iter().all(per_sender),
+                "{}: every state's SPI is key 4 under its sender's tag: {states:?}",
+                n.name
+            );
+            let status = n.ipsec_status();
+            assert_eq!(
+                status["nodes"][0]["sent_layout"], "per-sender",
+                "{status:#}"
+            );
+            assert_eq!(status["keys"][1]["spi_layout"], "per-sender", "{status:#}");
         }
+        report(&format!(
+            "ipsec: node-a's states after the rotation (src, dst, SPI): {:?}",
+            a.states()
+        ));
     });
 }
 
@@ -378,10 +412,11 @@ fn a_node_deleted_while_the_agent_is_down_and_its_ip_recycled_leaves_nothing_beh
             cidrs: vec!["10.244.3.0/24".into(), "fd00:244:3::/64".into()],
             ..TestNode::default()
         };
-        // Global keys here (the other tests use per-pair keys): a recycled address must not
-        // let node-d inherit anything of node-c's either way.
+        // A global key here (the other tests use per-pair keys), in the per-sender SPI layout
+        // from the start: a recycled address must not let node-d inherit anything of node-c's
+        // either way.
         for n in [&a, &b] {
-            write_keys(&n.key_file(), &[(3, KEY3)], false);
+            write_keys(&n.key_file(), &[KEY3_PER_SENDER], false);
         }
         c.write_nodes(&[a.test_node(), b.test_node(), node_c]);
         // Removing one of two remote nodes is half the cluster: above the brake's ratio.
@@ -397,7 +432,7 @@ fn a_node_deleted_while_the_agent_is_down_and_its_ip_recycled_leaves_nothing_beh
         agent_a.wait().unwrap();
         // While node-a's agent is down: node-c goes, node-d comes up on its addresses.
         let d = c.add_node("node-d", 3);
-        write_keys(&d.key_file(), &[(3, KEY3)], false);
+        write_keys(&d.key_file(), &[KEY3_PER_SENDER], false);
         let mut node_d = d.test_node();
         node_d.uid = Some("uid-node-d-recycled".into());
         c.write_nodes(&[a.test_node(), b.test_node(), node_d]);

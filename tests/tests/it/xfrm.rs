@@ -24,7 +24,9 @@ use node_agent_tests::fixture::{all_ok, deletes, upserts};
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
 use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip, skip_without_esp};
-use state::objects::{KernelObject, NodeId, Op, XfrmDir, XfrmPolicy, XfrmState, mark};
+use state::objects::{
+    KernelObject, NodeId, Op, Spi, SpiLayout, XfrmDir, XfrmPolicy, XfrmState, mark,
+};
 
 /// A key whose hex the tests look for in every message they see.
 const KEY_HEX: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f9001122334";
@@ -55,7 +57,7 @@ fn policy(id: u16, dst: &str, tmpl_dst: &str) -> XfrmPolicy {
         node_id: node_id(id),
         tmpl_src: addr(if v6 { "fd00::1" } else { "10.0.0.1" }),
         tmpl_dst: addr(tmpl_dst),
-        spi: SPI,
+        spi: Spi::from_wire(SPI.into()).unwrap(),
     }
 }
 
@@ -63,7 +65,7 @@ fn state(id: u16, src: &str, dst: &str, dir: XfrmDir) -> XfrmState {
     XfrmState {
         src: addr(src),
         dst: addr(dst),
-        spi: SPI,
+        spi: Spi::from_wire(SPI.into()).unwrap(),
         dir,
         node_id: node_id(id),
         key: key().tag(),
@@ -551,7 +553,7 @@ fn state_errors_and_logs_never_show_the_key() {
             // On a kernel without ESP every upsert fails; with ESP, a state of another SPI does.
             let mut ops = upserts(&ours);
             ops.push(Op::Replace(KernelObject::XfrmState(XfrmState {
-                spi: 9,
+                spi: Spi::from_wire(9).unwrap(),
                 ..state(9, "10.0.0.1", "10.0.0.9", XfrmDir::Out)
             })));
             let results = b.apply(&ops).await;
@@ -662,14 +664,14 @@ fn bench_policies_against_ip_batch() {
             node_id: node_id(i),
             tmpl_src: addr("172.16.0.1"),
             tmpl_dst: IpAddr::from([172, 17, (i >> 8) as u8, i as u8]),
-            spi: SPI,
+            spi: Spi::from_wire(SPI.into()).unwrap(),
         })
         .collect();
     sandbox(|_| {
         // The floor: iproute2 doing the same work, one request at a time, in one process.
         let (mut add, mut del) = (String::new(), String::new());
         for p in &policies {
-            let m = mark::encode(p.node_id, p.spi, p.dir);
+            let m = mark::encode(p.node_id, p.spi.key(), p.dir);
             add.push_str(&format!(
                 "xfrm policy add src {} dst {} dir out mark {m:#x} mask {:#x} tmpl src {} dst {} \
                  proto esp spi {} reqid 1 mode tunnel\n",
@@ -678,7 +680,7 @@ fn bench_policies_against_ip_batch() {
                 mark::MASK,
                 p.tmpl_src,
                 p.tmpl_dst,
-                p.spi
+                p.spi.wire()
             ));
             del.push_str(&format!(
                 "xfrm policy delete src {} dst {} dir out mark {m:#x} mask {:#x}\n",
@@ -749,95 +751,90 @@ fn bench_xfrm_scaling() {
         .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![5_000, 20_000]);
     for n in sizes {
-        with_esp(node_agent_tests::test_name!(), |mut b| async move {
-            let remote = |i: u16| IpAddr::from([172, 16, (i >> 8) as u8, i as u8]);
-            let mut states = Vec::new();
-            let mut policies = Vec::new();
-            for i in 1..=n {
-                for (src, dst, dir) in [
-                    (addr("10.0.0.1"), remote(i), XfrmDir::Out),
-                    (remote(i), addr("10.0.0.1"), XfrmDir::In),
-                ] {
-                    states.push(KernelObject::XfrmState(XfrmState {
-                        src,
-                        dst,
-                        ..state(i, "10.0.0.1", "10.0.0.2", dir)
-                    }));
-                }
-                let dst = IpNet::new(
-                    IpAddr::from([
-                        10,
-                        128 + (i >> 10) as u8,
-                        (i >> 2) as u8,
-                        (i as u8 & 3) << 6,
-                    ]),
-                    26,
-                )
-                .unwrap();
-                policies.push(KernelObject::XfrmPolicy(XfrmPolicy {
+        for layout in [SpiLayout::Key, SpiLayout::PerSender] {
+            xfrm_scaling(n, layout);
+        }
+    }
+}
+
+/// `n` remote nodes' states (both directions) and policies in `layout`: the floor (iproute2
+/// adding the same states, same endpoints, SPIs, marks and key, one request at a time), then
+/// ours adding them, adding the policies, and deleting both. The kernel finds a state by
+/// destination, SPI and protocol in one hash chain and only then compares marks: in the key
+/// layout every IN state (this node's address, the key's SPI) shares one chain.
+fn xfrm_scaling(n: u16, layout: SpiLayout) {
+    with_esp(node_agent_tests::test_name!(), |mut b| async move {
+        let remote = |i: u16| IpAddr::from([172, 16, (i >> 8) as u8, i as u8]);
+        let mut states = Vec::new();
+        let mut policies = Vec::new();
+        for i in 1..=n {
+            for (src, dst, dir) in [
+                (addr("10.0.0.1"), remote(i), XfrmDir::Out),
+                (remote(i), addr("10.0.0.1"), XfrmDir::In),
+            ] {
+                states.push(KernelObject::XfrmState(XfrmState {
+                    src,
                     dst,
-                    tmpl_dst: remote(i),
-                    ..policy(i, "10.1.0.0/24", "10.0.0.2")
+                    spi: Spi::new(SPI, layout, src),
+                    ..state(i, "10.0.0.1", "10.0.0.2", dir)
                 }));
             }
-            // The floors: iproute2 adding the same states (same endpoints, SPI, marks, key), and
-            // the same with an SPI of their own each. The kernel finds a state by destination,
-            // SPI and protocol in one hash chain and only then compares marks, so every IN
-            // state (this node's address, the key's SPI) shares one chain: the second floor
-            // shows what spreading them would take off.
-            let batch = |spread: bool| -> String {
-                let mut add = String::new();
-                for o in &states {
-                    let KernelObject::XfrmState(s) = o else {
-                        unreachable!()
-                    };
-                    let m = mark::encode(s.node_id, s.spi, s.dir);
-                    let spi = if spread {
-                        0x1_0000 + u32::from(s.node_id.get()) * 16 + u32::from(s.spi)
-                    } else {
-                        u32::from(s.spi)
-                    };
-                    add.push_str(&format!(
-                        "xfrm state add src {} dst {} proto esp spi {spi:#x} reqid 1 mode tunnel mark {m:#x} mask {:#x} aead 'rfc4106(gcm(aes))' 0x{KEY_HEX} 128\n",
-                        s.src, s.dst, mark::MASK
-                    ));
-                }
-                add
+            let dst = IpNet::new(
+                IpAddr::from([
+                    10,
+                    128 + (i >> 10) as u8,
+                    (i >> 2) as u8,
+                    (i as u8 & 3) << 6,
+                ]),
+                26,
+            )
+            .unwrap();
+            let p = policy(i, "10.1.0.0/24", "10.0.0.2");
+            policies.push(KernelObject::XfrmPolicy(XfrmPolicy {
+                dst,
+                tmpl_dst: remote(i),
+                spi: Spi::new(SPI, layout, p.tmpl_src),
+                ..p
+            }));
+        }
+        let mut add = String::new();
+        for o in &states {
+            let KernelObject::XfrmState(s) = o else {
+                unreachable!()
             };
-            let mut floors = Vec::new();
-            for spread in [false, true] {
-                let add = batch(spread);
-                let t = Instant::now();
-                ip_batch(&[], &add);
-                floors.push(t.elapsed());
-                ip(&["xfrm", "state", "flush"]);
-            }
-            let (ip_states, ip_spread) = (floors[0], floors[1]);
+            let m = mark::encode(s.node_id, s.spi.key(), s.dir);
+            add.push_str(&format!(
+                    "xfrm state add src {} dst {} proto esp spi {:#x} reqid 1 mode tunnel mark {m:#x} mask {:#x} aead 'rfc4106(gcm(aes))' 0x{KEY_HEX} 128\n",
+                    s.src, s.dst, s.spi.wire(), mark::MASK
+                ));
+        }
+        let t = Instant::now();
+        ip_batch(&[], &add);
+        let ip_states = t.elapsed();
+        ip(&["xfrm", "state", "flush"]);
 
-            let creates = |objs: &[KernelObject]| -> Vec<Op> {
-                objs.iter().cloned().map(Op::Create).collect()
-            };
-            let t = Instant::now();
-            all_ok(b.apply(&creates(&states)).await);
-            let ours_states = t.elapsed();
-            let t = Instant::now();
-            all_ok(b.apply(&creates(&policies)).await);
-            let ours_policies = t.elapsed();
-            let t = Instant::now();
-            all_ok(b.apply(&deletes(&states)).await);
-            all_ok(b.apply(&deletes(&policies)).await);
-            let ours_delete = t.elapsed();
-            let per = |d: std::time::Duration, k: usize| d.as_secs_f64() * 1e6 / k as f64;
-            report(&format!(
-                "bench: xfrm_scaling_{n} states {}: ip -batch {:.0} us each (with an SPI each: {:.0} us), ours {:.0} us each; policies {}: ours {:.0} us each; deleting both: ours {:.0} us each",
-                states.len(),
-                per(ip_states, states.len()),
-                per(ip_spread, states.len()),
-                per(ours_states, states.len()),
-                policies.len(),
-                per(ours_policies, policies.len()),
-                per(ours_delete, states.len() + policies.len()),
-            ));
-        });
-    }
+        let creates =
+            |objs: &[KernelObject]| -> Vec<Op> { objs.iter().cloned().map(Op::Create).collect() };
+        let t = Instant::now();
+        all_ok(b.apply(&creates(&states)).await);
+        let ours_states = t.elapsed();
+        let t = Instant::now();
+        all_ok(b.apply(&creates(&policies)).await);
+        let ours_policies = t.elapsed();
+        let t = Instant::now();
+        all_ok(b.apply(&deletes(&states)).await);
+        all_ok(b.apply(&deletes(&policies)).await);
+        let ours_delete = t.elapsed();
+        let per = |d: std::time::Duration, k: usize| d.as_secs_f64() * 1e6 / k as f64;
+        let layout = layout.name().replace('-', "_");
+        report(&format!(
+            "bench: xfrm_scaling_{layout}_{n} states {}: ip -batch {:.0} us each, ours {:.0} us each; policies {}: ours {:.0} us each; deleting both: ours {:.0} us each",
+            states.len(),
+            per(ip_states, states.len()),
+            per(ours_states, states.len()),
+            policies.len(),
+            per(ours_policies, policies.len()),
+            per(ours_delete, states.len() + policies.len()),
+        ));
+    });
 }

@@ -69,8 +69,7 @@ impl<K: Kernel> Reconciler<K> {
                 spis.1
             );
         }
-        self.telemetry
-            .record_keys(r.ipsec.send_spi, r.ipsec.keys.len());
+        self.telemetry.record_keys(&r.ipsec);
         self.keys = Some(KeysUsed {
             digest: read.digest,
             unusable: read.error.is_some(),
@@ -114,6 +113,7 @@ mod tests {
                 .map(|spi| state::rotation::FileKey {
                     spi: *spi,
                     tag: state::objects::KeyTag(u64::from(*spi)),
+                    layout: state::objects::SpiLayout::Key,
                 })
                 .collect(),
             digest: [digest; 32],

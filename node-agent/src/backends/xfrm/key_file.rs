@@ -98,6 +98,7 @@ fn file_keys(file: &KeyFile) -> Vec<FileKey> {
         .map(|k| FileKey {
             spi: k.spi(),
             tag: k.tag(),
+            layout: k.layout(),
         })
         .collect()
 }

@@ -2,10 +2,11 @@
 //!
 //! # Format
 //!
-//! One key per line, four whitespace-separated fields, Cilium's format:
+//! One key per line, four whitespace-separated fields (Cilium's format), and a fifth that
+//! chooses the SPI layout:
 //!
 //! ```text
-//! # <spi> <aead-algorithm> <hex-key> <icv-bits>
+//! # <spi> <aead-algorithm> <hex-key> <icv-bits> [per-sender-spi]
 //! 3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128
 //! ```
 //!
@@ -17,6 +18,10 @@
 //! - `hex-key`: the key followed by the 4-byte salt, hex, with or without `0x`: 16, 24 or 32 key
 //!   bytes + 4 salt bytes (20, 28 or 36 bytes, 40, 56 or 72 hex digits).
 //! - `icv-bits`: the ICV (tag) length, 64, 96 or 128.
+//! - `per-sender-spi`: the key's states put a tag of the sending address above the key's number
+//!   in their SPI ([`state::spi`]). Every node must run a release that receives that layout
+//!   before a key asks for it: releases before it refuse the line (five fields), keep their
+//!   keys, and say so.
 //!
 //! `#` starts a comment (whole line or trailing); blank lines are ignored.
 //!
@@ -51,7 +56,7 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use state::objects::KeyTag;
+use state::objects::{KeyTag, SpiLayout};
 use state::plan::{KeyInUse, KeyTags, Pair};
 
 /// The only AEAD algorithm accepted.
@@ -64,6 +69,8 @@ pub struct IpsecKey {
     spi: u8,
     /// States get keys derived per node pair (`<spi>+`).
     per_pair: bool,
+    /// How the key's states lay out their SPI (`per-sender-spi`).
+    layout: SpiLayout,
     algorithm: String,
     key: Vec<u8>,
     icv_bits: u32,
@@ -83,6 +90,11 @@ impl IpsecKey {
     /// Whether states get keys derived per node pair from this one.
     pub fn per_pair(&self) -> bool {
         self.per_pair
+    }
+
+    /// How the key's states lay out their SPI.
+    pub fn layout(&self) -> SpiLayout {
+        self.layout
     }
 
     /// The ICV length in bits.
@@ -162,9 +174,14 @@ pub fn parse_keys(text: &str, path: Option<&Path>) -> Result<Vec<IpsecKey>, KeyE
 /// One key line, comments and surrounding blanks removed.
 fn parse_line(content: &str) -> Result<IpsecKey, KeyErrorKind> {
     let fields: Vec<&str> = content.split_whitespace().collect();
-    if fields.len() != 4 {
-        return Err(KeyErrorKind::FieldCount(fields.len()));
-    }
+    let layout = match fields.get(4) {
+        _ if !(4..=5).contains(&fields.len()) => {
+            return Err(KeyErrorKind::FieldCount(fields.len()));
+        }
+        None => SpiLayout::Key,
+        Some(&"per-sender-spi") => SpiLayout::PerSender,
+        Some(other) => return Err(KeyErrorKind::UnknownOption(sanitize(other))),
+    };
     let (spi, per_pair) = match fields[0].strip_suffix('+') {
         Some(spi) => (spi, true),
         None => (fields[0], false),
@@ -191,6 +208,7 @@ fn parse_line(content: &str) -> Result<IpsecKey, KeyErrorKind> {
     Ok(IpsecKey {
         spi,
         per_pair,
+        layout,
         algorithm: algorithm.to_owned(),
         key: key.take(),
         icv_bits,
@@ -202,6 +220,7 @@ impl fmt::Debug for IpsecKey {
         f.debug_struct("IpsecKey")
             .field("spi", &self.spi)
             .field("per_pair", &self.per_pair)
+            .field("layout", &self.layout)
             .field("algorithm", &self.algorithm)
             .field("key", &format_args!("<redacted {} bytes>", self.key.len()))
             .field("icv_bits", &self.icv_bits)
@@ -551,8 +570,13 @@ pub struct KeyError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum KeyErrorKind {
-    #[error("expected 4 fields `<spi> <aead-algorithm> <hex-key> <icv-bits>`, found {0}")]
+    #[error(
+        "expected 4 fields `<spi> <aead-algorithm> <hex-key> <icv-bits>` and optionally \
+         `per-sender-spi`, found {0}"
+    )]
     FieldCount(usize),
+    #[error("unknown fifth field `{0}`; the only one is `per-sender-spi`")]
+    UnknownOption(String),
     #[error(
         "SPI must be a decimal number 1..=15, optionally followed by `+` for per-pair keys (it fills the 4 SPI bits of the xfrm mark)"
     )]
@@ -647,7 +671,14 @@ mod tests {
             ),
             ("3 rfc4106(gcm(aes)) 0x 128".to_string(), "empty key"),
             (format!("3 rfc4106(gcm(aes)) 0x{HEX} 100"), "ICV"),
-            (format!("3 rfc4106(gcm(aes)) 0x{HEX} 128 extra"), "found 5"),
+            (
+                format!("3 rfc4106(gcm(aes)) 0x{HEX} 128 extra"),
+                "unknown fifth field `extra`",
+            ),
+            (
+                format!("3 rfc4106(gcm(aes)) 0x{HEX} 128 per-sender-spi x"),
+                "found 6",
+            ),
         ];
         for (line, want) in cases {
             let text = format!("# header\n{good}\n{line}\n");
@@ -703,6 +734,17 @@ mod tests {
                 .per_pair()
         );
         assert!(IpsecKey::parse(&format!("3++ rfc4106(gcm(aes)) 0x{HEX} 128"), None).is_err());
+    }
+
+    #[test]
+    fn a_fifth_field_asks_for_the_per_sender_spi_layout() {
+        let text = format!(
+            "3+ rfc4106(gcm(aes)) 0x{HEX} 128\n4+ rfc4106(gcm(aes)) 0x{HEX} 128 per-sender-spi\n"
+        );
+        let keys = parse_keys(&text, None).unwrap();
+        let layouts: Vec<_> = keys.iter().map(|k| (k.spi(), k.layout())).collect();
+        assert_eq!(layouts, [(3, SpiLayout::Key), (4, SpiLayout::PerSender)]);
+        assert_eq!(keys[0].tag(), keys[1].tag(), "the layout is not the key");
     }
 
     /// The vectors were computed independently, with Python's `hmac` and `hashlib` following
@@ -761,6 +803,7 @@ mod tests {
         let k = KeyInUse {
             spi: 3,
             tag: book.keys()[0].tag(),
+            layout: SpiLayout::Key,
         };
         let pair = Pair {
             src: "10.0.0.1".parse().unwrap(),

@@ -30,7 +30,7 @@ pub const GUARD_PRIORITY: u32 = u32::MAX;
 /// The mark of a node's policy.
 pub fn policy_mark(p: &XfrmPolicy) -> Mark {
     Mark {
-        value: mark::encode(p.node_id, p.spi, p.dir),
+        value: mark::encode(p.node_id, p.spi.key(), p.dir),
         mask: mark::MASK,
     }
 }
@@ -38,7 +38,7 @@ pub fn policy_mark(p: &XfrmPolicy) -> Mark {
 /// The mark of a node's state.
 pub fn state_mark(s: &XfrmState) -> Mark {
     Mark {
-        value: mark::encode(s.node_id, s.spi, s.dir),
+        value: mark::encode(s.node_id, s.spi.key(), s.dir),
         mask: mark::MASK,
     }
 }
@@ -69,14 +69,14 @@ fn family_mismatch(what: &str) -> io::Error {
     )
 }
 
-fn esp_tunnel_template(src: IpAddr, dst: IpAddr, spi: u8) -> UserTemplate {
+fn esp_tunnel_template(src: IpAddr, dst: IpAddr, spi: u32) -> UserTemplate {
     let mut tmpl = UserTemplate::default();
     tmpl.source(&src);
     tmpl.destination(&dst);
     tmpl.protocol(IPPROTO_ESP);
     tmpl.mode(XFRM_MODE_TUNNEL);
     tmpl.reqid(REQID);
-    tmpl.spi(u32::from(spi));
+    tmpl.spi(spi);
     tmpl
 }
 
@@ -98,7 +98,11 @@ pub fn policy_message(p: &XfrmPolicy) -> io::Result<policy::ModifyMessage> {
     Ok(policy::ModifyMessage {
         user_policy_info: info,
         nlas: vec![
-            XfrmAttrs::Template(vec![esp_tunnel_template(p.tmpl_src, p.tmpl_dst, p.spi)]),
+            XfrmAttrs::Template(vec![esp_tunnel_template(
+                p.tmpl_src,
+                p.tmpl_dst,
+                p.spi.wire(),
+            )]),
             XfrmAttrs::Mark(policy_mark(p)),
         ],
     })
@@ -169,7 +173,7 @@ pub fn state_message(s: &XfrmState, key: &StateKey<'_>) -> io::Result<sa::Modify
     info.source(&s.src);
     info.destination(&s.dst);
     info.selector.family = info.family;
-    info.id.spi = u32::from(s.spi);
+    info.id.spi = s.spi.wire();
     info.id.proto = IPPROTO_ESP;
     info.mode = XFRM_MODE_TUNNEL;
     info.reqid = REQID;
@@ -192,14 +196,14 @@ pub fn state_message(s: &XfrmState, key: &StateKey<'_>) -> io::Result<sa::Modify
 
 pub fn del_state_message(s: &XfrmState) -> XfrmMessage {
     XfrmMessage::DeleteSa(sa::DelGetMessage {
-        user_sa_id: sa_id(s.dst, u32::from(s.spi)),
+        user_sa_id: sa_id(s.dst, s.spi.wire()),
         nlas: vec![XfrmAttrs::Mark(state_mark(s))],
     })
 }
 
 pub fn get_state_message(s: &XfrmState) -> XfrmMessage {
     XfrmMessage::GetSa(sa::DelGetMessage {
-        user_sa_id: sa_id(s.dst, u32::from(s.spi)),
+        user_sa_id: sa_id(s.dst, s.spi.wire()),
         nlas: vec![XfrmAttrs::Mark(state_mark(s))],
     })
 }

@@ -47,19 +47,15 @@ pub mod stats;
 
 use std::collections::HashSet;
 use std::io;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
-use ipnet::IpNet;
 use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP};
 use netlink_packet_xfrm::{XfrmMessage, policy as xpolicy, state as sa};
 use netlink_proto::ConnectionHandle;
 use state::inventory::Inventory;
-use state::objects::{
-    KernelObject, ObjectKind, Op, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark,
-};
+use state::objects::{KernelObject, ObjectKind, Op, XfrmGuard, XfrmPolicy, XfrmState};
 
 pub use self::key_file::KeyFileState;
 pub use self::keys::{IpsecKey, KeyBook, KeyFile};
@@ -210,40 +206,6 @@ impl Backend for XfrmBackend {
     }
 }
 
-/// What the kernel keys an object by: ops on the same key must not be in flight together.
-#[derive(PartialEq, Eq, Hash)]
-enum KernelKey {
-    State {
-        dst: IpAddr,
-        spi: u8,
-        mark: u32,
-    },
-    Policy {
-        src: IpNet,
-        dst: IpNet,
-        dir: XfrmDir,
-        mark: u32,
-    },
-    Other,
-}
-
-fn kernel_key(op: &Op) -> KernelKey {
-    match op.object() {
-        KernelObject::XfrmState(s) => KernelKey::State {
-            dst: s.dst,
-            spi: s.spi,
-            mark: mark::encode(s.node_id, s.spi, s.dir),
-        },
-        KernelObject::XfrmPolicy(p) => KernelKey::Policy {
-            src: p.src,
-            dst: p.dst,
-            dir: p.dir,
-            mark: mark::encode(p.node_id, p.spi, p.dir),
-        },
-        _ => KernelKey::Other,
-    }
-}
-
 /// Cuts `ops` into consecutive runs in which no kernel identity appears twice, so that the
 /// planner's order (a delete before an upsert reusing the identity) holds while requests are
 /// pipelined.
@@ -252,13 +214,15 @@ fn waves(ops: &[Op]) -> Vec<&[Op]> {
     let mut seen = HashSet::new();
     let mut start = 0;
     for (i, op) in ops.iter().enumerate() {
-        let key = kernel_key(op);
-        if key != KernelKey::Other && !seen.insert(key) {
+        // The kernel's identity of the object: ops on the same one must not be in flight
+        // together.
+        let key = op.object().id();
+        if seen.contains(&key) {
             out.push(&ops[start..i]);
             start = i;
             seen.clear();
-            seen.insert(kernel_key(op));
         }
+        seen.insert(key);
     }
     if start < ops.len() {
         out.push(&ops[start..]);
@@ -305,7 +269,7 @@ fn dump_error(kind: ObjectKind, e: KernelError) -> DumpError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use state::objects::NodeId;
+    use state::objects::{NodeId, Spi, XfrmDir};
 
     fn pol(node: u16, dst: &str) -> KernelObject {
         KernelObject::XfrmPolicy(XfrmPolicy {
@@ -315,7 +279,7 @@ mod tests {
             node_id: NodeId::new(node).unwrap(),
             tmpl_src: "10.0.0.1".parse().unwrap(),
             tmpl_dst: "10.0.0.2".parse().unwrap(),
-            spi: 3,
+            spi: Spi::from_wire(3).unwrap(),
         })
     }
 

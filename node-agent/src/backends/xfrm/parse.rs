@@ -10,7 +10,9 @@ use netlink_packet_xfrm::{
     XfrmAttrs, policy, state as sa,
 };
 use state::node::Family;
-use state::objects::{GuardRole, KeyTag, NodeId, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark};
+use state::objects::{
+    GuardRole, KeyTag, NodeId, Spi, SpiLayout, XfrmDir, XfrmGuard, XfrmPolicy, XfrmState, mark,
+};
 
 use super::keys::tag;
 use super::message::{REPLAY_WINDOW, any_net, guard_direction, guard_mark, guard_message};
@@ -73,17 +75,19 @@ pub fn parse_state(m: &sa::ModifyMessage) -> Option<XfrmState> {
     let info = &m.user_sa_info;
     let src = ip_of(&info.saddr, info.family)?;
     let dst = ip_of(&info.id.daddr, info.family)?;
-    if info.id.proto != IPPROTO_ESP || info.id.spi != u32::from(spi) {
+    let Some(wire) =
+        Spi::from_wire(info.id.spi).filter(|w| w.key() == spi && info.id.proto == IPPROTO_ESP)
+    else {
         tracing::warn!(
             %src, %dst, kernel_spi = info.id.spi, mark_spi = spi, proto = info.id.proto,
             "xfrm state with our mark that node-agent never creates (SPI or protocol differs from the mark); leaving it alone"
         );
         return None;
-    }
+    };
     Some(XfrmState {
         src,
         dst,
-        spi,
+        spi: wire,
         dir,
         node_id,
         key: match current_shape(m) {
@@ -169,15 +173,25 @@ fn parse_node_policy(m: &policy::ModifyMessage) -> Option<XfrmPolicy> {
         XfrmAttrs::Template(t) => t.first().copied(),
         _ => None,
     });
-    // A policy of ours without a usable template still carries our mark: list it (with
-    // unspecified endpoints) so the planner replaces or removes it.
+    // A policy of ours without a usable template (none, or an SPI of neither layout or of
+    // another key than the mark's) still carries our mark: list it with unspecified endpoints
+    // and the mark's key, so the planner replaces or removes it.
     let unspecified = || match sel.family as i32 {
         libc::AF_INET6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
     };
-    let (tmpl_src, tmpl_dst) = tmpl
-        .and_then(|t| Some((ip_of(&t.saddr, t.family)?, ip_of(&t.id.daddr, t.family)?)))
-        .unwrap_or_else(|| (unspecified(), unspecified()));
+    let usable = tmpl.and_then(|t| {
+        let spi = Spi::from_wire(t.id.spi).filter(|w| w.key() == spi)?;
+        Some((
+            ip_of(&t.saddr, t.family)?,
+            ip_of(&t.id.daddr, t.family)?,
+            spi,
+        ))
+    });
+    let (tmpl_src, tmpl_dst, spi) = usable.unwrap_or_else(|| {
+        let src = unspecified();
+        (src, src, Spi::new(spi, SpiLayout::Key, src))
+    });
     Some(XfrmPolicy {
         src,
         dst,
@@ -195,15 +209,18 @@ mod tests {
     use crate::backends::xfrm::keys::{IpsecKey, StateKey};
     use crate::backends::xfrm::message::{policy_message, state_message};
 
-    fn pol(node: u16, dst: &str) -> XfrmPolicy {
+    const LAYOUTS: [SpiLayout; 2] = [SpiLayout::Key, SpiLayout::PerSender];
+
+    fn pol(node: u16, dst: &str, layout: SpiLayout) -> XfrmPolicy {
+        let tmpl_src = "10.0.0.1".parse().unwrap();
         XfrmPolicy {
             src: "0.0.0.0/0".parse().unwrap(),
             dst: dst.parse().unwrap(),
             dir: XfrmDir::Out,
             node_id: NodeId::new(node).unwrap(),
-            tmpl_src: "10.0.0.1".parse().unwrap(),
+            tmpl_src,
             tmpl_dst: "10.0.0.2".parse().unwrap(),
-            spi: 3,
+            spi: Spi::new(3, layout, tmpl_src),
         }
     }
 
@@ -216,9 +233,23 @@ mod tests {
 
     #[test]
     fn policy_message_round_trips_through_the_dump_parser() {
-        let p = pol(7, "10.7.0.0/24");
-        let m = policy_message(&p).unwrap();
-        assert_eq!(node_policy(&m), Some(p));
+        for layout in LAYOUTS {
+            let p = pol(7, "10.7.0.0/24", layout);
+            let mut m = policy_message(&p).unwrap();
+            assert_eq!(node_policy(&m), Some(p.clone()));
+            // A template under another key's SPI, or one of neither layout, is not usable:
+            // listed with unspecified endpoints, to be replaced.
+            for wrong in [p.spi.wire() ^ 1, 0x100, u32::MAX] {
+                if let Some(XfrmAttrs::Template(t)) = m.nlas.first_mut() {
+                    t[0].id.spi = wrong;
+                }
+                let parsed = node_policy(&m).unwrap();
+                assert!(
+                    parsed.tmpl_src.is_unspecified() && parsed != p,
+                    "{wrong:#x}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -237,16 +268,23 @@ mod tests {
     }
 
     #[test]
-    fn a_state_message_carries_the_tag_of_its_key() {
+    fn a_state_message_carries_the_tag_of_its_key_in_either_layout() {
+        for layout in LAYOUTS {
+            state_round_trip(layout);
+        }
+    }
+
+    fn state_round_trip(layout: SpiLayout) {
         let key = IpsecKey::parse(
             "3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128",
             None,
         )
         .unwrap();
+        let src = "10.0.0.1".parse().unwrap();
         let s = XfrmState {
-            src: "10.0.0.1".parse().unwrap(),
+            src,
             dst: "10.0.0.2".parse().unwrap(),
-            spi: 3,
+            spi: Spi::new(3, layout, src),
             dir: XfrmDir::Out,
             node_id: NodeId::new(7).unwrap(),
             key: key.tag(),
@@ -257,6 +295,15 @@ mod tests {
         };
         let mut m = state_message(&s, &sk).unwrap();
         assert_eq!(parse_state(&m), Some(s.clone()));
+        for wrong in [s.spi.wire() ^ 1, 0x100] {
+            let mut other = state_message(&s, &sk).unwrap();
+            other.user_sa_info.id.spi = wrong;
+            assert_eq!(
+                parse_state(&other),
+                None,
+                "SPI {wrong:#x} is not the mark's key"
+            );
+        }
         m.user_sa_info.flags = 0;
         assert_eq!(
             parse_state(&m).map(|p| p.key),
@@ -267,7 +314,7 @@ mod tests {
 
     #[test]
     fn foreign_marks_are_not_ours() {
-        let p = pol(7, "10.7.0.0/24");
+        let p = pol(7, "10.7.0.0/24", SpiLayout::Key);
         let mut m = policy_message(&p).unwrap();
         m.nlas = vec![XfrmAttrs::Mark(Mark {
             value: 0x1234,

@@ -26,7 +26,7 @@ impl Ctx {
         let what = || format!("adding {}", describe(s));
         let key = self
             .keys
-            .state_key(s.spi, s.key)
+            .state_key(s.spi.key(), s.key)
             .map_err(|why| invalid(what(), why))?;
         let msg = state_message(s, &key).map_err(|source| OpError::Kernel {
             what: what(),

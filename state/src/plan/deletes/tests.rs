@@ -2,7 +2,7 @@
 //! another node or changed while the agent was down, orphans, and what nothing may delete
 //! (before sync, a node without addresses, what is not ours).
 
-use crate::objects::{KernelObject, KeyTag, ObjectKind, XfrmDir, XfrmState};
+use crate::objects::{KernelObject, KeyTag, ObjectKind, Spi, XfrmDir, XfrmState};
 use crate::plan::tests::support::*;
 use crate::plan::*;
 
@@ -15,7 +15,7 @@ fn stale_node_is_deleted_with_all_its_objects_and_never_re_added() {
     let extra = KernelObject::XfrmState(XfrmState {
         src: ip("10.0.0.100"),
         dst: ip("10.9.9.9"),
-        spi: 3,
+        spi: Spi::from_wire(3).unwrap(),
         dir: XfrmDir::Out,
         node_id: id(2),
         key: KeyTag::default(),

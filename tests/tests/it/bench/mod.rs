@@ -11,6 +11,7 @@
 mod backends;
 mod scale;
 mod waiting;
+mod xfrm_floor;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
