@@ -416,7 +416,6 @@ fn tally(f: impl FnOnce(&mut Traffic)) {
 /// Writes a key file holding `keys` (SPI, hex and SPI layout), mode 0600: per-pair keys
 /// (`<spi>+`), or global ones.
 pub fn write_keys(path: &Path, keys: &[(u8, &str, SpiLayout)], per_pair: bool) {
-    use std::os::unix::fs::PermissionsExt;
     let plus = if per_pair { "+" } else { "" };
     let mut text = String::new();
     for (spi, hex, layout) in keys {
@@ -426,10 +425,7 @@ pub fn write_keys(path: &Path, keys: &[(u8, &str, SpiLayout)], per_pair: bool) {
         };
         let _ = writeln!(text, "{spi}{plus} rfc4106(gcm(aes)) 0x{hex} 128{option}");
     }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
+    crate::write_private(path, text.as_bytes());
 }
 
 /// `ping` from a pod: `(sent, received)`, tallied in the cluster's `pods:` line. Busybox's or

@@ -251,6 +251,15 @@ pub fn child_test(name: &str) -> Command {
     cmd
 }
 
+/// Writes `bytes` to `path` mode 0600 (as a key file must be), by rename: never seen torn.
+pub fn write_private(path: &std::path::Path, bytes: &[u8]) {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
 /// `ip ARGS...`, which must succeed.
 pub fn ip(args: &[&str]) -> Output {
     run(Command::new("ip").args(args))

@@ -279,6 +279,7 @@ impl Run {
     pub fn history(&self, steps: &[Step], keep: Option<&std::path::Path>) -> Outcome {
         let args = self.modes.args();
         sandbox(|sb| {
+            self.modes.prepare_sandbox();
             let mut env = AgentEnv::new(&sb.bpffs);
             let mut cluster = self.modes.events.then(|| events::Cluster::start(&mut env));
             let mut rng = Rng::new(self.list_seed);
@@ -459,6 +460,7 @@ impl Run {
         let args = self.modes.args();
         let record = oracle::record(env);
         let (code, err, fresh, fresh_record) = sandbox(|sb| {
+            self.modes.prepare_sandbox();
             let fresh = AgentEnv::new(&sb.bpffs);
             if let Some(bytes) = &checkpoint {
                 std::fs::create_dir_all(&fresh.state_dir).unwrap();
@@ -583,6 +585,34 @@ impl Run {
             .collect();
         if ids.len() != remote.len() {
             broke.push(format!("{} nodes share {} IDs", remote.len(), ids.len()));
+        }
+        // xfrm: nothing under an ID no listed node has; with IPsec, something for every node
+        // with a pod CIDR of a family it has an address in.
+        let leaked: Vec<&u16> = after.xfrm.keys().filter(|id| !ids.contains(*id)).collect();
+        if !leaked.is_empty() {
+            broke.push(format!(
+                "xfrm objects after converging under IDs no listed node has: {leaked:?}"
+            ));
+        }
+        if self.modes.ipsec {
+            let family = |a: &str| a.contains(':');
+            let missing: Vec<&str> = remote
+                .iter()
+                .filter(|n| {
+                    let addressed = n
+                        .cidrs
+                        .iter()
+                        .any(|c| n.ips.iter().take(2).any(|ip| family(ip) == family(c)));
+                    let id = after.map.get(&n.ips[0]);
+                    addressed && id.is_some_and(|id| !after.xfrm.contains_key(id))
+                })
+                .map(|n| n.name.as_str())
+                .collect();
+            if !missing.is_empty() {
+                broke.push(format!(
+                    "nodes without xfrm states and policies after converging: {missing:?}"
+                ));
+            }
         }
         match oracle::record(env) {
             Some(rec)

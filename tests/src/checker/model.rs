@@ -214,7 +214,25 @@ pub struct Modes {
     /// `--include-external-ips`: a node's ExternalIPs are mapped and claimed like its
     /// InternalIPs. Without it the agent ignores them, and so does the oracle.
     pub external_ips: bool,
+    /// IPsec on (`--ipsec-key-file`, a pod bridge): xfrm states and policies, and the pod-CIDR
+    /// map, under the same invariants; only where the kernel has ESP (the VM tier).
+    pub ipsec: bool,
+    /// With IPsec, the key in the per-sender SPI layout.
+    pub per_sender: bool,
 }
+
+/// The checker's IPsec key files (one global key, in each SPI layout): the same for every
+/// history and for the differential oracle's fresh agent.
+pub const IPSEC_KEY_FILES: [(&str, &str); 2] = [
+    (
+        "/run/node-agent-checker-key",
+        "3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128\n",
+    ),
+    (
+        "/run/node-agent-checker-key-per-sender",
+        "3 rfc4106(gcm(aes)) 0x0102030405060708090a0b0c0d0e0f1011121314 128 per-sender-spi\n",
+    ),
+];
 
 impl Modes {
     /// The modes of a history of `p`: half of the histories in each mode. Crash torture keeps
@@ -224,13 +242,18 @@ impl Modes {
         let growth = rng.chance(50);
         let brake_off = p.torture || rng.chance(30);
         let small_ids = !p.torture && rng.chance(40);
+        let events = !p.torture && !small_ids && rng.chance(60);
+        let external_ips = rng.chance(30);
         Self {
             nexthops_off,
             growth,
             brake_off,
             small_ids,
-            events: !p.torture && !small_ids && rng.chance(60),
-            external_ips: rng.chance(30),
+            events,
+            external_ips,
+            ipsec: p.ipsec,
+            // Drawn only with IPsec, so that the other profiles' seeds replay as before.
+            per_sender: p.ipsec && rng.chance(50),
         }
     }
 
@@ -271,7 +294,24 @@ impl Modes {
             a.extend(["--max-node-id", "12", "--test-id-cooldown", "3s"]);
             a.extend(["--id-reuse-floor", "1s"]);
         }
+        if self.ipsec {
+            let key = IPSEC_KEY_FILES[usize::from(self.per_sender)].0;
+            a.extend(["--ipsec-key-file", key, "--pod-iface", "cni0"]);
+        }
         a
+    }
+
+    /// What these modes need in a sandbox before the agent runs: with IPsec, the key files
+    /// and the pod bridge.
+    pub fn prepare_sandbox(&self) {
+        if !self.ipsec {
+            return;
+        }
+        for (path, text) in IPSEC_KEY_FILES {
+            crate::write_private(std::path::Path::new(path), text.as_bytes());
+        }
+        crate::ip(&["link", "add", "cni0", "type", "bridge"]);
+        crate::ip(&["link", "set", "cni0", "up"]);
     }
 
     /// The brake's ratio in these modes (the agent's default is 0.5).
@@ -293,6 +333,12 @@ impl Modes {
         }
         if self.external_ips {
             n.push("external-ips");
+        }
+        if self.ipsec {
+            n.push("ipsec");
+            if self.per_sender {
+                n.push("per-sender-spi");
+            }
         }
         n.push(if self.brake_off {
             "brake-off"
@@ -337,6 +383,8 @@ pub struct Profile {
     pub cuts: u64,
     /// Percent of steps whose nodes file is written in place, torn at an item boundary.
     pub torn: u64,
+    /// Every history with IPsec (the VM tier, where the kernel has ESP).
+    pub ipsec: bool,
 }
 
 impl Profile {
@@ -350,6 +398,13 @@ impl Profile {
         lost: 8,
         cuts: 15,
         torn: 5,
+        ipsec: false,
+    };
+
+    /// The invariants' profile with IPsec on in every history.
+    pub const IPSEC: Self = Self {
+        ipsec: true,
+        ..Self::INVARIANTS
     };
 
     /// A cluster large enough that the apply takes a while, churned by a tenth each round; the
@@ -364,6 +419,7 @@ impl Profile {
         lost: 0,
         cuts: 0,
         torn: 0,
+        ipsec: false,
     };
 }
 

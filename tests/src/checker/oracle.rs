@@ -44,6 +44,43 @@ pub struct Snapshot {
     pub nhids: BTreeMap<String, u32>,
     /// Table 100's routes through a nexthop (all foreign): destination -> nexthop ID.
     pub elsewhere: BTreeMap<String, u32>,
+    /// Our xfrm states and policies by the node ID their mark carries, each as a line naming
+    /// what the kernel keys and holds (endpoints, SPI on the wire, key tag, selector).
+    pub xfrm: BTreeMap<u16, BTreeSet<String>>,
+}
+
+/// Our xfrm objects in this namespace, read with the agent's own parser, by node ID.
+fn xfrm() -> BTreeMap<u16, BTreeSet<String>> {
+    use node_agent::backends::xfrm::{KeyBook, XfrmBackend};
+    let (states, policies) = crate::runtime().block_on(async {
+        let x = XfrmBackend::new(KeyBook::default()).expect("an xfrm netlink socket");
+        let states = x.dump_states().await.expect("dumping xfrm states");
+        let policies = x.dump_policies().await.expect("dumping xfrm policies");
+        (states, policies.policies)
+    });
+    let mut out: BTreeMap<u16, BTreeSet<String>> = BTreeMap::new();
+    for s in states {
+        out.entry(s.node_id.get()).or_default().insert(format!(
+            "state {:?} {} -> {} spi {:#x} key {}",
+            s.dir,
+            s.src,
+            s.dst,
+            s.spi.wire(),
+            s.key
+        ));
+    }
+    for p in policies {
+        out.entry(p.node_id.get()).or_default().insert(format!(
+            "policy {:?} {} -> {} via {} -> {} spi {:#x}",
+            p.dir,
+            p.src,
+            p.dst,
+            p.tmpl_src,
+            p.tmpl_dst,
+            p.spi.wire()
+        ));
+    }
+    out
 }
 
 /// The table the checker plants foreign routes through our nexthops in.
@@ -73,6 +110,7 @@ impl Snapshot {
             nexthops: env.nexthops(),
             nhids: env.routes_through_nexthops("main"),
             elsewhere: env.routes_through_nexthops(FOREIGN_TABLE),
+            xfrm: xfrm(),
         }
     }
 
@@ -755,6 +793,21 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
             "nexthops (node and family, gateway): {:?} here, {:?} fresh",
             to_node(a),
             to_node(b)
+        ));
+    }
+    // Its xfrm states and policies, under the ID each side gave it (the caller holds the two
+    // IDs equal).
+    let xfrm = |s: &'_ Snapshot| {
+        let id = n.ips.first().and_then(|ip| s.map.get(ip));
+        id.and_then(|id| s.xfrm.get(id))
+            .cloned()
+            .unwrap_or_default()
+    };
+    if xfrm(a) != xfrm(b) {
+        d.push(format!(
+            "xfrm states and policies: {:?} here, {:?} fresh",
+            xfrm(a),
+            xfrm(b)
         ));
     }
     d

@@ -10,12 +10,24 @@ use node_agent_tests::agent::{
 use node_agent_tests::apiserver::ApiServer;
 use node_agent_tests::checker::model::{Profile, Rng};
 use node_agent_tests::checker::{Budget, check, seed_from_env, steps_from_env};
-use node_agent_tests::{require_sandbox, sandbox};
+use node_agent_tests::{require_sandbox, sandbox, skip_without_esp, test_name};
 
 #[test]
 fn random_histories_keep_every_invariant() {
     require_sandbox!();
     check("invariants", Budget::from_env(200, 25, Profile::INVARIANTS));
+}
+
+/// The same histories with IPsec in every one, in either SPI layout (the VM tier: the host
+/// kernels of the development machines have no ESP).
+#[test]
+fn random_histories_with_ipsec_keep_every_invariant() {
+    require_sandbox!();
+    if !sandbox(|_| crate::agent::kernel_has_esp()) {
+        skip_without_esp(test_name!(), "this kernel has no ESP support");
+        return;
+    }
+    check("invariants-ipsec", Budget::from_env(40, 20, Profile::IPSEC));
 }
 
 /// Crash torture on the same harness: a cluster of about eighty nodes, a tenth churned each

@@ -83,6 +83,7 @@ pub const KERNEL_TIER: &[&str] = &[
     "faults::",
     "endpoints::",
     "kube::",
+    "invariants::random_histories_with_ipsec",
 ];
 /// The one integration-test target (`tests/tests/it`).
 const TEST_TARGET: &str = "it";
