@@ -539,12 +539,13 @@ impl fmt::Display for KernelObject {
             ),
             Self::XfrmPolicy(p) => write!(
                 f,
-                "xfrm policy {} {} -> {} via {} -> {} node {}",
+                "xfrm policy {} {} -> {} via {} -> {} spi {} node {}",
                 dir(p.dir),
                 p.src,
                 p.dst,
                 p.tmpl_src,
                 p.tmpl_dst,
+                p.spi,
                 p.node_id
             ),
             Self::XfrmGuard(g) => {

@@ -125,6 +125,18 @@ mod tests {
         retirement: Duration::from_secs(300),
     };
 
+    /// Key 3 seen from the start, key 4 appended at 1000 s.
+    const SEEN_3_THEN_4: [KeySeen; 2] = [
+        KeySeen {
+            spi: 3,
+            first_seen: Duration::ZERO,
+        },
+        KeySeen {
+            spi: 4,
+            first_seen: Duration::from_secs(1000),
+        },
+    ];
+
     fn key(spi: u8) -> FileKey {
         FileKey {
             spi,
@@ -233,16 +245,7 @@ mod tests {
 
     #[test]
     fn a_restart_mid_rotation_resumes_on_the_recorded_schedule() {
-        let seen = [
-            KeySeen {
-                spi: 3,
-                first_seen: Duration::ZERO,
-            },
-            KeySeen {
-                spi: 4,
-                first_seen: 1000 * S,
-            },
-        ];
+        let seen = SEEN_3_THEN_4;
         let file = [key(3), key(4)];
         let r = rotation(&file, &seen, 1060 * S, DELAYS, Arc::new(GlobalTags));
         assert_eq!((r.ipsec.send_spi, spis(&r)), (3, vec![3, 4]));
@@ -255,16 +258,7 @@ mod tests {
     /// the key through the switch and the retirement.
     #[test]
     fn a_rotation_to_a_per_sender_key_moves_the_layout_with_the_key() {
-        let seen = [
-            KeySeen {
-                spi: 3,
-                first_seen: Duration::ZERO,
-            },
-            KeySeen {
-                spi: 4,
-                first_seen: 1000 * S,
-            },
-        ];
+        let seen = SEEN_3_THEN_4;
         let file = [
             key(3),
             FileKey {
@@ -329,16 +323,7 @@ mod tests {
 
     #[test]
     fn two_rotations_in_a_row_keep_every_key_still_in_flight() {
-        let seen = [
-            KeySeen {
-                spi: 3,
-                first_seen: Duration::ZERO,
-            },
-            KeySeen {
-                spi: 4,
-                first_seen: 1000 * S,
-            },
-        ];
+        let seen = SEEN_3_THEN_4;
         let file = [key(3), key(4), key(5)];
         // 5 appears while 4 is being rotated in.
         let r = rotation(&file, &seen, 1050 * S, DELAYS, Arc::new(GlobalTags));

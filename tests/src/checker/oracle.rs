@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use state::node::Family;
-use state::objects::{NexthopId, NodeId};
+use state::objects::{KernelObject, NexthopId, NodeId};
 
 use crate::agent::{AgentEnv, TestNode, local_node, node_routes};
 
@@ -59,26 +59,12 @@ fn xfrm() -> BTreeMap<u16, BTreeSet<String>> {
         (states, policies.policies)
     });
     let mut out: BTreeMap<u16, BTreeSet<String>> = BTreeMap::new();
-    for s in states {
-        out.entry(s.node_id.get()).or_default().insert(format!(
-            "state {:?} {} -> {} spi {:#x} key {}",
-            s.dir,
-            s.src,
-            s.dst,
-            s.spi.wire(),
-            s.key
-        ));
-    }
-    for p in policies {
-        out.entry(p.node_id.get()).or_default().insert(format!(
-            "policy {:?} {} -> {} via {} -> {} spi {:#x}",
-            p.dir,
-            p.src,
-            p.dst,
-            p.tmpl_src,
-            p.tmpl_dst,
-            p.spi.wire()
-        ));
+    let objects = (states.into_iter().map(KernelObject::XfrmState))
+        .chain(policies.into_iter().map(KernelObject::XfrmPolicy));
+    for o in objects {
+        if let Some(id) = o.node_id() {
+            out.entry(id.get()).or_default().insert(o.to_string());
+        }
     }
     out
 }
