@@ -15,7 +15,7 @@ use node_agent_tests::{require_sandbox, sandbox, skip_without_esp, test_name};
 #[test]
 fn random_histories_keep_every_invariant() {
     require_sandbox!();
-    check("invariants", Budget::from_env(200, 25, Profile::INVARIANTS));
+    check("invariants", Budget::from_env(150, 25, Profile::INVARIANTS));
 }
 
 /// The same histories with IPsec in every one, in either SPI layout (the VM tier: the host
@@ -27,7 +27,7 @@ fn random_histories_with_ipsec_keep_every_invariant() {
         skip_without_esp(test_name!(), "this kernel has no ESP support");
         return;
     }
-    check("invariants-ipsec", Budget::from_env(40, 20, Profile::IPSEC));
+    check("invariants-ipsec", Budget::from_env(12, 6, Profile::IPSEC));
 }
 
 /// Crash torture on the same harness: a cluster of about eighty nodes, a tenth churned each

@@ -71,6 +71,8 @@ pub struct IpsecKey {
     per_pair: bool,
     /// How the key's states lay out their SPI (`per-sender-spi`).
     layout: SpiLayout,
+    /// Its fingerprint, computed once: a plan asks for it for every state.
+    tag: KeyTag,
     algorithm: String,
     key: Vec<u8>,
     icv_bits: u32,
@@ -114,7 +116,7 @@ impl IpsecKey {
 
     /// The fingerprint of the states this key makes (see [`tag`]).
     pub fn tag(&self) -> KeyTag {
-        tag(&self.algorithm, self.icv_bits, &self.key)
+        self.tag
     }
 
     /// Parses a key file's text and returns its newest (last) key. `path` only labels errors.
@@ -205,12 +207,14 @@ fn parse_line(content: &str) -> Result<IpsecKey, KeyErrorKind> {
     ) {
         return Err(KeyErrorKind::KeyLength(key.0.len()));
     }
+    let key = key.take();
     Ok(IpsecKey {
         spi,
         per_pair,
         layout,
+        tag: tag(algorithm, icv_bits, &key),
         algorithm: algorithm.to_owned(),
-        key: key.take(),
+        key,
         icv_bits,
     })
 }
