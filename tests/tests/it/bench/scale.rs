@@ -486,7 +486,7 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
                 &name("floor_xfrm_add"),
                 ms(xfrm.add),
                 &format!(
-                    "ms (ip -batch of {} states and policies in the per-sender SPI layout, {:.0} us each)",
+                    "ms (ip -batch of {} states and policies in the per-sender SPI layout, the cluster's routes in place; {:.0} us each)",
                     xfrm.objects,
                     xfrm.per_object_us()
                 ),

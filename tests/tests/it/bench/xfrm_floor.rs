@@ -1,6 +1,12 @@
 //! The xfrm floor of the IPsec benchmark: iproute2 adding, in one `ip -batch`, the states and
 //! policies the agent writes for a cluster, in the per-sender SPI layout: the same endpoints,
-//! SPIs, marks and key, one request at a time, in one process.
+//! SPIs, marks and key, one request at a time, in one process; in a kernel that holds the
+//! cluster's routes, as the agent's does. That matters: every IPv6 policy the kernel adds or
+//! deletes makes it walk the whole IPv6 routing table (the xfrm change bumps the IPv6 route
+//! generation, and the FIB's serial numbers are updated route by route), so an IPv6 policy
+//! costs time in proportion to the IPv6 routes there are. Measured in the guest: 270 µs per
+//! policy without routes at 5,000 and 20,000 nodes; with the routes, 1.1 ms at 5,000 and 3.4 ms
+//! at 20,000 (IPv4 policies: 240 µs either way).
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -8,6 +14,9 @@ use std::time::{Duration, Instant};
 use node_agent_tests::agent::TestNode;
 use node_agent_tests::{ip, ip_batch};
 use state::objects::{NodeId, Spi, SpiLayout, XfrmDir, mark};
+
+/// The link the cluster's routes go through while the floor runs (the benchmark's own).
+const ROUTE_DEV: &str = "gw0";
 
 /// What the floor measured.
 pub struct XfrmFloor {
@@ -73,12 +82,20 @@ impl XfrmFloor {
                 }
             }
         }
+        let routes: String = nodes
+            .iter()
+            .flat_map(|n| n.cidrs.iter())
+            .map(|c| format!("route add {c} dev {dev}\n", dev = ROUTE_DEV))
+            .collect();
+        ip_batch(&[], &routes);
         let t = Instant::now();
         ip_batch(&[], &states);
         ip_batch(&[], &policies);
         let add = t.elapsed();
         ip(&["xfrm", "policy", "flush"]);
         ip(&["xfrm", "state", "flush"]);
+        let deletes = routes.replace("route add", "route del");
+        ip_batch(&[], &deletes);
         Self { objects, add }
     }
 }
