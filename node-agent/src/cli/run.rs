@@ -147,7 +147,8 @@ pub struct AgentArgs {
     #[arg(long, default_value_t = state::ids::MAX_ID, hide = true, value_parser = |s: &str| MAX_NODE_ID.int::<u16>(s))]
     pub max_node_id: u16,
     /// IPsec key file, one key per line: `<spi 1-15> rfc4106(gcm(aes)) 0x<key+salt hex> <icv
-    /// bits>`; the last line is the newest key, and appending a line rotates to it. Enables
+    /// bits> [per-sender-spi]`; the last line is the newest key, and appending a line rotates to
+    /// it. Enables
     /// encryption of pod traffic toward every remote node (needs --pod-iface); start-up fails
     /// if the kernel has no ESP.
     #[arg(long, env = "NODE_AGENT_IPSEC_KEY_FILE")]

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use state::objects::SpiLayout;
 use state::rotation::rotation;
 
 use super::Reconciler;
@@ -20,6 +21,8 @@ pub(super) struct KeysUsed {
     abrupt_reported: bool,
     /// The SPI sent with and the SPIs with states: a change is a step of a rotation, logged.
     spis: (u8, Vec<u8>),
+    /// The SPI layout of each key with states: one that changes under the same SPI is logged.
+    layouts: Vec<(u8, SpiLayout)>,
 }
 
 impl<K: Kernel> Reconciler<K> {
@@ -69,8 +72,25 @@ impl<K: Kernel> Reconciler<K> {
                 spis.1
             );
         }
+        let layouts: Vec<(u8, SpiLayout)> =
+            r.ipsec.keys.iter().map(|k| (k.spi, k.layout)).collect();
+        let before = self.keys.as_ref().map_or(&[][..], |k| &k.layouts[..]);
+        for (spi, layout) in &layouts {
+            if let Some((_, was)) = before.iter().find(|(s, l)| s == spi && l != layout) {
+                tracing::warn!(
+                    target: RECONCILER,
+                    spi,
+                    "the SPI layout of IPsec key {spi} changed from {} to {} in place: each node \
+                     switches as it reads the key file, and until every node has, they drop each \
+                     other's traffic. Switch layouts with a new key (docs/ipsec.md)",
+                    was.name(),
+                    layout.name()
+                );
+            }
+        }
         self.telemetry.record_keys(&r.ipsec);
         self.keys = Some(KeysUsed {
+            layouts,
             digest: read.digest,
             unusable: read.error.is_some(),
             next_change: r.next_change,
@@ -102,7 +122,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use state::objects::{KernelObject, ObjectKind};
+    use state::objects::{KernelObject, ObjectKind, SpiLayout};
 
     use super::super::testing::*;
 
@@ -175,6 +195,43 @@ mod tests {
         assert_eq!(sent_with(&mut rec), [5]);
         assert_eq!(count(&mut rec, ObjectKind::XfrmState), 4);
         assert_eq!(rec.next_rotation_change(), None);
+    }
+
+    /// `per-sender-spi` added to an existing line takes effect at once (there is no record of
+    /// a key's layout to rotate from): what docs/ipsec.md warns against, and the agent logs.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_layout_changed_in_place_rewrites_the_keys_states_at_once() {
+        let mut rec = reconciler(&[("a", 1)]);
+        rec.kernel().keys = Some(keys(&[3], 1));
+        rec.reconcile().await.unwrap();
+        let layouts = |rec: &mut Reconciler<FakeKernel>| {
+            let mut l: Vec<_> = rec
+                .kernel()
+                .ours
+                .values()
+                .filter_map(|o| match o {
+                    KernelObject::XfrmState(s) => Some((s.spi.key(), s.spi.layout())),
+                    _ => None,
+                })
+                .collect();
+            l.dedup();
+            l
+        };
+        assert_eq!(layouts(&mut rec), [(3, SpiLayout::Key)]);
+        let mut per_sender = keys(&[3], 2);
+        per_sender.keys[0].layout = SpiLayout::PerSender;
+        rec.kernel().keys = Some(per_sender);
+        rec.reconcile().await.unwrap();
+        assert_eq!(layouts(&mut rec), [(3, SpiLayout::PerSender)]);
+        assert_eq!(
+            count(&mut rec, ObjectKind::XfrmState),
+            2,
+            "replaced, not added"
+        );
+        assert_eq!(
+            metric(&rec, "node_agent_ipsec_send_per_sender_spi"),
+            Some(1.0)
+        );
     }
 
     #[tokio::test(flavor = "current_thread")]

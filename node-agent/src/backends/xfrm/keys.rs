@@ -20,8 +20,8 @@
 //! - `icv-bits`: the ICV (tag) length, 64, 96 or 128.
 //! - `per-sender-spi`: the key's states put a tag of the sending address above the key's number
 //!   in their SPI ([`state::spi`]). Every node must run a release that receives that layout
-//!   before a key asks for it: releases before it refuse the line (five fields), keep their
-//!   keys, and say so.
+//!   before a key asks for it: releases before it refuse the whole file (a five-field line): a
+//!   running one keeps its keys and says so, one that starts fails to.
 //!
 //! `#` starts a comment (whole line or trailing); blank lines are ignored.
 //!
@@ -182,7 +182,8 @@ fn parse_line(content: &str) -> Result<IpsecKey, KeyErrorKind> {
         }
         None => SpiLayout::Key,
         Some(&"per-sender-spi") => SpiLayout::PerSender,
-        Some(other) => return Err(KeyErrorKind::UnknownOption(sanitize(other))),
+        // Never quoted: a five-field line of another format may hold key material there.
+        Some(_) => return Err(KeyErrorKind::UnknownOption),
     };
     let (spi, per_pair) = match fields[0].strip_suffix('+') {
         Some(spi) => (spi, true),
@@ -579,8 +580,8 @@ pub enum KeyErrorKind {
          `per-sender-spi`, found {0}"
     )]
     FieldCount(usize),
-    #[error("unknown fifth field `{0}`; the only one is `per-sender-spi`")]
-    UnknownOption(String),
+    #[error("the fifth field is not `per-sender-spi`, the only one there is")]
+    UnknownOption,
     #[error(
         "SPI must be a decimal number 1..=15, optionally followed by `+` for per-pair keys (it fills the 4 SPI bits of the xfrm mark)"
     )]
@@ -677,7 +678,12 @@ mod tests {
             (format!("3 rfc4106(gcm(aes)) 0x{HEX} 100"), "ICV"),
             (
                 format!("3 rfc4106(gcm(aes)) 0x{HEX} 128 extra"),
-                "unknown fifth field `extra`",
+                "the fifth field is not `per-sender-spi`",
+            ),
+            // Cilium's non-AEAD line has its encryption key in the fifth field: never quoted.
+            (
+                format!("3+ hmac(sha256) 0x{HEX} cbc(aes) 0x{HEX}"),
+                "the fifth field is not `per-sender-spi`",
             ),
             (
                 format!("3 rfc4106(gcm(aes)) 0x{HEX} 128 per-sender-spi x"),
