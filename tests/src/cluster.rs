@@ -472,6 +472,8 @@ pub struct PingRun {
     pub sent: u64,
     pub received: u64,
     pub lost: Vec<std::ops::RangeInclusive<u64>>,
+    /// The last request was unanswered when ping was stopped, and is in no count.
+    pub in_flight: bool,
 }
 
 impl LongPing {
@@ -495,15 +497,41 @@ impl LongPing {
             std::io::Read::read_to_string(&mut pipe, &mut stdout).unwrap();
         }
         self.0.wait().unwrap();
-        let (sent, received) = parse_ping(&stdout).expect("a ping summary");
+        let run = PingRun::of_interrupted(&stdout).expect("a ping summary");
         tally(|t| {
-            (t.pings_sent, t.pings_answered) = (t.pings_sent + sent, t.pings_answered + received)
+            (t.pings_sent, t.pings_answered) =
+                (t.pings_sent + run.sent, t.pings_answered + run.received)
         });
-        PingRun {
+        run
+    }
+}
+
+impl PingRun {
+    /// What a ping stopped by SIGINT printed. ping stops at once and counts the request it sent
+    /// last unanswered even when the answer is on its way (on a slow guest, a few percent of
+    /// stops), so an unanswered last request is left out of every count: only it can be in
+    /// flight.
+    pub fn of_interrupted(text: &str) -> Option<Self> {
+        let (mut sent, received) = parse_ping(text)?;
+        let mut lost = lost_runs(text, sent);
+        let mut in_flight = false;
+        if let Some(r) = lost.pop() {
+            let last = (first_seq(text) + sent).saturating_sub(1);
+            if *r.end() == last {
+                (sent, in_flight) = (sent - 1, true);
+                if r.start() < r.end() {
+                    lost.push(*r.start()..=last - 1);
+                }
+            } else {
+                lost.push(r);
+            }
+        }
+        Some(Self {
             sent,
             received,
-            lost: lost_runs(&stdout, sent),
-        }
+            lost,
+            in_flight,
+        })
     }
 }
 
@@ -517,6 +545,12 @@ impl Drop for LongPing {
     }
 }
 
+/// The sequence number of the first request: busybox numbers from 0 (`seq=`), iputils from 1
+/// (`icmp_seq=`).
+fn first_seq(text: &str) -> u64 {
+    u64::from(text.contains("icmp_seq="))
+}
+
 /// The runs of the `sent` sequence numbers that no reply line names (`seq=N` in busybox's
 /// lines, `icmp_seq=N` in iputils').
 pub fn lost_runs(text: &str, sent: u64) -> Vec<std::ops::RangeInclusive<u64>> {
@@ -528,8 +562,7 @@ pub fn lost_runs(text: &str, sent: u64) -> Vec<std::ops::RangeInclusive<u64>> {
             digits.parse().ok()
         })
         .collect();
-    // Busybox numbers from 0 (`seq=`), iputils from 1 (`icmp_seq=`).
-    let first = u64::from(text.contains("icmp_seq="));
+    let first = first_seq(text);
     let mut runs: Vec<std::ops::RangeInclusive<u64>> = Vec::new();
     for seq in (first..first + sent).filter(|s| !answered.contains(s)) {
         match runs.last_mut() {
@@ -812,5 +845,32 @@ mod tests {
         let iputils = "64 bytes from 10.244.2.2: icmp_seq=1 ttl=63 time=1 ms\n\
                        64 bytes from 10.244.2.2: icmp_seq=3 ttl=63 time=1 ms\n";
         assert_eq!(lost_runs(iputils, 4), vec![2..=2, 4..=4]);
+    }
+
+    #[test]
+    fn the_request_in_flight_when_ping_is_stopped_is_not_lost() {
+        let reply = |seq: &str| format!("64 bytes from 10.244.2.2: {seq} ttl=63 time=1 ms\n");
+        let summary = |sent: u64, got: u64| format!("{sent} packets transmitted, {got} received\n");
+        // iputils numbers from 1, busybox from 0: the last request is 4 and 3.
+        for (seq, first) in [("icmp_seq=", 1), ("seq=", 0)] {
+            let r = |n: u64| reply(&format!("{seq}{}", first + n));
+            let run = |text: String| PingRun::of_interrupted(&text).unwrap();
+            // The last of four unanswered: in flight, left out.
+            let t = run(r(0) + &r(1) + &r(2) + &summary(4, 3));
+            assert_eq!(
+                (t.sent, t.received, t.lost, t.in_flight),
+                (3, 3, vec![], true)
+            );
+            // A run that reaches the last request: only the last is left out.
+            let t = run(r(0) + &r(1) + &summary(4, 2));
+            assert_eq!((t.sent, t.lost), (3, vec![first + 2..=first + 2]));
+            // A request lost before the last one stays lost.
+            let t = run(r(0) + &r(2) + &r(3) + &summary(4, 3));
+            assert_eq!((t.sent, t.lost), (4, vec![first + 1..=first + 1]));
+            assert!(!t.in_flight);
+            // Nothing answered, nothing sent.
+            let t = run(summary(0, 0));
+            assert_eq!((t.sent, t.lost), (0, vec![]));
+        }
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use node_agent_tests::agent::{TestNode, wait_for};
 use node_agent_tests::cluster::{
-    self, Cluster, LongPing, PingRun, SimNode, answers, ping, tcp_transfer,
+    self, Cluster, LongPing, PingRun, SimNode, Timeline, answers, ping, tcp_transfer,
 };
 use node_agent_tests::report;
 
@@ -66,8 +66,15 @@ fn route_shapes(n: &SimNode) -> (usize, usize) {
 
 fn lost(what: &str, run: &PingRun) {
     report(&format!(
-        "pods: {what}: {} of {} pings answered, lost {:?}",
-        run.received, run.sent, run.lost
+        "pods: {what}: {} of {} pings answered, lost {:?}{}",
+        run.received,
+        run.sent,
+        run.lost,
+        if run.in_flight {
+            " (and one in flight when stopped)"
+        } else {
+            ""
+        }
     ));
 }
 
@@ -97,7 +104,9 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgr
                 reaches(to, one);
             }
 
-            // Traffic both ways through node-1.
+            // Traffic both ways through node-1. A ping's sequence number k left at +0.1k s.
+            let t = Timeline::start();
+            t.mark("node-1 -> node-2 and node-3 -> node-1 start");
             let mut runs = vec![
                 (
                     "node-1 -> node-2",
@@ -114,6 +123,7 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgr
             assert_eq!(grown(), 0, "node-1's maps had room for two peers");
             c.write_nodes(&listed);
             agents.push(c.start_agent(four, &[]));
+            t.mark("node-4 joins");
             reaches(one, four);
             reaches(four, one);
             assert_eq!(
@@ -122,6 +132,7 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgr
                 "node-4 grew node-1's maps: {}",
                 one.log_tail(20)
             );
+            t.mark("node-1 -> node-4 starts");
             runs.push((
                 "node-1 -> node-4",
                 LongPing::start(&one.pod_ns(), &four.pod4(), "0.1"),
@@ -144,8 +155,10 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgr
                 // SAFETY: kill on a child we own.
                 unsafe { libc::kill(agents[0].id() as i32, signal) };
                 agents[0].wait().unwrap();
+                t.mark(&format!("node-1 {what}: its agent stopped"));
                 agents[0] = c.start_agent(one, flags);
                 reconciled(one);
+                t.mark(&format!("node-1 {what}: its agent reconciled"));
                 wait_for(
                     &format!("node-1 {what}: (through nexthops, own gateway) = {shapes:?}"),
                     Duration::from_secs(60),
@@ -165,6 +178,7 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgr
             agents[3].kill().unwrap();
             agents[3].wait().unwrap();
             c.write_nodes(&listed[..3]);
+            t.mark("node-1's and node-4's agents down, node-4 leaves the list");
             wait_for(
                 "node-2 and node-3 forgetting node-4",
                 Duration::from_secs(60),
@@ -175,11 +189,13 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgr
                 "node-1's agent is down: its routes toward node-4 are still there"
             );
             agents[0] = c.start_agent(one, &small);
+            t.mark("node-1's agent started");
             wait_for(
                 "node-1's restarted agent removing node-4's routes",
                 Duration::from_secs(60),
                 || routes_toward(one, four).is_empty(),
             );
+            t.mark("node-1 has no route toward node-4");
             // node-4's pod is still there, but no longer reached from node-1; the other runs
             // go on meanwhile.
             assert_eq!(
@@ -197,7 +213,12 @@ fn pods_on_other_nodes_keep_talking_across_a_map_growth_a_restart_a_kill_an_upgr
             for (what, run) in [&to_two, &to_one] {
                 lost(what, run);
                 assert!(run.sent > 20, "{what}: the pings ran through every step");
-                assert!(run.lost.is_empty(), "{what}: pods on live nodes lost pings");
+                assert!(
+                    run.lost.is_empty(),
+                    "{what}: pods on live nodes lost pings {:?}, when:\n{t}node-1's log:\n{}",
+                    run.lost,
+                    one.log_tail(120)
+                );
             }
             lost(to_four.0, &to_four.1);
             assert!(
