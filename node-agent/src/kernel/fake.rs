@@ -83,11 +83,13 @@ impl FakeKernel {
                 self.ours.insert(id, o.clone());
             }
             Op::Delete(o) => {
-                // As the backend does: a nexthop something goes through is left alone.
+                // As the backend does: a nexthop something goes through is left alone. Only a
+                // nexthop has users, so only its delete looks for them (a look at every object).
+                let nexthop = o.kind() == ObjectKind::Nexthop;
                 let user = self.used_by.get(&id).cloned().or_else(|| {
-                    self.ours
-                        .values()
-                        .find(|r| r.uses().as_ref() == Some(&id))
+                    nexthop
+                        .then(|| self.ours.values().find(|r| r.uses().as_ref() == Some(&id)))
+                        .flatten()
                         .map(ToString::to_string)
                 });
                 if let Some(user) = user {
@@ -98,7 +100,9 @@ impl FakeKernel {
                 }
                 self.ours.remove(&id);
                 // The kernel deletes the routes through a nexthop with it.
-                self.ours.retain(|_, o| o.uses().as_ref() != Some(&id));
+                if nexthop {
+                    self.ours.retain(|_, o| o.uses().as_ref() != Some(&id));
+                }
             }
         }
         self.applied.push(op.clone());
