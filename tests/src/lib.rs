@@ -196,20 +196,7 @@ fn mount(
 /// and returns what it returns. Sockets `f` opens live in that namespace; the caller's thread
 /// stays where it is.
 pub fn in_netns<R: Send>(name: &str, f: impl FnOnce() -> R + Send) -> R {
-    use std::os::fd::AsRawFd;
-    let path = Path::new("/run/netns").join(name);
-    let ns =
-        std::fs::File::open(&path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // SAFETY: setns on a valid namespace fd; it changes only this thread's namespace.
-            let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns {name}: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
-    })
+    xtask::host::in_netns(name, f).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Writes a sysctl of the calling thread's network namespace, e.g. `net/ipv4/ip_forward`

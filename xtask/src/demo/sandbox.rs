@@ -272,25 +272,17 @@ impl Sandbox {
     /// Waits until node `i`'s agent answers `/readyz` with 200: it has listed and reconciled.
     pub(super) fn wait_readyz(&self, i: usize) -> anyhow::Result<()> {
         let ns = NODES[i].name;
-        let readyz =
-            || {
-                std::thread::scope(|s| {
-                    s.spawn(|| {
-                        super::traffic::in_netns(ns, || {
-                            use std::io::{Read as _, Write as _};
-                            let mut c = std::net::TcpStream::connect("127.0.0.1:9965")?;
-                            c.set_read_timeout(Some(Duration::from_secs(2)))?;
-                            c.write_all(b"GET /readyz HTTP/1.0\r\n\r\n")?;
-                            let mut answer = String::new();
-                            c.read_to_string(&mut answer)?;
-                            Ok(answer.starts_with("HTTP/1.1 200")
-                                || answer.starts_with("HTTP/1.0 200"))
-                        })
-                    })
-                    .join()
-                    .map_err(|_| anyhow::anyhow!("the readiness probe's thread panicked"))?
-                })
-            };
+        let readyz = || -> anyhow::Result<bool> {
+            xtask::host::in_netns(ns, || -> anyhow::Result<bool> {
+                use std::io::{Read as _, Write as _};
+                let mut c = std::net::TcpStream::connect("127.0.0.1:9965")?;
+                c.set_read_timeout(Some(Duration::from_secs(2)))?;
+                c.write_all(b"GET /readyz HTTP/1.0\r\n\r\n")?;
+                let mut answer = String::new();
+                c.read_to_string(&mut answer)?;
+                Ok(answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200"))
+            })?
+        };
         let start = Instant::now();
         while !readyz().unwrap_or(false) {
             if start.elapsed() > Duration::from_secs(30) {

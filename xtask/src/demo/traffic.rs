@@ -4,7 +4,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use xtask::host::parse_ping;
+use xtask::host::{in_netns, parse_ping};
 
 use super::cluster::NODES;
 use super::sandbox::Sandbox;
@@ -103,19 +103,6 @@ impl Sandbox {
 const TCP_BYTES: usize = 64 * 1024;
 const TCP_PORT: u16 = 7100;
 
-/// Runs `f` on a thread of its own in the named network namespace (sockets belong to the
-/// namespace of the thread that makes them).
-pub(super) fn in_netns<T>(ns: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
-    use std::os::fd::AsRawFd as _;
-    let file = std::fs::File::open(format!("/run/netns/{ns}"))
-        .with_context(|| format!("opening namespace {ns}"))?;
-    // SAFETY: setns(2) on a namespace file we hold open; it moves only this thread.
-    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        bail!("setns {ns}: {}", std::io::Error::last_os_error());
-    }
-    f()
-}
-
 /// One TCP connection from pod `from` to pod `to` at `addr`: [`TCP_BYTES`] sent, the server
 /// echoes them, the client checks what came back. Returns the bytes echoed. Every socket has a
 /// timeout, so a lost route fails the step instead of hanging it.
@@ -126,9 +113,10 @@ fn tcp_echo(from: &str, to: &str, addr: &str, port: u16) -> anyhow::Result<usize
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     std::thread::scope(|s| {
         let server = s.spawn(|| {
-            let listener = in_netns(to, || Ok(TcpListener::bind(("0.0.0.0", port))?));
+            let listener = in_netns(to, || TcpListener::bind(("0.0.0.0", port))).and_then(|l| l);
             let _ = ready_tx.send(listener.is_ok());
-            in_netns(to, || {
+            // The listener is the pod's, whichever thread accepts on it.
+            (|| {
                 let listener = listener?;
                 // Accepting without blocking for ever: a client that never connects ends the
                 // server at the deadline too.
@@ -153,7 +141,7 @@ fn tcp_echo(from: &str, to: &str, addr: &str, port: u16) -> anyhow::Result<usize
                 conn.read_to_end(&mut data)?;
                 conn.write_all(&data)?;
                 Ok(())
-            })
+            })()
         });
         if ready_rx.recv_timeout(Duration::from_secs(10)) != Ok(true) {
             return server
@@ -161,7 +149,7 @@ fn tcp_echo(from: &str, to: &str, addr: &str, port: u16) -> anyhow::Result<usize
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("the server panicked")))
                 .and(Err(anyhow::anyhow!("the server did not listen")));
         }
-        let client = in_netns(from, || {
+        let client = in_netns(from, || -> anyhow::Result<usize> {
             let target: SocketAddr = format!("{addr}:{port}").parse()?;
             let mut conn = TcpStream::connect_timeout(&target, Duration::from_secs(10))?;
             conn.set_read_timeout(timeout)?;
@@ -175,7 +163,9 @@ fn tcp_echo(from: &str, to: &str, addr: &str, port: u16) -> anyhow::Result<usize
                 bail!("{} of {} bytes came back intact", back.len(), sent.len());
             }
             Ok(back.len())
-        });
+        })
+        .map_err(anyhow::Error::from)
+        .and_then(|r| r);
         let served = server
             .join()
             .unwrap_or_else(|_| Err(anyhow::anyhow!("the server panicked")));
