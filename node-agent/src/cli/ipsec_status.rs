@@ -12,7 +12,7 @@ use anyhow::Context;
 use serde::Serialize;
 use state::checkpoint::{self, Checkpoint};
 use state::node::Family;
-use state::objects::{GuardRole, NodeId, XfrmDir, XfrmState};
+use state::objects::{GuardRole, NodeId, XfrmDir, XfrmGuard, XfrmState};
 
 use super::{BpffsArg, Output};
 use crate::backends::xfrm::{KeyBook, KeyFile, XfrmBackend, stats};
@@ -103,42 +103,12 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
     let cp = read_checkpoint(&args.state_dir)?;
     let mut status = Status {
         send_spi: send_spi(&pod_cidrs_pin(&args.bpffs.bpffs))?,
-        guards: policies
-            .guards
-            .iter()
-            .map(|g| {
-                let role = match g.role {
-                    GuardRole::Block => "block",
-                    GuardRole::AcceptDecrypted => "accept-decrypted",
-                };
-                let broken = if g.intact {
-                    ""
-                } else {
-                    " (changed by someone)"
-                };
-                format!("{role} {}{broken}", family_name(g.family))
-            })
-            .collect(),
+        guards: policies.guards.iter().map(guard_line).collect(),
         xfrm_stat: stats::read()?.unwrap_or_default().into_iter().collect(),
         ..Status::default()
     };
     if let Some(path) = &args.ipsec_key_file {
-        let file = KeyFile::load(path)?;
-        for k in &file.keys {
-            status.keys.push(KeyStatus {
-                spi: k.spi(),
-                per_pair: k.per_pair(),
-                spi_layout: k.layout().name(),
-                tag: k.tag().to_string(),
-                first_seen_unix: cp.as_ref().and_then(|c| {
-                    c.ipsec_keys
-                        .iter()
-                        .find(|s| s.spi == k.spi())
-                        .map(|s| s.first_seen.as_secs())
-                }),
-                states: states.iter().filter(|s| s.spi.key() == k.spi()).count(),
-            });
-        }
+        status.keys = key_statuses(&KeyFile::load(path)?, cp.as_ref(), &states);
     }
     let by_node = per_node(&states, &policies.policies);
     // The agent keeps guards in every family this node has an xfrm endpoint in: there, a node
@@ -197,6 +167,40 @@ async fn gather(args: &Args) -> anyhow::Result<Status> {
         });
     }
     Ok(status)
+}
+
+/// A guard as the status shows it: its role and family, and whether someone changed it.
+fn guard_line(g: &XfrmGuard) -> String {
+    let role = match g.role {
+        GuardRole::Block => "block",
+        GuardRole::AcceptDecrypted => "accept-decrypted",
+    };
+    let broken = if g.intact {
+        ""
+    } else {
+        " (changed by someone)"
+    };
+    format!("{role} {}{broken}", family_name(g.family))
+}
+
+/// Each key of `file`: what it is, when the agent first saw it (`cp`), and its `states`.
+fn key_statuses(file: &KeyFile, cp: Option<&Checkpoint>, states: &[XfrmState]) -> Vec<KeyStatus> {
+    file.keys
+        .iter()
+        .map(|k| KeyStatus {
+            spi: k.spi(),
+            per_pair: k.per_pair(),
+            spi_layout: k.layout().name(),
+            tag: k.tag().to_string(),
+            first_seen_unix: cp.and_then(|c| {
+                c.ipsec_keys
+                    .iter()
+                    .find(|s| s.spi == k.spi())
+                    .map(|s| s.first_seen.as_secs())
+            }),
+            states: states.iter().filter(|s| s.spi.key() == k.spi()).count(),
+        })
+        .collect()
 }
 
 fn read_checkpoint(dir: &std::path::Path) -> anyhow::Result<Option<Checkpoint>> {
