@@ -763,19 +763,16 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
             ));
         }
     }
-    // A nexthop a foreign route uses is kept whoever it was for: history, which a fresh kernel
-    // (where the foreign route could not be planted before the nexthop) does not have.
-    // Left out on both sides, whichever kernel has the foreign route.
-    let foreign_users: BTreeSet<u32> = a
-        .elsewhere
-        .values()
-        .chain(b.elsewhere.values())
-        .copied()
-        .collect();
+    // A nexthop only a foreign route uses is kept for it, whoever it was for: history, which a
+    // fresh kernel (where the foreign route could not be planted before the nexthop) does not
+    // have. Each kernel leaves out its own such nexthops; one that also carries a route of ours
+    // is a live node's, and compared.
     let to_node = |s: &Snapshot| -> BTreeSet<(Option<(u16, Family)>, String)> {
+        let ours_use: BTreeSet<&u32> = s.nhids.values().collect();
+        let kept = |id: &u32| s.elsewhere.values().any(|u| u == id) && !ours_use.contains(id);
         s.our_nexthops()
             .into_iter()
-            .filter(|(id, gw)| n.ips.iter().any(|ip| ip == gw) && !foreign_users.contains(id))
+            .filter(|(id, gw)| n.ips.iter().any(|ip| ip == gw) && !kept(id))
             .map(|(id, gw)| (pair(&id), gw.to_owned()))
             .collect()
     };
@@ -802,4 +799,69 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
         ));
     }
     d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each kernel is judged by its own foreign routes. Seed 1795920953631136453 (history 47 of
+    /// seed 1795920953631136406): a node readdressed while a foreign route used its IPv4
+    /// nexthop; the agent kept that nexthop for its user and gave the node its other IPv4 ID,
+    /// while a fresh kernel (no foreign route) holds the node's nexthop at the first ID. The
+    /// agent's kernel is right; the oracle had left out every nexthop at an ID a foreign route
+    /// used in either kernel, so the fresh kernel's live one too.
+    #[test]
+    fn each_kernel_is_judged_by_its_own_foreign_routes() {
+        let n = TestNode {
+            name: "n004".into(),
+            ips: vec!["10.88.7.18".into(), "fd00:88::7:12".into()],
+            cidrs: vec!["10.130.5.0/24".into(), "fd00:130:5::/64".into()],
+            ..TestNode::default()
+        };
+        let (v4, v4_other, v6) = (nexthop_id(1, false), 201_500_001, nexthop_id(1, true));
+        assert_eq!(
+            NexthopId(v4_other).decode().map(|(id, f)| (id.get(), f)),
+            Some((1, Family::V4))
+        );
+        let ours = |gw: &str| (gw.to_owned(), "201".to_owned());
+        let routes = BTreeMap::from([
+            ("10.130.5.0/24".to_owned(), ours("10.88.7.18")),
+            ("fd00:130:5::/64".to_owned(), ours("fd00:88::7:12")),
+        ]);
+        let here = Snapshot {
+            routes: routes.clone(),
+            nexthops: BTreeMap::from([
+                (v4, ours("10.88.7.20")),
+                (v4_other, ours("10.88.7.18")),
+                (v6, ours("fd00:88::7:12")),
+            ]),
+            nhids: BTreeMap::from([
+                ("10.130.5.0/24".to_owned(), v4_other),
+                ("fd00:130:5::/64".to_owned(), v6),
+            ]),
+            elsewhere: BTreeMap::from([("10.130.1.0/24".to_owned(), v4)]),
+            ..Snapshot::default()
+        };
+        let fresh = Snapshot {
+            routes,
+            nexthops: BTreeMap::from([(v4, ours("10.88.7.18")), (v6, ours("fd00:88::7:12"))]),
+            nhids: BTreeMap::from([
+                ("10.130.5.0/24".to_owned(), v4),
+                ("fd00:130:5::/64".to_owned(), v6),
+            ]),
+            ..Snapshot::default()
+        };
+        assert_eq!(node_difference(&n, &here, &fresh), Vec::<String>::new());
+        // Without its IPv4 nexthop, the fresh kernel differs.
+        let mut lacking = fresh.clone();
+        lacking.nexthops.remove(&v4);
+        assert_eq!(node_difference(&n, &here, &lacking).len(), 1);
+        // A live nexthop a foreign route uses too (the step before the readdress) is compared:
+        // the fresh kernel, where no foreign route could use it, has it alike.
+        let mut shared = fresh.clone();
+        shared.elsewhere = BTreeMap::from([("10.130.1.0/24".to_owned(), v4)]);
+        assert_eq!(node_difference(&n, &shared, &fresh), Vec::<String>::new());
+        assert_eq!(node_difference(&n, &shared, &lacking).len(), 1);
+    }
 }
