@@ -243,7 +243,7 @@ fn sync_foreign(planted: &mut Vec<usize>, want: &[usize]) {
 }
 
 /// Keeps what a failing step leaves for a post-mortem in `dir`: the agent's log (every run's,
-/// steps marked), the record before the step, and the kernel before and after it.
+/// steps marked), the record before the step and after it, and the kernel before and after it.
 fn keep_evidence(dir: &std::path::Path, env: &AgentEnv, facts: &StepFacts<'_>) {
     let _ = std::fs::remove_dir_all(dir);
     if std::fs::create_dir_all(dir).is_err() {
@@ -264,6 +264,9 @@ fn keep_evidence(dir: &std::path::Path, env: &AgentEnv, facts: &StepFacts<'_>) {
     let _ = std::fs::write(dir.join("kernel-after.txt"), format!("{:#?}", facts.after));
     let list: String = facts.list.iter().map(|n| format!("{n:?}\n")).collect();
     let _ = std::fs::write(dir.join("list.txt"), list);
+    // The record as the agent left it, in its own words: held removals and pending deletes too.
+    let (_, shown, err) = env.cli(&["state", "show"]);
+    let _ = std::fs::write(dir.join("record-after.txt"), format!("{shown}{err}"));
 }
 
 /// How one history runs: its profile, the agent's modes, the seed of its lists.
@@ -364,6 +367,11 @@ impl Run {
                     ),
                     before: &before,
                     shown: shown.as_ref().unwrap_or(&before),
+                    rested: if shown.is_some() {
+                        &previous_clean
+                    } else {
+                        &[]
+                    },
                     after: &after,
                     exit,
                     forced: step.action == Action::OnceForced,
@@ -416,7 +424,12 @@ impl Run {
                     outcome.failure = Some((i, broke));
                     return outcome;
                 }
-                previous_clean = oracle::clean(&read, record_before.as_deref())
+                let rested = if shown.is_some() {
+                    previous_clean.clone()
+                } else {
+                    Vec::new()
+                };
+                previous_clean = oracle::clean(&read, record_before.as_deref(), &rested)
                     .into_iter()
                     .cloned()
                     .collect();
@@ -489,7 +502,7 @@ impl Run {
         };
         // A node waiting for an ID at the edge of the ID space is held as it was; a moment later
         // (the fresh run) an ID may have cooled past the floor: when, not what.
-        for n in oracle::clean(read, record.as_deref())
+        for n in oracle::clean(read, record.as_deref(), &[])
             .into_iter()
             .filter(|n| !waiting.contains(&n.name))
         {

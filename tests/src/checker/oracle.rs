@@ -267,8 +267,15 @@ fn same_node(r: &Recorded, n: &TestNode) -> bool {
 /// The nodes of `list` that nothing may hold back: valid, with addresses, claiming nothing that
 /// another listed node (the local node included, held nodes by their record), or a recorded
 /// node that is no longer listed, claims. Whatever the brake, the incumbency rules or a restart
-/// do, these must be programmed.
-pub fn clean<'a>(list: &'a [TestNode], record: Option<&'a [Recorded]>) -> Vec<&'a TestNode> {
+/// do, these must be programmed. `rested` are the nodes a daemon programmed before it was shown
+/// `list` (the last step's clean nodes, for a daemon that came to rest on the last list first):
+/// they are in its record by then, and one no longer listed claims what it had, as a recorded
+/// one does.
+pub fn clean<'a>(
+    list: &'a [TestNode],
+    record: Option<&'a [Recorded]>,
+    rested: &'a [TestNode],
+) -> Vec<&'a TestNode> {
     let record = record.unwrap_or_default();
     let mut claims: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
     let mut claim = |r: &'a str, who: &'a str| {
@@ -292,6 +299,13 @@ pub fn clean<'a>(list: &'a [TestNode], record: Option<&'a [Recorded]>) -> Vec<&'
         if !list.iter().any(|n| same_node(rec, n)) {
             for r in rec.resources() {
                 claim(r, "(a recorded node no longer listed)");
+            }
+        }
+    }
+    for n in rested {
+        if !list.iter().any(|l| l.name == n.name && l.uid() == n.uid()) {
+            for r in n.ips.iter().chain(&n.cidrs) {
+                claim(r, "(a node programmed before the list, no longer listed)");
             }
         }
     }
@@ -333,6 +347,9 @@ pub struct StepFacts<'a> {
     /// The kernel when the step's list reached the agent: `before`, or later for a daemon that
     /// first came to rest on the last step's list.
     pub shown: &'a Snapshot,
+    /// The nodes that daemon programmed at rest on the last step's list (its clean nodes); none
+    /// otherwise.
+    pub rested: &'a [TestNode],
     pub after: &'a Snapshot,
     /// The run's exit status; `None` for a daemon that was killed.
     pub exit: Option<i32>,
@@ -523,7 +540,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
     {
         v.push(format!("the run exited {code}"));
     }
-    let clean_now = clean(f.list, f.record_before);
+    let clean_now = clean(f.list, f.record_before, f.rested);
     // No object of a live, clean, unchanged node is ever deleted, not even by a killed agent.
     for n in &clean_now {
         if !f.previous_clean.contains(n) {
@@ -804,6 +821,29 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A node a restarted daemon programmed on the last list, then saw removed, claims what it
+    /// had. Seed 1795920953633136419 (history 13 of seed 1795920953633136406, event-sized): a
+    /// daemon killed while readdressing n007 to 10.88.7.18 was started again on that list and
+    /// finished it; the next list gave 10.88.7.18 to n004 and dropped every other node, the
+    /// brake held the wipe, and n007 kept its address. The agent held n004 back, rightly; the
+    /// oracle, which knew only the record from before the restart, had called n004 clean.
+    #[test]
+    fn a_node_programmed_before_the_list_claims_what_it_had() {
+        let node = |name: &str, ip: &str, cidr: &str| TestNode {
+            name: name.into(),
+            ips: vec![ip.into()],
+            cidrs: vec![cidr.into()],
+            ..TestNode::default()
+        };
+        let list = [node("n004", "10.88.7.18", "10.130.7.0/24")];
+        let rested = [node("n007", "10.88.7.18", "10.130.6.0/24")];
+        assert!(clean(&list, None, &rested).is_empty());
+        assert_eq!(clean(&list, None, &[]).len(), 1);
+        // Still listed, it claims only what the list gives it.
+        let both = [list[0].clone(), node("n007", "10.88.7.19", "10.130.6.0/24")];
+        assert_eq!(clean(&both, None, &rested).len(), 2);
+    }
 
     /// Each kernel is judged by its own foreign routes. Seed 1795920953631136453 (history 47 of
     /// seed 1795920953631136406): a node readdressed while a foreign route used its IPv4
