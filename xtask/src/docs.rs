@@ -255,9 +255,9 @@ fn normalize(text: &str) -> Vec<String> {
 }
 
 /// One line with what varies between runs masked: `2026-11-28T08:00:35.555083Z`, the digits
-/// after `node-agent-demo-`, `elapsed_ms=`, `corrupt-`, `btf_id `, `memlock ` (kernels differ),
-/// `"confirmable_at_unix": `, `(pid `, `(12s ago)`, and a kernel object ID that starts a line
-/// (`42780: hash ...`).
+/// after `node-agent-demo-`, `elapsed_ms=`, `apply_ms=`, `corrupt-`, `btf_id `, `memlock `
+/// (kernels differ), `"confirmable_at_unix": `, `(pid `, `(12s ago)`, and a kernel object ID
+/// that starts a line (`42780: hash ...`).
 fn mask(line: &str) -> String {
     let id = line.bytes().take_while(u8::is_ascii_digit).count();
     if id > 0 && line[id..].starts_with(": ") {
@@ -275,6 +275,7 @@ fn mask(line: &str) -> String {
         let after = [
             "node-agent-demo-",
             "elapsed_ms=",
+            "apply_ms=",
             "corrupt-",
             "btf_id ",
             "memlock ",

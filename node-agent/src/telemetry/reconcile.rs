@@ -155,6 +155,8 @@ pub struct Reconciled<'a> {
     pub writes: usize,
     pub failures: usize,
     pub started: Instant,
+    /// How long the kernel writes took, of the whole.
+    pub applied: std::time::Duration,
     /// The kernel was dumped (rather than the last reconcile's result planned from).
     pub dumped: bool,
 }
@@ -170,6 +172,7 @@ impl Reconciled<'_> {
             ..
         } = *self;
         let elapsed_ms = self.started.elapsed().as_millis() as u64;
+        let apply_ms = self.applied.as_millis() as u64;
         let (deletes, upserts) = (plan.deletes.len(), plan.upserts.len());
         let event_sized = plan.scope.is_some();
         if plan.is_empty() && failures == 0 {
@@ -190,6 +193,7 @@ impl Reconciled<'_> {
                 deletes,
                 upserts,
                 elapsed_ms,
+                apply_ms,
                 dumped,
                 event_sized,
                 settled = plan.settled,

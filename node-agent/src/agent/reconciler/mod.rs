@@ -295,7 +295,9 @@ impl<K: Kernel> Reconciler<K> {
             // apply builds the new view (at scale, the two would add up in the peak RSS).
             crate::runtime::memory::give_back();
         }
+        let applying = Instant::now();
         let Applied { writes, failed } = self.apply(&plan, &mut seen, &contested).await;
+        let applied = applying.elapsed();
         let Spliced { pruned, changed } = self.splice(&plan, &failed);
         self.record_outcome(&plan, &seen.inventory, started);
         self.view.keep(seen.inventory, failed.is_empty());
@@ -309,6 +311,7 @@ impl<K: Kernel> Reconciler<K> {
             writes,
             failures,
             started,
+            applied,
             dumped,
         }
         .log();
