@@ -943,6 +943,37 @@ fn a_foreign_nexthop_at_a_nodes_first_id_sends_it_to_the_second_and_at_both_keep
     }
 }
 
+/// A nexthop stays only with a route through it, as it goes in only with one: when a foreign
+/// route takes a node's only destination, the node's nexthop goes, and the kernel is what a
+/// fresh agent leaves from the same record.
+#[test]
+fn a_nexthop_whose_routes_a_foreign_route_took_goes() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    let (_, cp) = r.reconcile(None, &[a()], &mut k);
+    assert!(k.ours.contains_key(&ObjectId::Nexthop {
+        id: nh_id(1, Family::V4)
+    }));
+    let route = ObjectId::Route {
+        dst: net("10.1.1.0/24"),
+        metric: 0,
+    };
+    k.ours.remove(&route);
+    k.foreign
+        .insert(route.clone(), "route 10.1.1.0/24 proto static".into());
+    let (_, cp2) = r.reconcile(Some(&cp), &[a()], &mut k);
+    let mut fresh = Kernel::default();
+    fresh
+        .foreign
+        .insert(route, "route 10.1.1.0/24 proto static".into());
+    r.reconcile(Some(&cp2), &[a()], &mut fresh);
+    assert_eq!(k.ours, fresh.ours);
+    assert_eq!(
+        k.ours.values().cloned().collect::<Vec<_>>(),
+        [map("10.0.0.1", 1)]
+    );
+}
+
 #[test]
 fn a_nexthop_that_a_foreign_route_uses_outlives_its_node() {
     let r = with_nexthops();
