@@ -11,6 +11,7 @@ pub mod apiserver;
 pub mod checker;
 pub mod cluster;
 pub mod fixture;
+pub mod ip_xfrm;
 
 pub use xtask::host::which;
 

@@ -15,8 +15,7 @@ use node_agent_tests::cluster::{
     self, Capture, Cluster, LongPing, SimNode, Timeline, ping, tcp_transfer, write_keys,
 };
 use node_agent_tests::{report, runtime, skip_without_esp};
-use state::objects::SpiLayout;
-use state::spi::sender_tag;
+use state::objects::{Spi, SpiLayout};
 
 /// Key 3 in the key SPI layout (what every release sends), and key 4 in either layout.
 const KEY3: (u8, &str, SpiLayout) = (
@@ -322,8 +321,12 @@ fn a_key_rotation_to_the_per_sender_spi_layout_loses_almost_nothing_survives_a_k
                 Duration::from_secs(10),
                 || {
                     let states = a.states();
-                    let keys: BTreeSet<u32> = states.iter().map(|s| s.2 & 0x0F).collect();
-                    states.len() == 2 * STATES_PER_PEER && keys == BTreeSet::from([3, 4])
+                    let keys: BTreeSet<Option<u8>> = states
+                        .iter()
+                        .map(|s| Spi::from_wire(s.2).map(Spi::key))
+                        .collect();
+                    states.len() == 2 * STATES_PER_PEER
+                        && keys == BTreeSet::from([Some(3), Some(4)])
                 },
             );
             t.mark("node-a has states for 3 and 4");
@@ -379,7 +382,7 @@ fn a_key_rotation_to_the_per_sender_spi_layout_loses_almost_nothing_survives_a_k
             assert_eq!(n.metric("node_agent_ipsec_keys_in_use"), Some(1.0));
             let states = n.states();
             let per_sender = |s: &(String, String, u32)| {
-                s.2 & 0x0F == 4 && s.2 >> 4 == sender_tag(s.0.parse().unwrap())
+                Spi::from_wire(s.2) == Some(Spi::new(4, SpiLayout::PerSender, s.0.parse().unwrap()))
             };
             assert!(
                 states.iter().all(per_sender),

@@ -21,6 +21,7 @@ use node_agent::backends::Backend;
 use node_agent::backends::xfrm::{IpsecKey, KeyBook, KeyFile};
 use node_agent::backends::xfrm::{ProbeError, XfrmBackend};
 use node_agent_tests::fixture::{all_ok, deletes, upserts};
+use node_agent_tests::ip_xfrm;
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
 use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip, skip_without_esp};
@@ -377,6 +378,46 @@ fn states_round_trip_v4_and_v6() {
     });
 }
 
+/// The benchmarks' `ip -batch` baselines (`node_agent_tests::ip_xfrm`) write what the agent
+/// writes: the states and policies of both families, in both SPI layouts, added by their lines
+/// and dumped by the agent's backend, are the same objects, and their delete lines leave none.
+#[test]
+fn ip_batch_baselines_write_what_the_agent_writes() {
+    with_esp(node_agent_tests::test_name!(), |mut b| async move {
+        let mut objs = Vec::new();
+        for layout in [SpiLayout::Key, SpiLayout::PerSender] {
+            for o in our_states().into_iter().chain(our_policies()) {
+                objs.push(match o {
+                    KernelObject::XfrmState(s) => KernelObject::XfrmState(XfrmState {
+                        spi: Spi::new(SPI, layout, s.src),
+                        ..s
+                    }),
+                    KernelObject::XfrmPolicy(p) => KernelObject::XfrmPolicy(XfrmPolicy {
+                        spi: Spi::new(SPI, layout, p.tmpl_src),
+                        // The other layout's policies for other pod CIDRs: one policy a CIDR.
+                        dst: match layout {
+                            SpiLayout::Key => p.dst,
+                            SpiLayout::PerSender => {
+                                IpNet::new(p.dst.addr(), p.dst.prefix_len() + 1).unwrap()
+                            }
+                        },
+                        ..p
+                    }),
+                    other => other,
+                });
+            }
+        }
+        ip_batch(&[], &ip_xfrm::adds(&objs, KEY_HEX));
+        assert_eq!(set(b.dump().await.unwrap()), set(objs.clone()));
+        ip_batch(&[], &ip_xfrm::deletes(&objs));
+        assert!(b.dump().await.unwrap().is_empty());
+        report(&format!(
+            "xfrm: {} states and policies of both families and both SPI layouts written by ip -batch lines dump as the agent's own",
+            objs.len()
+        ));
+    });
+}
+
 #[test]
 fn state_upserts_are_idempotent() {
     with_esp(node_agent_tests::test_name!(), |mut b| async move {
@@ -669,26 +710,12 @@ fn bench_policies_against_ip_batch() {
         .collect();
     sandbox(|_| {
         // The floor: iproute2 doing the same work, one request at a time, in one process.
-        let (mut add, mut del) = (String::new(), String::new());
-        for p in &policies {
-            let m = mark::encode(p.node_id, p.spi.key(), p.dir);
-            add.push_str(&format!(
-                "xfrm policy add src {} dst {} dir out mark {m:#x} mask {:#x} tmpl src {} dst {} \
-                 proto esp spi {} reqid 1 mode tunnel\n",
-                p.src,
-                p.dst,
-                mark::MASK,
-                p.tmpl_src,
-                p.tmpl_dst,
-                p.spi.wire()
-            ));
-            del.push_str(&format!(
-                "xfrm policy delete src {} dst {} dir out mark {m:#x} mask {:#x}\n",
-                p.src,
-                p.dst,
-                mark::MASK
-            ));
-        }
+        let objs: Vec<KernelObject> = policies
+            .iter()
+            .cloned()
+            .map(KernelObject::XfrmPolicy)
+            .collect();
+        let (add, del) = (ip_xfrm::adds(&objs, KEY_HEX), ip_xfrm::deletes(&objs));
         let t = Instant::now();
         ip_batch(&[], &add);
         let ip_add = t.elapsed();
@@ -701,11 +728,6 @@ fn bench_policies_against_ip_batch() {
         let ip_del = t.elapsed();
         assert_eq!(count(&ip_text(&["xfrm", "policy"])), 0);
 
-        let objs: Vec<KernelObject> = policies
-            .iter()
-            .cloned()
-            .map(KernelObject::XfrmPolicy)
-            .collect();
         let (ours_add, ours_dump, ours_del) = runtime().block_on(async {
             let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
             let t = Instant::now();
@@ -797,17 +819,7 @@ fn xfrm_scaling(n: u16, layout: SpiLayout) {
                 ..p
             }));
         }
-        let mut add = String::new();
-        for o in &states {
-            let KernelObject::XfrmState(s) = o else {
-                unreachable!()
-            };
-            let m = mark::encode(s.node_id, s.spi.key(), s.dir);
-            add.push_str(&format!(
-                    "xfrm state add src {} dst {} proto esp spi {:#x} reqid 1 mode tunnel mark {m:#x} mask {:#x} aead 'rfc4106(gcm(aes))' 0x{KEY_HEX} 128\n",
-                    s.src, s.dst, s.spi.wire(), mark::MASK
-                ));
-        }
+        let add = ip_xfrm::adds(&states, KEY_HEX);
         let t = Instant::now();
         ip_batch(&[], &add);
         let ip_states = t.elapsed();

@@ -1,101 +1,134 @@
-//! The xfrm floor of the IPsec benchmark: iproute2 adding, in one `ip -batch`, the states and
-//! policies the agent writes for a cluster, in the per-sender SPI layout: the same endpoints,
-//! SPIs, marks and key, one request at a time, in one process; in a kernel that holds the
-//! cluster's routes, as the agent's does. That matters: every IPv6 policy the kernel adds or
-//! deletes makes it walk the whole IPv6 routing table (the xfrm change bumps the IPv6 route
-//! generation, and the FIB's serial numbers are updated route by route), so an IPv6 policy
-//! costs time in proportion to the IPv6 routes there are. Measured in the guest: 270 µs per
-//! policy without routes at 5,000 and 20,000 nodes; with the routes, 1.1 ms at 5,000 and 3.4 ms
-//! at 20,000 (IPv4 policies: 240 µs either way).
+//! The xfrm floor of the IPsec benchmark: iproute2 writing, with `ip -batch` (one request at a
+//! time, in one process), the states and policies the agent writes for a cluster under a
+//! per-sender key: the planner's own objects ([`state::plan::desired_objects`]), written as the
+//! agent's messages ask ([`node_agent_tests::ip_xfrm`]); in a kernel that holds the cluster's
+//! routes, as the agent's does. That matters: every IPv6 policy the kernel adds or deletes makes
+//! it walk the whole IPv6 routing table (the xfrm change bumps the IPv6 route generation, and
+//! the FIB's serial numbers are updated route by route), so an IPv6 policy costs time in
+//! proportion to the IPv6 routes there are. Measured in the guest: 270 µs per policy without
+//! routes at 5,000 and 20,000 nodes; with the routes, 1.1 ms at 5,000 and 3.4 ms at 20,000
+//! (IPv4 policies: 240 µs either way).
+//!
+//! Two figures: the cold start's (every node's objects into an empty SAD and SPD), and an
+//! event's (a few more nodes' objects added to the full ones and deleted again, per node), since
+//! what one write costs depends on what the kernel already holds.
 
-use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use node_agent_tests::agent::TestNode;
-use node_agent_tests::{ip, ip_batch};
-use state::objects::{NodeId, Spi, SpiLayout, XfrmDir, mark};
+use node_agent_tests::{ip, ip_batch, ip_xfrm};
+use state::node::{Node, RawNode};
+use state::objects::{KernelObject, KeyTag, NodeId, SpiLayout};
+use state::plan::desired::desired_objects;
+use state::plan::{GlobalTags, IpsecConfig, KeyInUse, PlanConfig};
 
 /// The link the cluster's routes go through while the floor runs (the benchmark's own).
 const ROUTE_DEV: &str = "gw0";
+/// The nodes an event's figure is measured over.
+const EVENT_NODES: u32 = 50;
 
 /// What the floor measured.
 pub struct XfrmFloor {
-    /// States and policies added.
+    /// States and policies of the cold start.
     pub objects: usize,
+    /// Adding them.
     pub add: Duration,
+    /// One event's share at full size: the mean of a node added, a node removed and a node
+    /// readdressed (removed and added), each timed beside every other node's objects.
+    pub event: Duration,
 }
 
 impl XfrmFloor {
-    /// Microseconds per object.
+    /// Microseconds per object of the cold start.
     pub fn per_object_us(&self) -> f64 {
         self.add.as_secs_f64() * 1e6 / self.objects.max(1) as f64
     }
 
-    /// Adds what the agent on `local` writes toward `nodes` under key `key` (`hex`, a global
-    /// key), times it, and removes it again. As the agent: per family both ends have an address
-    /// in, an OUT state when the node has pod CIDRs of the family, an IN state when `local`
-    /// has, an OUT policy per pod CIDR.
+    /// Writes what the agent on `local` writes toward `nodes` under key `key` (`hex`, a global
+    /// key in the per-sender layout), times it, times an event's share, and removes it all.
     pub fn measure(local: &TestNode, nodes: &[TestNode], key: u8, hex: &str) -> Self {
-        let addr = |n: &TestNode, v4: bool| {
-            n.ips
-                .iter()
-                .filter_map(|a| a.parse::<IpAddr>().ok())
-                .find(|a| a.is_ipv4() == v4)
+        let config = PlanConfig {
+            local_addresses: local.ips.iter().map(|a| a.parse().unwrap()).collect(),
+            local_pod_cidrs: local.cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            ipsec: Some(IpsecConfig {
+                send_spi: key,
+                keys: vec![KeyInUse {
+                    spi: key,
+                    tag: KeyTag::default(),
+                    layout: SpiLayout::PerSender,
+                }],
+                seen: Vec::new(),
+                tags: Arc::new(GlobalTags),
+            }),
+            ..PlanConfig::default()
         };
-        let cidrs = |n: &TestNode, v4: bool| -> Vec<String> {
-            let of_family = |c: &&String| c.contains(':') != v4;
-            n.cidrs.iter().filter(of_family).cloned().collect()
-        };
-        let (mut states, mut policies, mut objects) = (String::new(), String::new(), 0);
-        for (i, n) in nodes.iter().enumerate() {
-            let id = NodeId::new(u16::try_from(i + 1).unwrap_or(u16::MAX)).unwrap();
-            for v4 in [true, false] {
-                let (Some(here), Some(there)) = (addr(local, v4), addr(n, v4)) else {
-                    continue;
-                };
-                let theirs = cidrs(n, v4);
-                let ends = [
-                    (!theirs.is_empty(), here, there, XfrmDir::Out),
-                    (!cidrs(local, v4).is_empty(), there, here, XfrmDir::In),
-                ];
-                for (_, src, dst, dir) in ends.into_iter().filter(|e| e.0) {
-                    let spi = Spi::new(key, SpiLayout::PerSender, src).wire();
-                    let m = mark::encode(id, key, dir);
-                    states.push_str(&format!(
-                        "xfrm state add src {src} dst {dst} proto esp spi {spi:#x} reqid 1 \
-                         mode tunnel flag esn replay-window 1024 mark {m:#x} mask {:#x} \
-                         aead 'rfc4106(gcm(aes))' 0x{hex} 128\n",
-                        mark::MASK
-                    ));
-                    objects += 1;
-                }
-                let out = Spi::new(key, SpiLayout::PerSender, here).wire();
-                let m = mark::encode(id, key, XfrmDir::Out);
-                let any = if v4 { "0.0.0.0/0" } else { "::/0" };
-                for cidr in theirs {
-                    policies.push_str(&format!(
-                        "xfrm policy add src {any} dst {cidr} dir out mark {m:#x} mask {:#x} \
-                         tmpl src {here} dst {there} proto esp spi {out:#x} reqid 1 mode tunnel\n",
-                        mark::MASK
-                    ));
-                    objects += 1;
-                }
+        let n = u32::try_from(nodes.len()).unwrap();
+        let extra: Vec<TestNode> = (0..EVENT_NODES)
+            .map(|k| TestNode::wide(&format!("floor-event-{k}"), 5 * n + k))
+            .collect();
+        // In the order the agent writes them: states, then the policies that select them.
+        let xfrm_of = |nodes: &[TestNode], first_id: usize| -> Vec<KernelObject> {
+            let mut out = Vec::new();
+            for (i, t) in nodes.iter().enumerate() {
+                let id = NodeId::new(u16::try_from((first_id + i) % 65_535 + 1).unwrap()).unwrap();
+                desired_objects(
+                    &node(t),
+                    id,
+                    &config,
+                    &state::inventory::Inventory::new(),
+                    &mut out,
+                    &mut Vec::new(),
+                );
             }
-        }
+            out.retain(|o| ip_xfrm::delete(o).is_some());
+            out.sort_by_key(|o| o.kind().rank());
+            out
+        };
+        let cluster = xfrm_of(nodes, 0);
+        let events = xfrm_of(&extra, nodes.len());
         let routes: String = nodes
             .iter()
+            .chain(&extra)
             .flat_map(|n| n.cidrs.iter())
-            .map(|c| format!("route add {c} dev {dev}\n", dev = ROUTE_DEV))
+            .map(|c| format!("route add {c} dev {ROUTE_DEV}\n"))
             .collect();
         ip_batch(&[], &routes);
         let t = Instant::now();
-        ip_batch(&[], &states);
-        ip_batch(&[], &policies);
+        ip_batch(&[], &ip_xfrm::adds(&cluster, hex));
         let add = t.elapsed();
+        let timed = |batch: &str| {
+            let t = Instant::now();
+            ip_batch(&[], batch);
+            t.elapsed()
+        };
+        // What starting `ip` costs (tens of milliseconds in an emulated guest) is no kernel
+        // work: the least of three empty batches is taken off each batch below.
+        let start = (0..3).map(|_| timed("")).min().unwrap_or_default();
+        let added = timed(&ip_xfrm::adds(&events, hex)).saturating_sub(start);
+        let removed = timed(&ip_xfrm::deletes(&events)).saturating_sub(start);
+        // An add, a remove, and a readdress (both): two thirds of an add and a remove.
+        let event = (added + removed) * 2 / 3 / EVENT_NODES;
         ip(&["xfrm", "policy", "flush"]);
         ip(&["xfrm", "state", "flush"]);
-        let deletes = routes.replace("route add", "route del");
-        ip_batch(&[], &deletes);
-        Self { objects, add }
+        ip_batch(&[], &routes.replace("route add", "route del"));
+        Self {
+            objects: cluster.len(),
+            add,
+            event,
+        }
     }
+}
+
+/// `t` as the planner sees a node.
+fn node(t: &TestNode) -> Node {
+    let internal = t.ips.iter().map(|a| ("InternalIP".to_string(), a.clone()));
+    Node::from_raw(RawNode {
+        name: t.name.clone(),
+        uid: t.uid(),
+        addresses: internal.collect(),
+        pod_cidrs: t.cidrs.clone(),
+        boot_id: String::new(),
+    })
+    .expect("a valid test node")
 }
