@@ -389,11 +389,12 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
             nodes += 1;
         }
     }
-    // Swept objects are judged only where no checkpoint was there at all: after one the step
-    // lost, the agent tells a listed node's leftovers from orphans by IDs and nexthops this
-    // count does not model, and the node count above covers what the loss could hide.
+    // Swept objects are judged only where the agent had no record at all: after a checkpoint
+    // the step lost, the agent tells a listed node's leftovers from orphans by IDs and nexthops
+    // this count does not model, and the node count above covers what the loss could hide. A
+    // daemon that came to rest on the last list first has recorded its nodes by then.
     let mut objects = 0;
-    if f.record_before.is_none_or(<[_]>::is_empty) {
+    if f.record_before.is_none_or(<[_]>::is_empty) && f.rested.is_empty() {
         let claimed: BTreeSet<&str> = f
             .list
             .iter()
@@ -825,6 +826,59 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Objects a restarted daemon recorded at rest are not orphans when the step's list moves
+    /// their node. Seed 1795920953637136484 (history 78 of seed 1795920953637136406,
+    /// event-sized, brake on): n006 was killed half-programmed before any checkpoint; the next
+    /// step's daemon finished it at rest on the last list, then saw it readdressed and removed
+    /// its old map entry and route as a changed node's. With no checkpoint before the step, the
+    /// oracle had counted the two as orphans swept past the brake.
+    #[test]
+    fn a_node_recorded_at_rest_leaves_no_orphans_behind() {
+        let node = |ip: &str, cidr: &str| TestNode {
+            name: "n006".into(),
+            ips: vec![ip.into()],
+            cidrs: vec![cidr.into()],
+            uid: Some("n006-1".into()),
+            ..TestNode::default()
+        };
+        let ours = |gw: &str| (gw.to_owned(), "201".to_owned());
+        let before = Snapshot {
+            map: BTreeMap::from([("10.88.7.13".to_owned(), 1)]),
+            routes: BTreeMap::from([("10.130.10.0/24".to_owned(), ours("10.88.7.13"))]),
+            ..Snapshot::default()
+        };
+        let after = Snapshot {
+            map: BTreeMap::from([("10.88.7.18".to_owned(), 1)]),
+            routes: BTreeMap::from([("10.130.12.0/24".to_owned(), ours("10.88.7.18"))]),
+            ..Snapshot::default()
+        };
+        let list = [node("10.88.7.18", "10.130.12.0/24")];
+        let rested = [node("10.88.7.13", "10.130.10.0/24")];
+        let waiting = BTreeSet::new();
+        let facts = |rested| StepFacts {
+            list: &list,
+            previous_clean: &[],
+            record_before: None,
+            record_lost: false,
+            before: &before,
+            shown: &before,
+            rested,
+            after: &after,
+            exit: Some(0),
+            forced: false,
+            event_sized: true,
+            no_local: false,
+            foreign_slots: &[],
+            window: (0, 0),
+            max_ratio: 0.5,
+            nexthops: false,
+            waiting: &waiting,
+        };
+        assert_eq!(removals(&facts(&rested)).1, 0);
+        // Without a record at all, the two are orphans.
+        assert_eq!(removals(&facts(&[])).1, 2);
+    }
 
     /// A node's nexthops are those under its own ID. Seed 1795920953634136549 (history 143 of
     /// seed 1795920953634136406): after a lost checkpoint, a node with no addresses (held while
