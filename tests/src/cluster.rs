@@ -545,17 +545,22 @@ impl Drop for LongPing {
     }
 }
 
-/// The sequence number of the first request: busybox numbers from 0 (`seq=`), iputils from 1
-/// (`icmp_seq=`).
+/// The sequence number of the first request: busybox numbers from 0, iputils from 1. Told by
+/// the summary, there even when nothing was answered: iputils writes `N received`, busybox
+/// `N packets received`.
 fn first_seq(text: &str) -> u64 {
-    u64::from(text.contains("icmp_seq="))
+    let summary = text.lines().find(|l| l.contains("transmitted"));
+    u64::from(summary.is_some_and(|l| !l.contains("packets received")))
 }
 
 /// The runs of the `sent` sequence numbers that no reply line names (`seq=N` in busybox's
 /// lines, `icmp_seq=N` in iputils').
 pub fn lost_runs(text: &str, sent: u64) -> Vec<std::ops::RangeInclusive<u64>> {
+    // Only replies: an error about a request (`From ... icmp_seq=3 Destination Net
+    // Unreachable`) names it too.
     let answered: std::collections::BTreeSet<u64> = text
         .lines()
+        .filter(|l| l.contains(" bytes from "))
         .filter_map(|l| {
             let rest = &l[l.find("seq=")? + 4..];
             let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
@@ -840,19 +845,29 @@ mod tests {
     fn lost_pings_come_out_as_runs_of_sequence_numbers() {
         let bb = "64 bytes from 10.244.2.2: seq=0 ttl=63 time=1 ms\n\
                   64 bytes from 10.244.2.2: seq=3 ttl=63 time=1 ms\n\
-                  64 bytes from 10.244.2.2: seq=5 ttl=63 time=1 ms\n";
+                  64 bytes from 10.244.2.2: seq=5 ttl=63 time=1 ms\n\
+                  7 packets transmitted, 3 packets received, 57% packet loss\n";
         assert_eq!(lost_runs(bb, 7), vec![1..=2, 4..=4, 6..=6]);
+        // An error about a request is no answer to it.
         let iputils = "64 bytes from 10.244.2.2: icmp_seq=1 ttl=63 time=1 ms\n\
-                       64 bytes from 10.244.2.2: icmp_seq=3 ttl=63 time=1 ms\n";
+                       From 10.244.1.1 icmp_seq=2 Destination Net Unreachable\n\
+                       64 bytes from 10.244.2.2: icmp_seq=3 ttl=63 time=1 ms\n\
+                       4 packets transmitted, 2 received, +1 errors, 50% packet loss\n";
         assert_eq!(lost_runs(iputils, 4), vec![2..=2, 4..=4]);
+        // Nothing answered: still numbered as the ping numbers.
+        let none = "3 packets transmitted, 0 received, 100% packet loss\n";
+        assert_eq!(lost_runs(none, 3), vec![1..=3]);
     }
 
     #[test]
     fn the_request_in_flight_when_ping_is_stopped_is_not_lost() {
         let reply = |seq: &str| format!("64 bytes from 10.244.2.2: {seq} ttl=63 time=1 ms\n");
-        let summary = |sent: u64, got: u64| format!("{sent} packets transmitted, {got} received\n");
         // iputils numbers from 1, busybox from 0: the last request is 4 and 3.
-        for (seq, first) in [("icmp_seq=", 1), ("seq=", 0)] {
+        for (seq, first, got) in [
+            ("icmp_seq=", 1, "received"),
+            ("seq=", 0, "packets received"),
+        ] {
+            let summary = |sent: u64, n: u64| format!("{sent} packets transmitted, {n} {got}\n");
             let r = |n: u64| reply(&format!("{seq}{}", first + n));
             let run = |text: String| PingRun::of_interrupted(&text).unwrap();
             // The last of four unanswered: in flight, left out.

@@ -368,8 +368,8 @@ mod tests {
 
     #[test]
     fn what_varies_between_runs_is_not_a_difference_and_the_rest_is() {
-        let a = "2026-11-28T08:00:35.555083Z INFO x elapsed_ms=2 path=/tmp/node-agent-demo-28052/s\nwritten 2026-11-28T08:00:41Z (0s ago)\nnodes.ckpt.corrupt-1795515559.196071215\nanother node-agent (pid 12364) holds the lock\n";
-        let b = "written 2026-11-29T09:10:11Z (12s ago)\n2026-11-29T10:00:00.1Z INFO x elapsed_ms=58 path=/tmp/node-agent-demo-7/s\nnodes.ckpt.corrupt-1.2\nanother node-agent (pid 7) holds the lock\n";
+        let a = "2026-11-28T08:00:35.555083Z INFO x elapsed_ms=2 apply_ms=1 path=/tmp/node-agent-demo-28052/s\nwritten 2026-11-28T08:00:41Z (0s ago)\nnodes.ckpt.corrupt-1795515559.196071215\nanother node-agent (pid 12364) holds the lock\n";
+        let b = "written 2026-11-29T09:10:11Z (12s ago)\n2026-11-29T10:00:00.1Z INFO x elapsed_ms=58 apply_ms=40 path=/tmp/node-agent-demo-7/s\nnodes.ckpt.corrupt-1.2\nanother node-agent (pid 7) holds the lock\n";
         let show = |id: u32, btf: u32| {
             format!(
                 "{id}: hash  name NODE_IDS  flags 0x1\n\tkey 20B  memlock {btf}B\n\tbtf_id {btf}\n"

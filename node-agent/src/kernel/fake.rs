@@ -99,10 +99,6 @@ impl FakeKernel {
                     });
                 }
                 self.ours.remove(&id);
-                // The kernel deletes the routes through a nexthop with it.
-                if nexthop {
-                    self.ours.retain(|_, o| o.uses().as_ref() != Some(&id));
-                }
             }
         }
         self.applied.push(op.clone());

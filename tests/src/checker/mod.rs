@@ -290,6 +290,7 @@ impl Run {
             let mut ids: std::collections::BTreeMap<String, (TestNode, u16)> = Default::default();
             let mut planted = Vec::new();
             let mut previous_clean: Vec<TestNode> = Vec::new();
+            let mut previous_no_local = false;
             let mut window: Vec<(Instant, usize, usize)> = Vec::new();
             // When the kernel's records were last unpinned: the agent's window then lives in
             // the checkpoint alone, and a checkpoint lost after that forgets every removal
@@ -357,6 +358,16 @@ impl Run {
                     }
                     _ => {}
                 }
+                // A daemon that came to rest on the last step's list before it was shown this
+                // one programmed that list's clean nodes there: not a forced step's (its list is
+                // served before the daemon starts), nor after a list without the local node.
+                let rested = match shown.is_some()
+                    && step.action != Action::OnceForced
+                    && !previous_no_local
+                {
+                    true => previous_clean.clone(),
+                    false => Vec::new(),
+                };
                 let facts = StepFacts {
                     list: &read,
                     previous_clean: &previous_clean,
@@ -367,11 +378,7 @@ impl Run {
                     ),
                     before: &before,
                     shown: shown.as_ref().unwrap_or(&before),
-                    rested: if shown.is_some() {
-                        &previous_clean
-                    } else {
-                        &[]
-                    },
+                    rested: &rested,
                     after: &after,
                     exit,
                     forced: step.action == Action::OnceForced,
@@ -424,15 +431,11 @@ impl Run {
                     outcome.failure = Some((i, broke));
                     return outcome;
                 }
-                let rested = if shown.is_some() {
-                    previous_clean.clone()
-                } else {
-                    Vec::new()
-                };
                 previous_clean = oracle::clean(&read, record_before.as_deref(), &rested)
                     .into_iter()
                     .cloned()
                     .collect();
+                previous_no_local = step.view == View::NoLocal;
                 before = after;
             }
             if let Some(broke) =

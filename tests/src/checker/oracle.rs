@@ -389,15 +389,17 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
             nodes += 1;
         }
     }
-    // Swept objects are judged only where the agent had no record at all: after a checkpoint
-    // the step lost, the agent tells a listed node's leftovers from orphans by IDs and nexthops
-    // this count does not model, and the node count above covers what the loss could hide. A
-    // daemon that came to rest on the last list first has recorded its nodes by then.
+    // Swept objects are judged only where no checkpoint was there at all: after one the step
+    // lost, the agent tells a listed node's leftovers from orphans by IDs and nexthops this
+    // count does not model, and the node count above covers what the loss could hide. What a
+    // daemon that came to rest on the last list first programmed there is its nodes', not
+    // orphans.
     let mut objects = 0;
-    if f.record_before.is_none_or(<[_]>::is_empty) && f.rested.is_empty() {
+    if f.record_before.is_none_or(<[_]>::is_empty) {
         let claimed: BTreeSet<&str> = f
             .list
             .iter()
+            .chain(f.rested)
             .flat_map(|n| n.ips.iter().chain(&n.cidrs))
             .map(String::as_str)
             .collect();
@@ -781,9 +783,10 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
             ));
         }
     }
-    // The node's nexthops in each kernel: under the ID its map entries carry there, toward one of
-    // its addresses. Another node's nexthop toward the same address (a held node's, kept from
-    // when the address was its own) is that node's. A nexthop only a foreign route uses is kept
+    // The node's nexthops in each kernel: toward one of its addresses, under the ID its map
+    // entries carry there or carrying no route. Another node's nexthop toward the same address
+    // that carries that node's route (a held node's, kept from when the address was its own) is
+    // that node's. A nexthop only a foreign route uses is kept
     // for it, whoever it was for: history, which a fresh kernel (where the foreign route could
     // not be planted before the nexthop) does not have. Each kernel leaves out its own such
     // nexthops; one that also carries a route of ours is a live node's, and compared.
@@ -791,7 +794,10 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
         let node_id = n.ips.first().and_then(|ip| s.map.get(ip));
         let ours_use: BTreeSet<&u32> = s.nhids.values().collect();
         let kept = |id: &u32| s.elsewhere.values().any(|u| u == id) && !ours_use.contains(id);
-        let its = |id: &u32| pair(id).map(|(node, _)| node).as_ref() == node_id;
+        // Under another ID and carrying a route of ours, it is that route's node's; under
+        // another ID and carrying nothing, a leftover, counted here.
+        let its =
+            |id: &u32| pair(id).map(|(node, _)| node).as_ref() == node_id || !ours_use.contains(id);
         s.our_nexthops()
             .into_iter()
             .filter(|(id, gw)| n.ips.iter().any(|ip| ip == gw) && its(id) && !kept(id))
@@ -832,7 +838,8 @@ mod tests {
     /// event-sized, brake on): n006 was killed half-programmed before any checkpoint; the next
     /// step's daemon finished it at rest on the last list, then saw it readdressed and removed
     /// its old map entry and route as a changed node's. With no checkpoint before the step, the
-    /// oracle had counted the two as orphans swept past the brake.
+    /// oracle had counted the two as orphans swept past the brake. A real orphan beside them
+    /// still counts.
     #[test]
     fn a_node_recorded_at_rest_leaves_no_orphans_behind() {
         let node = |ip: &str, cidr: &str| TestNode {
@@ -878,6 +885,15 @@ mod tests {
         assert_eq!(removals(&facts(&rested)).1, 0);
         // Without a record at all, the two are orphans.
         assert_eq!(removals(&facts(&[])).1, 2);
+        // A real orphan beside the rested node is still counted.
+        let mut before = before.clone();
+        before.map.insert("10.88.9.9".to_owned(), 7);
+        let with_orphan = StepFacts {
+            before: &before,
+            shown: &before,
+            ..facts(&rested)
+        };
+        assert_eq!(removals(&with_orphan).1, 1);
     }
 
     /// A node's nexthops are those under its own ID. Seed 1795920953634136549 (history 143 of
@@ -913,6 +929,12 @@ mod tests {
         let mut lacking = fresh.clone();
         lacking.nexthops.remove(&nexthop_id(4, false));
         assert_eq!(node_difference(&n, &here, &lacking).len(), 1);
+        // A leftover toward its address under another ID, carrying nothing, is one too.
+        let mut leftover = fresh.clone();
+        leftover
+            .nexthops
+            .insert(nexthop_id(3, false), ours("10.88.7.10"));
+        assert_eq!(node_difference(&n, &leftover, &fresh).len(), 1);
     }
 
     /// A node a restarted daemon programmed on the last list, then saw removed, claims what it

@@ -379,8 +379,9 @@ fn states_round_trip_v4_and_v6() {
 }
 
 /// The benchmarks' `ip -batch` baselines (`node_agent_tests::ip_xfrm`) write what the agent
-/// writes: the states and policies of both families, in both SPI layouts, added by their lines
-/// and dumped by the agent's backend, are the same objects, and their delete lines leave none.
+/// writes: the states and policies of both families, in both SPI layouts, added by their lines,
+/// are the same objects as the agent's backend reads them back (endpoints, SPI, mark, key with
+/// its ESN replay window), and their delete lines leave none.
 #[test]
 fn ip_batch_baselines_write_what_the_agent_writes() {
     with_esp(node_agent_tests::test_name!(), |mut b| async move {
