@@ -783,21 +783,25 @@ pub fn node_difference(n: &TestNode, a: &Snapshot, b: &Snapshot) -> Vec<String> 
             ));
         }
     }
-    // The node's nexthops in each kernel: toward one of its addresses, under the ID its map
-    // entries carry there or carrying no route. Another node's nexthop toward the same address
-    // that carries that node's route (a held node's, kept from when the address was its own) is
-    // that node's. A nexthop only a foreign route uses is kept
-    // for it, whoever it was for: history, which a fresh kernel (where the foreign route could
-    // not be planted before the nexthop) does not have. Each kernel leaves out its own such
-    // nexthops; one that also carries a route of ours is a live node's, and compared.
+    // The node's nexthops in each kernel: ours toward one of its addresses that carry one of its
+    // routes, or no route of ours at all (a leftover). One that carries only other destinations'
+    // routes is theirs: a held node's, kept from when the address (and even the ID) was its
+    // own. A nexthop only a foreign route uses is kept for it, whoever it was for: history,
+    // which a fresh kernel (where the foreign route could not be planted before the nexthop)
+    // does not have. Each kernel leaves out its own such nexthops.
     let to_node = |s: &Snapshot| -> BTreeSet<(Option<(u16, Family)>, String)> {
-        let node_id = n.ips.first().and_then(|ip| s.map.get(ip));
-        let ours_use: BTreeSet<&u32> = s.nhids.values().collect();
-        let kept = |id: &u32| s.elsewhere.values().any(|u| u == id) && !ours_use.contains(id);
-        // Under another ID and carrying a route of ours, it is that route's node's; under
-        // another ID and carrying nothing, a leftover, counted here.
-        let its =
-            |id: &u32| pair(id).map(|(node, _)| node).as_ref() == node_id || !ours_use.contains(id);
+        let carried = |id: &u32| -> Vec<&str> {
+            s.nhids
+                .iter()
+                .filter(|(_, via)| *via == id)
+                .map(|(dst, _)| dst.as_str())
+                .collect()
+        };
+        let kept = |id: &u32| s.elsewhere.values().any(|u| u == id) && carried(id).is_empty();
+        let its = |id: &u32| {
+            let dsts = carried(id);
+            dsts.is_empty() || dsts.iter().any(|d| n.cidrs.iter().any(|c| c == d))
+        };
         s.our_nexthops()
             .into_iter()
             .filter(|(id, gw)| n.ips.iter().any(|ip| ip == gw) && its(id) && !kept(id))
@@ -896,13 +900,13 @@ mod tests {
         assert_eq!(removals(&with_orphan).1, 1);
     }
 
-    /// A node's nexthops are those under its own ID. Seed 1795920953634136549 (history 143 of
-    /// seed 1795920953634136406): after a lost checkpoint, a node with no addresses (held while
-    /// it registers) kept its route and its nexthop toward an address n001 holds now; a fresh
-    /// agent, with no record of the held node, has neither. The held node's nexthop is not
-    /// n001's.
+    /// A node's nexthops are those that carry its routes, or none. Seed 1795920953634136549
+    /// (history 143 of seed 1795920953634136406): after a lost checkpoint, a node with no
+    /// addresses (held while it registers) kept its route and its nexthop toward an address
+    /// n001 holds now; a fresh agent, with no record of the held node, has neither. The held
+    /// node's nexthop is not n001's, even under n001's own ID.
     #[test]
-    fn a_nodes_nexthops_are_those_under_its_own_id() {
+    fn a_nodes_nexthops_are_those_that_carry_its_routes() {
         let n = TestNode {
             name: "n001".into(),
             ips: vec!["10.88.7.10".into()],
@@ -929,6 +933,21 @@ mod tests {
         let mut lacking = fresh.clone();
         lacking.nexthops.remove(&nexthop_id(4, false));
         assert_eq!(node_difference(&n, &here, &lacking).len(), 1);
+        // Another destination's route through a nexthop under the node's own ID (a held node's,
+        // from when the ID was its own, after a lost checkpoint: seed 1795920953632136446) is
+        // that destination's node's.
+        let mut shared = fresh.clone();
+        shared.nexthops.remove(&nexthop_id(4, false));
+        shared.nhids.remove("10.130.10.0/24");
+        shared.routes.remove("10.130.10.0/24");
+        let mut held = shared.clone();
+        held.routes
+            .insert("10.130.13.0/24".to_owned(), ours("10.88.7.10"));
+        held.nexthops
+            .insert(nexthop_id(4, false), ours("10.88.7.10"));
+        held.nhids
+            .insert("10.130.13.0/24".to_owned(), nexthop_id(4, false));
+        assert_eq!(node_difference(&n, &held, &shared), Vec::<String>::new());
         // A leftover toward its address under another ID, carrying nothing, is one too.
         let mut leftover = fresh.clone();
         leftover
