@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use crate::node::{AddressKind, Node, NodeAddress};
+use crate::node::{AddressKind, Node, NodeAddress, RawNode};
 use crate::objects::NodeId;
 
 pub fn id(v: u16) -> NodeId {
@@ -36,6 +36,20 @@ pub fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> Node {
         pod_cidrs: cidrs.iter().map(|s| net(s)).collect(),
         boot_id: Default::default(),
         node_id: None,
+    }
+}
+
+/// The same node as a source hands it over, before validation.
+pub fn raw(name: &str, ips: &[&str], cidrs: &[&str]) -> RawNode {
+    RawNode {
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        addresses: ips
+            .iter()
+            .map(|a| ("InternalIP".into(), a.to_string()))
+            .collect(),
+        pod_cidrs: cidrs.iter().map(|c| c.to_string()).collect(),
+        boot_id: String::new(),
     }
 }
 

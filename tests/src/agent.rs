@@ -67,6 +67,13 @@ impl TestNode {
         k8s_node(self)
     }
 
+    /// Its addresses as a Node lists them, of each kind: InternalIPs, then ExternalIPs.
+    pub fn addresses(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        let internal = self.ips.iter().map(|a| ("InternalIP", a.as_str()));
+        let external = self.external.iter().map(|a| ("ExternalIP", a.as_str()));
+        internal.chain(external)
+    }
+
     pub fn uid(&self) -> String {
         self.uid
             .clone()
@@ -85,14 +92,8 @@ pub fn node_list(nodes: &[TestNode]) -> String {
     let mut s = String::from("apiVersion: v1\nkind: List\nitems:\n");
     for n in nodes {
         let addresses: Vec<String> = n
-            .ips
-            .iter()
-            .map(|i| format!("{{type: InternalIP, address: \"{i}\"}}"))
-            .chain(
-                n.external
-                    .iter()
-                    .map(|i| format!("{{type: ExternalIP, address: \"{i}\"}}")),
-            )
+            .addresses()
+            .map(|(kind, a)| format!("{{type: {kind}, address: \"{a}\"}}"))
             .collect();
         let _ = writeln!(
             s,
@@ -112,29 +113,26 @@ pub fn node_list_json(nodes: &[TestNode]) -> String {
     let items: Vec<serde_json::Value> = nodes
         .iter()
         .map(|n| {
-            let addresses: Vec<serde_json::Value> = n
-                .ips
-                .iter()
-                .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip}))
-                .chain(
-                    n.external
-                        .iter()
-                        .map(|ip| serde_json::json!({"type": "ExternalIP", "address": ip})),
-                )
-                .collect();
             serde_json::json!({
                 "apiVersion": "v1",
                 "kind": "Node",
                 "metadata": {"name": n.name, "uid": n.uid()},
                 "spec": {"podCIDRs": n.cidrs},
                 "status": {
-                    "addresses": addresses,
+                    "addresses": json_addresses(n),
                     "nodeInfo": {"bootID": format!("boot-{}", n.name)},
                 },
             })
         })
         .collect();
     serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
+}
+
+/// `n`'s `status.addresses` as the API server serves them.
+fn json_addresses(n: &TestNode) -> Vec<serde_json::Value> {
+    n.addresses()
+        .map(|(kind, a)| serde_json::json!({"type": kind, "address": a}))
+        .collect()
 }
 
 /// The local node every test cluster has.
@@ -439,23 +437,13 @@ pub fn assert_exact(env: &AgentEnv, nodes: &[TestNode]) {
 /// `n` as the Node object the API server holds: its UID where it has one of its own (the
 /// stand-in keeps it, as the real server keeps the one it gave), ExternalIPs after InternalIPs.
 pub fn k8s_node(n: &TestNode) -> k8s_openapi::api::core::v1::Node {
-    let addresses: Vec<serde_json::Value> = n
-        .ips
-        .iter()
-        .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip}))
-        .chain(
-            n.external
-                .iter()
-                .map(|ip| serde_json::json!({"type": "ExternalIP", "address": ip})),
-        )
-        .collect();
     // The hostname label is the one the kubelet sets on every node it registers.
     let mut node = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": n.name, "labels": {"kubernetes.io/hostname": n.name}},
         "spec": {"podCIDRs": n.cidrs},
-        "status": {"addresses": addresses},
+        "status": {"addresses": json_addresses(n)},
     });
     if let Some(first) = n.cidrs.first() {
         node["spec"]["podCIDR"] = first.as_str().into();

@@ -589,12 +589,12 @@ mod tests {
     }
 
     fn cluster(n: u8) -> Vec<RawNode> {
-        let mut v = vec![raw("local", "10.0.0.100", "10.1.100.0/24")];
+        let mut v = vec![raw("local", &["10.0.0.100"], &["10.1.100.0/24"])];
         v.extend((1..=n).map(|i| {
             raw(
                 &format!("n{i}"),
-                &format!("10.0.0.{i}"),
-                &format!("10.1.{i}.0/24"),
+                &[&format!("10.0.0.{i}")],
+                &[&format!("10.1.{i}.0/24")],
             )
         }));
         v
@@ -743,7 +743,11 @@ mod tests {
         // The state directory goes away (as a full or read-only one would fail the write).
         let moved = tmp.path().join("moved");
         std::fs::rename(&dir, &moved).unwrap();
-        d.on_event(SourceEvent::Apply(raw("n3", "10.0.0.3", "10.1.3.0/24")));
+        d.on_event(SourceEvent::Apply(raw(
+            "n3",
+            &["10.0.0.3"],
+            &["10.1.3.0/24"],
+        )));
         d.turn(&tx).await;
         assert_eq!(d.rec.kernel().ours.len(), 6, "kernel work goes on");
         let metrics = errors(&d);
@@ -776,7 +780,11 @@ mod tests {
         let mut d = daemon(&dir, &cluster(1));
         let (tx, _rx) = relist_channel();
         d.turn(&tx).await;
-        d.on_event(SourceEvent::Apply(raw("n2", "10.0.0.2", "10.1.2.0/24")));
+        d.on_event(SourceEvent::Apply(raw(
+            "n2",
+            &["10.0.0.2"],
+            &["10.1.2.0/24"],
+        )));
         d.turn(&tx).await;
         std::fs::remove_dir_all(&dir).unwrap();
         d.on_event(SourceEvent::Delete("n2".into()));
@@ -793,7 +801,11 @@ mod tests {
         let mut d = daemon(&dir, &cluster(1));
         let (tx, _rx) = relist_channel();
         d.turn(&tx).await;
-        d.on_event(SourceEvent::Apply(raw("n2", "10.0.0.2", "10.1.2.0/24")));
+        d.on_event(SourceEvent::Apply(raw(
+            "n2",
+            &["10.0.0.2"],
+            &["10.1.2.0/24"],
+        )));
         d.schedule.checkpoint_written(Instant::now(), false);
         d.turn(&tx).await;
         assert!(d.schedule.dirty());

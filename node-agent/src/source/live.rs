@@ -359,16 +359,7 @@ impl LiveState {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn raw(name: &str, ip: &str) -> RawNode {
-        RawNode {
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            addresses: vec![("InternalIP".into(), ip.into())],
-            pod_cidrs: vec![],
-            boot_id: String::new(),
-        }
-    }
+    use state::testing::raw;
 
     fn state() -> LiveState {
         LiveState::new("local")
@@ -389,13 +380,13 @@ mod tests {
         let mut s = state();
         s.apply(SourceEvent::Revision(5));
         s.apply(SourceEvent::Init);
-        s.apply(SourceEvent::InitApply(raw("local", "10.0.0.9")));
+        s.apply(SourceEvent::InitApply(raw("local", &["10.0.0.9"], &[])));
         s.apply(SourceEvent::Error("a page failed".into()));
         assert_eq!(s.revision(), None, "announced, not yet brought");
         s.apply(SourceEvent::InitDone);
         assert_eq!(s.revision(), Some(5));
         let brought: [(u64, SourceEvent); 2] = [
-            (7, SourceEvent::Apply(raw("n1", "10.0.0.1"))),
+            (7, SourceEvent::Apply(raw("n1", &["10.0.0.1"], &[]))),
             (9, SourceEvent::Delete("n1".into())),
         ];
         for (r, event) in brought {
@@ -407,7 +398,7 @@ mod tests {
         // An older version (a relist after a compaction answered by a lagging member) does not
         // move it back.
         s.apply(SourceEvent::Revision(3));
-        relist(&mut s, &[raw("local", "10.0.0.9")]);
+        relist(&mut s, &[raw("local", &["10.0.0.9"], &[])]);
         assert_eq!(s.revision(), Some(9));
     }
 
@@ -415,7 +406,7 @@ mod tests {
     /// read (`--include-external-ips`); elsewhere nothing uses it, and the node stands.
     #[test]
     fn an_unusable_external_ip_holds_a_node_only_where_external_ips_are_read() {
-        let mut n = raw("n1", "10.0.0.1");
+        let mut n = raw("n1", &["10.0.0.1"], &[]);
         n.addresses.push(("ExternalIP".into(), "127.0.0.1".into()));
         for read in [false, true] {
             let mut s = state().with_external_ips(read);
@@ -435,17 +426,17 @@ mod tests {
     #[test]
     fn of_a_name_listed_twice_in_one_list_the_first_item_stands_and_both_are_reported() {
         let mut s = state();
-        let mut second = raw("a", "10.0.0.9");
+        let mut second = raw("a", &["10.0.0.9"], &[]);
         second.uid = "uid-other".into();
-        let mut bad = raw("b", "not an ip");
+        let mut bad = raw("b", &["not an ip"], &[]);
         bad.uid = "uid-bad".into();
         relist(
             &mut s,
             &[
-                raw("local", "10.0.0.100"),
-                raw("a", "10.0.0.1"),
+                raw("local", &["10.0.0.100"], &[]),
+                raw("a", &["10.0.0.1"], &[]),
                 second,
-                raw("b", "10.0.0.2"),
+                raw("b", &["10.0.0.2"], &[]),
                 bad,
             ],
         );
@@ -467,11 +458,15 @@ mod tests {
         );
         assert_eq!(s.duplicates()["b"].ignored_uids, ["uid-bad"]);
         // A first item that is malformed stands too: the name is malformed, not the later item.
-        let mut first_bad = raw("c", "nope");
+        let mut first_bad = raw("c", &["nope"], &[]);
         first_bad.uid = "uid-c1".into();
         relist(
             &mut s,
-            &[raw("local", "10.0.0.100"), first_bad, raw("c", "10.0.0.3")],
+            &[
+                raw("local", &["10.0.0.100"], &[]),
+                first_bad,
+                raw("c", &["10.0.0.3"], &[]),
+            ],
         );
         assert!(s.get("c").is_none());
         assert!(s.errors().contains_key("c"));
@@ -480,7 +475,13 @@ mod tests {
             !s.duplicates().contains_key("a"),
             "a list without the repeat clears it"
         );
-        relist(&mut s, &[raw("local", "10.0.0.100"), raw("c", "10.0.0.3")]);
+        relist(
+            &mut s,
+            &[
+                raw("local", &["10.0.0.100"], &[]),
+                raw("c", &["10.0.0.3"], &[]),
+            ],
+        );
         assert!(s.duplicates().is_empty());
         assert!(s.get("c").is_some());
     }
@@ -489,7 +490,7 @@ mod tests {
     fn not_synced_until_the_first_full_list_completes() {
         let mut s = state();
         s.apply(SourceEvent::Init);
-        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        s.apply(SourceEvent::InitApply(raw("a", &["10.0.0.1"], &[])));
         assert!(!s.view().synced);
         assert!(
             s.view().nodes.is_empty(),
@@ -503,12 +504,15 @@ mod tests {
     #[test]
     fn a_relist_replaces_the_view_so_missed_deletes_show() {
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "10.0.0.2")]);
-        assert!(relist(&mut s, &[raw("a", "10.0.0.1")]));
+        relist(
+            &mut s,
+            &[raw("a", &["10.0.0.1"], &[]), raw("b", &["10.0.0.2"], &[])],
+        );
+        assert!(relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]));
         assert_eq!(s.view().nodes.len(), 1);
         assert_eq!(s.relists(), 2);
         assert!(
-            !relist(&mut s, &[raw("a", "10.0.0.1")]),
+            !relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]),
             "an identical relist without the local node changes nothing"
         );
     }
@@ -516,9 +520,9 @@ mod tests {
     #[test]
     fn only_lists_with_the_local_node_confirm() {
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]);
         assert_eq!((s.relists(), s.view().relists), (1, 0));
-        let local = raw("local", "10.0.0.100");
+        let local = raw("local", &["10.0.0.100"], &[]);
         assert!(relist(&mut s, std::slice::from_ref(&local)));
         assert!(
             !relist(&mut s, std::slice::from_ref(&local)),
@@ -526,14 +530,17 @@ mod tests {
         );
         assert_eq!((s.relists(), s.view().relists), (3, 2));
         // A malformed local node is still the local node.
-        relist(&mut s, &[raw("local", "bad")]);
+        relist(&mut s, &[raw("local", &["bad"], &[])]);
         assert_eq!(s.view().relists, 3);
     }
 
     #[test]
     fn malformed_nodes_without_a_good_record_are_listed_by_name_and_uid() {
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "nope")]);
+        relist(
+            &mut s,
+            &[raw("a", &["10.0.0.1"], &[]), raw("b", &["nope"], &[])],
+        );
         let v = s.view();
         assert_eq!(v.nodes.len(), 1);
         let b = MalformedNode {
@@ -543,8 +550,14 @@ mod tests {
         assert_eq!(v.malformed, std::slice::from_ref(&b));
         assert_eq!(s.view_of(&["b".to_owned()].into()).malformed, [b]);
         // With a good record from before, the record stands and the name is not repeated.
-        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "10.0.0.2")]);
-        relist(&mut s, &[raw("a", "10.0.0.1"), raw("b", "nope")]);
+        relist(
+            &mut s,
+            &[raw("a", &["10.0.0.1"], &[]), raw("b", &["10.0.0.2"], &[])],
+        );
+        relist(
+            &mut s,
+            &[raw("a", &["10.0.0.1"], &[]), raw("b", &["nope"], &[])],
+        );
         assert!(s.view().malformed.is_empty());
         assert_eq!(s.view().nodes.len(), 2);
     }
@@ -552,13 +565,13 @@ mod tests {
     #[test]
     fn the_source_fails_until_its_next_success() {
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]);
         s.apply(SourceEvent::Error("forbidden (403)".into()));
         assert_eq!(s.failing(), Some("forbidden (403)"));
         s.apply(SourceEvent::Healthy);
         assert_eq!(s.failing(), None);
         s.apply(SourceEvent::Error("timed out".into()));
-        s.apply(SourceEvent::Apply(raw("b", "10.0.0.2")));
+        s.apply(SourceEvent::Apply(raw("b", &["10.0.0.2"], &[])));
         assert_eq!(s.failing(), None);
     }
 
@@ -567,11 +580,11 @@ mod tests {
     #[test]
     fn a_list_attempt_is_no_success_until_its_list_completes() {
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]);
         s.apply(SourceEvent::Error("forbidden (403)".into()));
         s.apply(SourceEvent::Init);
         assert_eq!(s.failing(), Some("forbidden (403)"));
-        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        s.apply(SourceEvent::InitApply(raw("a", &["10.0.0.1"], &[])));
         assert_eq!(
             s.failing(),
             Some("forbidden (403)"),
@@ -579,7 +592,7 @@ mod tests {
         );
         s.apply(SourceEvent::Error("forbidden (403)".into()));
         s.apply(SourceEvent::Init);
-        s.apply(SourceEvent::InitApply(raw("a", "10.0.0.1")));
+        s.apply(SourceEvent::InitApply(raw("a", &["10.0.0.1"], &[])));
         s.apply(SourceEvent::InitDone);
         assert_eq!(s.failing(), None);
     }
@@ -587,7 +600,7 @@ mod tests {
     #[test]
     fn errors_keep_the_view() {
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]);
         assert!(!s.apply(SourceEvent::Error("connection reset".into())));
         assert_eq!(s.view().nodes.len(), 1);
         assert_eq!(s.last_error(), Some("connection reset"));
@@ -596,11 +609,17 @@ mod tests {
     #[test]
     fn a_malformed_update_keeps_the_last_good_record() {
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1")]);
-        s.apply(SourceEvent::Apply(raw("a", "not-an-ip")));
+        relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]);
+        s.apply(SourceEvent::Apply(raw("a", &["not-an-ip"], &[])));
         assert_eq!(s.get("a").unwrap().addresses[0].ip.to_string(), "10.0.0.1");
         assert!(s.errors().contains_key("a"));
-        relist(&mut s, &[raw("a", "10.0.0.1"), raw("bad", "10.0.0.300")]);
+        relist(
+            &mut s,
+            &[
+                raw("a", &["10.0.0.1"], &[]),
+                raw("bad", &["10.0.0.300"], &[]),
+            ],
+        );
         assert!(s.errors().contains_key("bad") && !s.errors().contains_key("a"));
         assert!(s.get("bad").is_none(), "a node never seen valid is skipped");
     }
@@ -611,14 +630,14 @@ mod tests {
     fn a_malformed_successor_under_the_name_does_not_keep_the_old_nodes_record() {
         let successor = RawNode {
             uid: "uid-a-2".into(),
-            ..raw("a", "not-an-ip")
+            ..raw("a", &["not-an-ip"], &[])
         };
         let mut s = state();
-        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]);
         relist(&mut s, std::slice::from_ref(&successor));
         assert!(s.get("a").is_none(), "relisted: {:?}", s.get("a"));
         assert_eq!(s.errors()["a"].uid, "uid-a-2");
-        relist(&mut s, &[raw("a", "10.0.0.1")]);
+        relist(&mut s, &[raw("a", &["10.0.0.1"], &[])]);
         s.apply(SourceEvent::Apply(successor));
         assert!(s.get("a").is_none(), "watched: {:?}", s.get("a"));
     }
@@ -627,8 +646,8 @@ mod tests {
     fn apply_and_delete_between_relists() {
         let mut s = state();
         relist(&mut s, &[]);
-        assert!(s.apply(SourceEvent::Apply(raw("a", "10.0.0.1"))));
-        assert!(!s.apply(SourceEvent::Apply(raw("a", "10.0.0.1"))));
+        assert!(s.apply(SourceEvent::Apply(raw("a", &["10.0.0.1"], &[]))));
+        assert!(!s.apply(SourceEvent::Apply(raw("a", &["10.0.0.1"], &[]))));
         assert!(s.apply(SourceEvent::Delete("a".into())));
         assert!(s.view().nodes.is_empty());
     }

@@ -853,15 +853,14 @@ mod tests {
             uid: Some("n006-1".into()),
             ..TestNode::default()
         };
-        let ours = |gw: &str| (gw.to_owned(), "201".to_owned());
         let before = Snapshot {
             map: BTreeMap::from([("10.88.7.13".to_owned(), 1)]),
-            routes: BTreeMap::from([("10.130.10.0/24".to_owned(), ours("10.88.7.13"))]),
+            routes: BTreeMap::from([("10.130.10.0/24".to_owned(), toward("10.88.7.13"))]),
             ..Snapshot::default()
         };
         let after = Snapshot {
             map: BTreeMap::from([("10.88.7.18".to_owned(), 1)]),
-            routes: BTreeMap::from([("10.130.12.0/24".to_owned(), ours("10.88.7.18"))]),
+            routes: BTreeMap::from([("10.130.12.0/24".to_owned(), toward("10.88.7.18"))]),
             ..Snapshot::default()
         };
         let list = [node("10.88.7.18", "10.130.12.0/24")];
@@ -900,6 +899,18 @@ mod tests {
         assert_eq!(removals(&with_orphan).1, 1);
     }
 
+    /// A route or nexthop of ours (the agent's protocol) toward `gw`, as a snapshot holds it.
+    fn toward(gw: &str) -> (String, String) {
+        (gw.to_owned(), "201".to_owned())
+    }
+
+    /// Adds to `s` a route of ours to `dst` through our nexthop `nhid` toward `gw`.
+    fn route_via(s: &mut Snapshot, dst: &str, gw: &str, nhid: u32) {
+        s.routes.insert(dst.to_owned(), toward(gw));
+        s.nexthops.insert(nhid, toward(gw));
+        s.nhids.insert(dst.to_owned(), nhid);
+    }
+
     /// A node's nexthops are those that carry its routes, or none. Seed 1795920953634136549
     /// (history 143 of seed 1795920953634136406): after a lost checkpoint, a node with no
     /// addresses (held while it registers) kept its route and its nexthop toward an address
@@ -913,21 +924,23 @@ mod tests {
             cidrs: vec!["10.130.10.0/24".into()],
             ..TestNode::default()
         };
-        let ours = |gw: &str| (gw.to_owned(), "201".to_owned());
-        let fresh = Snapshot {
+        let mut fresh = Snapshot {
             map: BTreeMap::from([("10.88.7.10".to_owned(), 4)]),
-            routes: BTreeMap::from([("10.130.10.0/24".to_owned(), ours("10.88.7.10"))]),
-            nexthops: BTreeMap::from([(nexthop_id(4, false), ours("10.88.7.10"))]),
-            nhids: BTreeMap::from([("10.130.10.0/24".to_owned(), nexthop_id(4, false))]),
             ..Snapshot::default()
         };
+        route_via(
+            &mut fresh,
+            "10.130.10.0/24",
+            "10.88.7.10",
+            nexthop_id(4, false),
+        );
         let mut here = fresh.clone();
-        here.routes
-            .insert("10.130.7.0/24".to_owned(), ours("10.88.7.10"));
-        here.nexthops
-            .insert(nexthop_id(3, false), ours("10.88.7.10"));
-        here.nhids
-            .insert("10.130.7.0/24".to_owned(), nexthop_id(3, false));
+        route_via(
+            &mut here,
+            "10.130.7.0/24",
+            "10.88.7.10",
+            nexthop_id(3, false),
+        );
         assert_eq!(node_difference(&n, &here, &fresh), Vec::<String>::new());
         // Its own nexthop missing is a difference.
         let mut lacking = fresh.clone();
@@ -941,18 +954,18 @@ mod tests {
         shared.nhids.remove("10.130.10.0/24");
         shared.routes.remove("10.130.10.0/24");
         let mut held = shared.clone();
-        held.routes
-            .insert("10.130.13.0/24".to_owned(), ours("10.88.7.10"));
-        held.nexthops
-            .insert(nexthop_id(4, false), ours("10.88.7.10"));
-        held.nhids
-            .insert("10.130.13.0/24".to_owned(), nexthop_id(4, false));
+        route_via(
+            &mut held,
+            "10.130.13.0/24",
+            "10.88.7.10",
+            nexthop_id(4, false),
+        );
         assert_eq!(node_difference(&n, &held, &shared), Vec::<String>::new());
         // A leftover toward its address under another ID, carrying nothing, is one too.
         let mut leftover = fresh.clone();
         leftover
             .nexthops
-            .insert(nexthop_id(3, false), ours("10.88.7.10"));
+            .insert(nexthop_id(3, false), toward("10.88.7.10"));
         assert_eq!(node_difference(&n, &leftover, &fresh).len(), 1);
     }
 
@@ -998,10 +1011,9 @@ mod tests {
             NexthopId(v4_other).decode().map(|(id, f)| (id.get(), f)),
             Some((1, Family::V4))
         );
-        let ours = |gw: &str| (gw.to_owned(), "201".to_owned());
         let routes = BTreeMap::from([
-            ("10.130.5.0/24".to_owned(), ours("10.88.7.18")),
-            ("fd00:130:5::/64".to_owned(), ours("fd00:88::7:12")),
+            ("10.130.5.0/24".to_owned(), toward("10.88.7.18")),
+            ("fd00:130:5::/64".to_owned(), toward("fd00:88::7:12")),
         ]);
         let map = BTreeMap::from([
             ("10.88.7.18".to_owned(), 1),
@@ -1011,9 +1023,9 @@ mod tests {
             map: map.clone(),
             routes: routes.clone(),
             nexthops: BTreeMap::from([
-                (v4, ours("10.88.7.20")),
-                (v4_other, ours("10.88.7.18")),
-                (v6, ours("fd00:88::7:12")),
+                (v4, toward("10.88.7.20")),
+                (v4_other, toward("10.88.7.18")),
+                (v6, toward("fd00:88::7:12")),
             ]),
             nhids: BTreeMap::from([
                 ("10.130.5.0/24".to_owned(), v4_other),
@@ -1025,7 +1037,7 @@ mod tests {
         let fresh = Snapshot {
             map,
             routes,
-            nexthops: BTreeMap::from([(v4, ours("10.88.7.18")), (v6, ours("fd00:88::7:12"))]),
+            nexthops: BTreeMap::from([(v4, toward("10.88.7.18")), (v6, toward("fd00:88::7:12"))]),
             nhids: BTreeMap::from([
                 ("10.130.5.0/24".to_owned(), v4),
                 ("fd00:130:5::/64".to_owned(), v6),

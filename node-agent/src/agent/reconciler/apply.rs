@@ -814,7 +814,11 @@ mod through_the_reconciler {
             .foreign
             .insert(taken.clone(), "nexthop 201400001 proto static".into());
         // a's pod CIDR moves: a new route through its nexthop, which the view holds as ours.
-        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.1", "10.1.9.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "a",
+            &["10.0.0.1"],
+            &["10.1.9.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert_eq!(rec.kernel().dumps, 1, "planned from the last view");
         assert!(

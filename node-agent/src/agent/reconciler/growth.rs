@@ -116,12 +116,20 @@ mod tests {
         // and the plan made before the growth is applied. The next event is still planned
         // event-sized, under the grown capacity.
         rec.prepare_event_plans();
-        rec.on_event(SourceEvent::Apply(raw("n7", "10.0.0.7", "10.1.7.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "n7",
+            &["10.0.0.7"],
+            &["10.1.7.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert_eq!(rec.kernel().grown, [8, 16]);
         assert!(out.plan.errors.is_empty(), "{:?}", out.plan.errors);
         assert_eq!(count(&mut rec, ObjectKind::MapEntry), 7);
-        rec.on_event(SourceEvent::Apply(raw("n8", "10.0.0.8", "10.1.8.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "n8",
+            &["10.0.0.8"],
+            &["10.1.8.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert!(
             out.plan.scope.is_some(),

@@ -164,12 +164,20 @@ mod tests {
         let mut rec = reconciler(&[("a", 1), ("b", 2)]);
         let first = rec.reconcile().await.unwrap();
         assert!(first.plan.scope.is_none() && first.plan.settled);
-        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.3", "10.1.3.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "c",
+            &["10.0.0.3"],
+            &["10.1.3.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert_eq!(out.plan.scope.as_deref(), Some(&["c".to_string()][..]));
         assert!(out.record_changed);
         // A conflict with an untouched node brings that node into the plan, and is reported.
-        rec.on_event(SourceEvent::Apply(raw("d", "10.0.0.4", "10.1.1.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "d",
+            &["10.0.0.4"],
+            &["10.1.1.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         let scope = out.plan.scope.clone().expect("event-sized");
         assert_eq!(scope, ["d", "a"]);
@@ -178,7 +186,11 @@ mod tests {
         assert_eq!(out.plan.steady, Some(vec!["d".to_string()]));
         // With the conflict standing, the next event is planned event-sized with the held node
         // (and what it conflicts with) beside it: the conflict is reported again.
-        rec.on_event(SourceEvent::Apply(raw("e", "10.0.0.5", "10.1.5.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "e",
+            &["10.0.0.5"],
+            &["10.1.5.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         let scope = out.plan.scope.clone().expect("event-sized");
         assert_eq!(scope, ["d", "e", "a"]);
@@ -216,7 +228,11 @@ mod tests {
         let first = rec.reconcile().await.unwrap();
         assert!(first.plan.errors.is_empty(), "{:?}", first.plan.errors);
         assert_eq!(rec.kernel().host_reads, 1);
-        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.50", "10.1.3.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "c",
+            &["10.0.0.50"],
+            &["10.1.3.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert!(out.plan.scope.is_some(), "event-sized");
         let text: Vec<String> = out.plan.errors.iter().map(ToString::to_string).collect();
@@ -224,7 +240,11 @@ mod tests {
             matches!(&text[..], [t] if t.starts_with("node c: address 10.0.0.50 belongs to the local node")),
             "{text:?}"
         );
-        rec.on_event(SourceEvent::Apply(raw("d", "10.0.0.4", "10.0.0.128/25")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "d",
+            &["10.0.0.4"],
+            &["10.0.0.128/25"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         let text: Vec<String> = out.plan.errors.iter().map(ToString::to_string).collect();
         assert!(
@@ -261,8 +281,8 @@ mod tests {
         );
         rec.prepare_event_plans();
         let events = [
-            SourceEvent::Apply(raw("d", "10.0.0.4", "10.1.4.0/24")),
-            SourceEvent::Apply(raw("b", "10.0.0.12", "10.1.2.0/24")),
+            SourceEvent::Apply(raw("d", &["10.0.0.4"], &["10.1.4.0/24"])),
+            SourceEvent::Apply(raw("b", &["10.0.0.12"], &["10.1.2.0/24"])),
             SourceEvent::Delete("a".into()),
         ];
         for ev in events {

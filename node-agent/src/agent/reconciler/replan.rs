@@ -160,7 +160,11 @@ mod tests {
         // Someone else changed a route at a destination that is none of ours: no matter.
         let elsewhere: ipnet::IpNet = "192.168.50.0/24".parse().unwrap();
         rec.kernel().routes_touched.push(elsewhere);
-        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.11", "10.1.1.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "a",
+            &["10.0.0.11"],
+            &["10.1.1.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert!(out.plan.scope.is_some() && out.plan.settled);
         assert_eq!(rec.kernel().dumps, 1, "planned from the last view");
@@ -180,7 +184,11 @@ mod tests {
             .foreign
             .insert(theirs.clone(), "route 10.1.2.0/24 proto static".into());
         rec.kernel().routes_touched.push(dst);
-        rec.on_event(SourceEvent::Apply(raw("b", "10.0.0.12", "10.1.2.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "b",
+            &["10.0.0.12"],
+            &["10.1.2.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert_eq!(rec.kernel().dumps, 2, "made again from a dump");
         assert!(out.plan.scope.is_none());
@@ -209,7 +217,11 @@ mod tests {
         rec.reconcile().await.unwrap();
         let dst: ipnet::IpNet = "10.1.1.0/24".parse().unwrap();
         rec.kernel().touched_during_dumps = vec![vec![dst]];
-        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.11", "10.1.1.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "a",
+            &["10.0.0.11"],
+            &["10.1.1.0/24"],
+        )));
         let out = rec.reconcile().await.unwrap();
         assert_eq!(
             rec.kernel().dumps,
@@ -226,8 +238,16 @@ mod tests {
         );
 
         rec.kernel().touched_during_dumps = vec![vec![dst]; 3];
-        rec.on_event(SourceEvent::Apply(raw("a", "10.0.0.21", "10.1.1.0/24")));
-        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.3", "10.1.3.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "a",
+            &["10.0.0.21"],
+            &["10.1.1.0/24"],
+        )));
+        rec.on_event(SourceEvent::Apply(raw(
+            "c",
+            &["10.0.0.3"],
+            &["10.1.3.0/24"],
+        )));
         let before = rec.kernel().applied.len();
         let out = rec.reconcile().await.unwrap();
         assert_eq!(rec.kernel().dumps, 6, "one dump and two more, then no more");

@@ -207,11 +207,19 @@ mod tests {
         rec.on_event(SourceEvent::Init);
         rec.on_event(SourceEvent::InitApply(raw(
             "local",
-            "10.0.0.100",
-            "10.1.100.0/24",
+            &["10.0.0.100"],
+            &["10.1.100.0/24"],
         )));
-        rec.on_event(SourceEvent::InitApply(raw("a", "10.0.0.1", "10.1.1.0/24")));
-        rec.on_event(SourceEvent::InitApply(raw("z", "10.0.0.9", "10.1.9.0/24")));
+        rec.on_event(SourceEvent::InitApply(raw(
+            "a",
+            &["10.0.0.1"],
+            &["10.1.1.0/24"],
+        )));
+        rec.on_event(SourceEvent::InitApply(raw(
+            "z",
+            &["10.0.0.9"],
+            &["10.1.9.0/24"],
+        )));
         rec.on_event(SourceEvent::InitDone);
         let o = rec.reconcile().await.unwrap();
         assert!(

@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use state::checkpoint::Checkpoint;
-use state::node::RawNode;
 use state::objects::ObjectKind;
 
 pub use super::Reconciler;
@@ -13,15 +12,7 @@ pub use crate::kernel::fake::FakeKernel;
 use crate::source::SourceEvent;
 use crate::telemetry::Telemetry;
 
-pub fn raw(name: &str, ip: &str, cidr: &str) -> RawNode {
-    RawNode {
-        name: name.into(),
-        uid: format!("uid-{name}"),
-        addresses: vec![("InternalIP".into(), ip.into())],
-        pod_cidrs: vec![cidr.into()],
-        boot_id: String::new(),
-    }
-}
+pub use state::testing::raw;
 
 pub fn config() -> AgentConfig {
     AgentConfig::new("local", "/nonexistent-state", "/nonexistent-bpffs")
@@ -60,14 +51,14 @@ pub fn relist(rec: &mut Reconciler<FakeKernel>, nodes: &[(&str, u8)]) -> bool {
     rec.on_event(SourceEvent::Init);
     rec.on_event(SourceEvent::InitApply(raw(
         "local",
-        "10.0.0.100",
-        "10.1.100.0/24",
+        &["10.0.0.100"],
+        &["10.1.100.0/24"],
     )));
     for (n, i) in nodes {
         rec.on_event(SourceEvent::InitApply(raw(
             n,
-            &format!("10.0.0.{i}"),
-            &format!("10.1.{i}.0/24"),
+            &[&format!("10.0.0.{i}")],
+            &[&format!("10.1.{i}.0/24")],
         )));
     }
     rec.on_event(SourceEvent::InitDone)

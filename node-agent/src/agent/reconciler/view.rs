@@ -158,13 +158,21 @@ mod tests {
         let mut rec = reconciler(&[("a", 1)]);
         rec.reconcile().await.unwrap();
         assert_eq!(rec.kernel().dumps, 1);
-        rec.on_event(SourceEvent::Apply(raw("b", "10.0.0.2", "10.1.2.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "b",
+            &["10.0.0.2"],
+            &["10.1.2.0/24"],
+        )));
         rec.reconcile_event().await.unwrap();
         assert_eq!(rec.kernel().dumps, 1, "planned from the last result");
         assert_eq!(count(&mut rec, ObjectKind::Route), 2);
         // A failed operation leaves the view uncertain: the next event reconcile dumps.
         rec.kernel().faults.kinds = vec![ObjectKind::Route];
-        rec.on_event(SourceEvent::Apply(raw("c", "10.0.0.3", "10.1.3.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "c",
+            &["10.0.0.3"],
+            &["10.1.3.0/24"],
+        )));
         let out = rec.reconcile_event().await.unwrap();
         assert_eq!((out.failed.len(), rec.kernel().dumps), (1, 1));
         rec.kernel().faults.kinds.clear();
@@ -180,7 +188,11 @@ mod tests {
         rec.kernel()
             .ours
             .retain(|_, o| o.kind() != ObjectKind::Route);
-        rec.on_event(SourceEvent::Apply(raw("d", "10.0.0.4", "10.1.4.0/24")));
+        rec.on_event(SourceEvent::Apply(raw(
+            "d",
+            &["10.0.0.4"],
+            &["10.1.4.0/24"],
+        )));
         rec.reconcile_event().await.unwrap();
         assert_eq!(
             count(&mut rec, ObjectKind::Route),
