@@ -381,7 +381,8 @@ fn states_round_trip_v4_and_v6() {
 /// The benchmarks' `ip -batch` baselines (`node_agent_tests::ip_xfrm`) write what the agent
 /// writes: the states and policies of both families, in both SPI layouts, added by their lines,
 /// are the same objects as the agent's backend reads them back (endpoints, SPI, mark, key with
-/// its ESN replay window), and their delete lines leave none.
+/// its ESN replay window); their change lines readdress every peer to what the agent would hold;
+/// their delete lines leave none.
 #[test]
 fn ip_batch_baselines_write_what_the_agent_writes() {
     with_esp(node_agent_tests::test_name!(), |mut b| async move {
@@ -410,13 +411,44 @@ fn ip_batch_baselines_write_what_the_agent_writes() {
         }
         ip_batch(&[], &ip_xfrm::adds(&objs, KEY_HEX));
         assert_eq!(set(b.dump().await.unwrap()), set(objs.clone()));
-        ip_batch(&[], &ip_xfrm::deletes(&objs));
+        // Every peer readdressed: OUT states and per-sender IN states change identity, IN
+        // states of the key layout keep theirs (a source changed), every policy keeps its own
+        // (a template changed).
+        let moved: Vec<KernelObject> = objs.iter().map(readdressed).collect();
+        let changes = ip_xfrm::changes(&objs, &moved, KEY_HEX);
+        ip_batch(&[], &changes);
+        assert_eq!(set(b.dump().await.unwrap()), set(moved.clone()));
+        ip_batch(&[], &ip_xfrm::deletes(&moved));
         assert!(b.dump().await.unwrap().is_empty());
         report(&format!(
-            "xfrm: {} states and policies of both families and both SPI layouts written by ip -batch lines dump as the agent's own",
-            objs.len()
+            "xfrm: {} states and policies of both families and both SPI layouts written by ip -batch lines dump as the agent's own, and {} change lines readdress every peer",
+            objs.len(),
+            changes.lines().count()
         ));
     });
+}
+
+/// `o` with its peer (every address but this node's `10.0.0.1` and `fd00::1`) moved by 16, and
+/// the SPI its layout gives the new sender.
+fn readdressed(o: &KernelObject) -> KernelObject {
+    let away = |a: IpAddr| match a {
+        _ if a == addr("10.0.0.1") || a == addr("fd00::1") => a,
+        IpAddr::V4(v4) => std::net::Ipv4Addr::from(u32::from(v4) + 16).into(),
+        IpAddr::V6(v6) => std::net::Ipv6Addr::from(u128::from(v6) + 16).into(),
+    };
+    match o.clone() {
+        KernelObject::XfrmState(s) => KernelObject::XfrmState(XfrmState {
+            src: away(s.src),
+            dst: away(s.dst),
+            spi: Spi::new(s.spi.key(), s.spi.layout(), away(s.src)),
+            ..s
+        }),
+        KernelObject::XfrmPolicy(p) => KernelObject::XfrmPolicy(XfrmPolicy {
+            tmpl_dst: away(p.tmpl_dst),
+            ..p
+        }),
+        other => other,
+    }
 }
 
 #[test]

@@ -487,9 +487,16 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
             bench(
                 &name("floor_xfrm_event"),
                 ms(xfrm.event),
-                "ms (ip -batch of a node's states and policies added beside every other node's, \
-                 and deleted: the mean of an add, a remove and a readdress)",
+                "ms (ip -batch of a node's states and policies beside every other node's: the \
+                 mean of an add, a readdress and a remove)",
             );
+            for (kind, took, lines) in xfrm.kinds {
+                bench(
+                    &name(&format!("floor_xfrm_event_{kind}")),
+                    ms(took),
+                    &format!("ms ({lines:.0} requests a node)"),
+                );
+            }
             bench(
                 &name("floor_xfrm_add"),
                 ms(xfrm.add),
@@ -672,7 +679,8 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
         if let Ok(dir) = std::env::var("NODE_AGENT_BENCH_KEEP_LOGS") {
             let _ = std::fs::write(format!("{dir}/daemon-{n}.log"), &log);
         }
-        let (sized, applied, full) = reconciles(log.get(log_before..).unwrap_or_default());
+        let ([sized, applied, writes], full) =
+            reconciles(log.get(log_before..).unwrap_or_default());
         bench(
             &name("daemon_reconcile_per_event_median"),
             sized.get(sized.len() / 2).copied().unwrap_or(-1.0),
@@ -687,6 +695,11 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
             &name("daemon_apply_per_event_median"),
             applied.get(applied.len() / 2).copied().unwrap_or(-1.0),
             "ms (the kernel writes of those reconciles)",
+        );
+        bench(
+            &name("daemon_writes_per_event_median"),
+            writes.get(writes.len() / 2).copied().unwrap_or(-1.0),
+            "writes (of those reconciles)",
         );
         f.event_ms = event_ms;
         f.event_cpu_ms = cpu_ms;
@@ -733,25 +746,28 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
     f
 }
 
-/// From the daemon's log: the `elapsed_ms` and the `apply_ms` (its kernel writes) of each
-/// event-sized reconcile (each sorted), and how many full ones wrote something.
-fn reconciles(log: &str) -> (Vec<f64>, Vec<f64>, usize) {
+/// From the daemon's log: the `elapsed_ms`, the `apply_ms` (its kernel writes) and the `writes`
+/// of each event-sized reconcile (each sorted), and how many full ones wrote something.
+fn reconciles(log: &str) -> ([Vec<f64>; 3], usize) {
     let field = |line: &str, key: &str| -> Option<f64> {
         let at = line.find(&format!(" {key}="))? + key.len() + 2;
         line[at..].split(' ').next()?.parse().ok()
     };
-    let (mut sized, mut applied, mut full) = (Vec::new(), Vec::new(), 0);
+    let mut sized: [Vec<f64>; 3] = Default::default();
+    let mut full = 0;
     for line in log.lines().filter(|l| l.contains("reconciled")) {
         if line.contains(" event_sized=true") {
-            sized.extend(field(line, "elapsed_ms"));
-            applied.extend(field(line, "apply_ms"));
+            for (v, key) in sized.iter_mut().zip(["elapsed_ms", "apply_ms", "writes"]) {
+                v.extend(field(line, key));
+            }
         } else if line.contains(" event_sized=") {
             full += 1;
         }
     }
-    sized.sort_by(f64::total_cmp);
-    applied.sort_by(f64::total_cmp);
-    (sized, applied, full)
+    for v in &mut sized {
+        v.sort_by(f64::total_cmp);
+    }
+    (sized, full)
 }
 
 /// Ten each of: a node added, a node removed, a node readdressed, through the stand-in's watch;

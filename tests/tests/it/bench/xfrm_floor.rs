@@ -10,8 +10,8 @@
 //! (IPv4 policies: 240 µs either way).
 //!
 //! Two figures: the cold start's (every node's objects into an empty SAD and SPD), and an
-//! event's (a few more nodes' objects added to the full ones and deleted again, per node), since
-//! what one write costs depends on what the kernel already holds.
+//! event's (a few more nodes' objects added to the full ones, readdressed, and deleted again, per
+//! node), since what one write costs depends on what the kernel already holds.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,9 +34,12 @@ pub struct XfrmFloor {
     pub objects: usize,
     /// Adding them.
     pub add: Duration,
-    /// One event's share at full size: the mean of a node added, a node removed and a node
-    /// readdressed (removed and added), each timed beside every other node's objects.
+    /// One event's share at full size: the mean of a node added, a node readdressed (the lines
+    /// the agent's backend writes for it, [`ip_xfrm::changes`]) and a node removed, each timed
+    /// beside every other node's objects.
     pub event: Duration,
+    /// Each kind's share per node (add, readdress, remove) and its `ip -batch` lines per node.
+    pub kinds: [(&'static str, Duration, f64); 3],
 }
 
 impl XfrmFloor {
@@ -87,9 +90,15 @@ impl XfrmFloor {
         };
         let cluster = xfrm_of(nodes, 0);
         let events = xfrm_of(&extra, nodes.len());
+        // The same nodes under the same IDs, with new addresses and pod CIDRs.
+        let moved_nodes: Vec<TestNode> = (0..EVENT_NODES)
+            .map(|k| TestNode::wide(&format!("floor-event-{k}"), 6 * n + k))
+            .collect();
+        let moved = xfrm_of(&moved_nodes, nodes.len());
         let routes: String = nodes
             .iter()
             .chain(&extra)
+            .chain(&moved_nodes)
             .flat_map(|n| n.cidrs.iter())
             .map(|c| format!("route add {c} dev {ROUTE_DEV}\n"))
             .collect();
@@ -105,10 +114,17 @@ impl XfrmFloor {
         // What starting `ip` costs (tens of milliseconds in an emulated guest) is no kernel
         // work: the least of three empty batches is taken off each batch below.
         let start = (0..3).map(|_| timed("")).min().unwrap_or_default();
-        let added = timed(&ip_xfrm::adds(&events, hex)).saturating_sub(start);
-        let removed = timed(&ip_xfrm::deletes(&events)).saturating_sub(start);
-        // An add, a remove, and a readdress (both): two thirds of an add and a remove.
-        let event = (added + removed) * 2 / 3 / EVENT_NODES;
+        let batches = [
+            ("add", ip_xfrm::adds(&events, hex)),
+            ("readdress", ip_xfrm::changes(&events, &moved, hex)),
+            ("remove", ip_xfrm::deletes(&moved)),
+        ];
+        let kinds = batches.map(|(kind, batch)| {
+            let took = timed(&batch).saturating_sub(start) / EVENT_NODES;
+            let lines = batch.lines().count() as f64 / f64::from(EVENT_NODES);
+            (kind, took, lines)
+        });
+        let event = kinds.iter().map(|(_, took, _)| *took).sum::<Duration>() / 3;
         ip(&["xfrm", "policy", "flush"]);
         ip(&["xfrm", "state", "flush"]);
         ip_batch(&[], &routes.replace("route add", "route del"));
@@ -116,17 +132,17 @@ impl XfrmFloor {
             objects: cluster.len(),
             add,
             event,
+            kinds,
         }
     }
 }
 
 /// `t` as the planner sees a node.
 fn node(t: &TestNode) -> Node {
-    let internal = t.ips.iter().map(|a| ("InternalIP".to_string(), a.clone()));
     Node::from_raw(RawNode {
         name: t.name.clone(),
         uid: t.uid(),
-        addresses: internal.collect(),
+        addresses: t.addresses().map(|(k, a)| (k.into(), a.into())).collect(),
         pod_cidrs: t.cidrs.clone(),
         boot_id: String::new(),
     })
