@@ -59,7 +59,7 @@ impl RouteBackend {
         tokio::spawn(conn);
         Ok(Self {
             handle,
-            batch: Batcher::open()?,
+            batch: Batcher::open(netlink_sys::protocols::NETLINK_ROUTE)?,
             protocol,
             table,
             on_link: None,

@@ -375,7 +375,7 @@ fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_succes
             // `rmem_max` allows (212,992 bytes, doubled by the kernel).
             let gateway = |i: usize| IpAddr::from([10, 88, 1 + (i / 250) as u8, (i % 250) as u8 + 1]);
             let lookups = (0..BATCH).map(|i| (fibmatch(gateway(i)), 0)).collect();
-            let mut small = Batcher::with_receive_buffer(212_992).unwrap();
+            let mut small = Batcher::with_receive_buffer(libc::NETLINK_ROUTE as isize, 212_992).unwrap();
             let answers = small.exchange(lookups).await;
             assert_eq!(answers.len(), BATCH);
             for (i, a) in answers.iter().enumerate() {
@@ -384,7 +384,7 @@ fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_succes
 
             // Deleting nexthops that are not there: every request is refused, and with room
             // for only a few answers, the kernel drops the rest.
-            let mut batcher = Batcher::with_receive_buffer(1).unwrap();
+            let mut batcher = Batcher::with_receive_buffer(libc::NETLINK_ROUTE as isize, 1).unwrap();
             let deletes = (0..BATCH as u32)
                 .map(|i| (NexthopMessage::del(201_400_000 + i), 0))
                 .collect();

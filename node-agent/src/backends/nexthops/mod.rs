@@ -68,7 +68,7 @@ impl NexthopBackend {
         }
         Ok(Some(Self {
             handle,
-            batch: Batcher::open()?,
+            batch: Batcher::open(netlink_sys::protocols::NETLINK_ROUTE)?,
             protocol,
         }))
     }

@@ -31,9 +31,11 @@
 //! # The files
 //!
 //! [`keys`] the key file, [`message`] the messages we send, [`parse`] the dumps we read back,
-//! [`states`] and [`policies`] the operations, [`super::netlink::request`] the request helper and the
-//! quiet codec it shares with the nexthop backend (netlink-proto's default codec logs every
-//! message, keys included), [`probe`] the ESP check, [`stats`] the kernel's counters. Netlink errors mean the same here as for routes
+//! [`states`] and [`policies`] the operations, [`probe`] the ESP check, [`stats`] the kernel's
+//! counters. Writes go out as the route backends' do, many to a system call
+//! ([`super::netlink::batch`]); dumps and the rare read-back of a state an add found go through
+//! [`super::netlink::request`], whose quiet codec never logs a message (netlink-proto's default
+//! codec logs every message, keys included). Netlink errors mean the same here as for routes
 //! ([`crate::backends::netlink`]).
 
 pub mod key_file;
@@ -50,7 +52,6 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use futures::StreamExt;
 use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP};
 use netlink_packet_xfrm::{XfrmMessage, policy as xpolicy, state as sa};
 use netlink_proto::ConnectionHandle;
@@ -60,20 +61,22 @@ use state::objects::{KernelObject, ObjectKind, Op, XfrmGuard, XfrmPolicy, XfrmSt
 pub use self::key_file::KeyFileState;
 pub use self::keys::{IpsecKey, KeyBook, KeyFile};
 pub use self::message::REQID;
+use self::message::{del_state_message, get_state_message, guard_message};
 use self::parse::{ParsedPolicy, parse_policy, parse_state};
+use self::policies::policy_request;
 pub use self::probe::ProbeError;
 use super::Backend;
-use super::netlink::KernelError;
+use super::netlink::batch::{Answer, Batcher, unanswered};
 use super::netlink::request::{self, request};
+use super::netlink::{KernelError, outcome};
 use crate::kernel::{DumpError, OpError};
-
-/// Requests in flight on the netlink socket at once.
-pub const PIPELINE: usize = 128;
 
 /// The xfrm backend. Owns the three xfrm kinds ([`XfrmBackend::kinds`]): `Backends::apply`
 /// must route ops of any of them here.
 pub struct XfrmBackend {
     handle: ConnectionHandle<XfrmMessage>,
+    /// The writes, and the reads that decide them, a batch to a system call.
+    batch: Batcher,
     keys: Arc<KeyBook>,
     writes: Arc<AtomicU64>,
 }
@@ -93,6 +96,7 @@ impl XfrmBackend {
     pub fn new(keys: KeyBook) -> io::Result<Self> {
         Ok(Self {
             handle: request::connect(netlink_proto::sys::protocols::NETLINK_XFRM)?,
+            batch: Batcher::open(netlink_proto::sys::protocols::NETLINK_XFRM)?,
             keys: Arc::new(keys),
             writes: Arc::new(AtomicU64::new(0)),
         })
@@ -191,16 +195,41 @@ impl Backend for XfrmBackend {
         Ok(())
     }
 
+    /// Each wave in two batches: first every op's opening request (a policy's or guard's
+    /// write, a state's add, the read a state's delete starts with), then the deletes those
+    /// reads allow. A state add the kernel refuses because one is there (`EEXIST`) is settled
+    /// apart, through the connection ([`Ctx::upsert_found`]).
     async fn apply(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
         let ctx = self.ctx();
         let mut results = Vec::with_capacity(ops.len());
         for wave in waves(ops) {
-            let done: Vec<_> = futures::stream::iter(wave.iter().cloned())
-                .map(|op| ctx.clone().apply_one(op))
-                .buffered(PIPELINE)
-                .collect()
-                .await;
-            results.extend(done);
+            let opening: Vec<Result<XfrmMessage, OpError>> =
+                wave.iter().map(|op| ctx.opening(op)).collect();
+            let requests = opening.iter().flatten().map(|m| (m.clone(), 0)).collect();
+            let mut answers = self.batch.exchange(requests).await.into_iter();
+            let mut outcomes = Vec::with_capacity(wave.len());
+            for (op, opening) in wave.iter().zip(opening) {
+                outcomes.push(match opening {
+                    Ok(_) => ctx.next(op, answers.next().unwrap_or_else(unanswered)),
+                    Err(e) => Next::Done(Err(e)),
+                });
+            }
+            let deletes = wave
+                .iter()
+                .zip(&outcomes)
+                .filter_map(|(op, next)| match (op.object(), next) {
+                    (KernelObject::XfrmState(s), Next::Delete) => Some((del_state_message(s), 0)),
+                    _ => None,
+                })
+                .collect();
+            let mut answers = self.batch.exchange(deletes).await.into_iter();
+            for (op, next) in wave.iter().zip(outcomes) {
+                results.push(match next {
+                    Next::Done(r) => r,
+                    Next::Delete => ctx.settle(op, answers.next().unwrap_or_else(unanswered)),
+                    Next::Found(s) => ctx.upsert_found(&s).await,
+                });
+            }
         }
         results
     }
@@ -238,17 +267,52 @@ struct Ctx {
     writes: Arc<AtomicU64>,
 }
 
+/// What an op's opening request left to do.
+enum Next {
+    Done(Result<(), OpError>),
+    /// The read found our state: delete it.
+    Delete,
+    /// The add found a state there: read it, and keep, replace or refuse it.
+    Found(XfrmState),
+}
+
 impl Ctx {
-    async fn apply_one(self, op: Op) -> Result<(), OpError> {
+    /// The request `op` opens with.
+    fn opening(&self, op: &Op) -> Result<XfrmMessage, OpError> {
         match op.object() {
-            KernelObject::XfrmPolicy(p) => self.apply_policy(&op, p).await,
-            KernelObject::XfrmGuard(g) => self.apply_guard(&op, g).await,
+            KernelObject::XfrmPolicy(p) => self.policy_request(op, p),
+            KernelObject::XfrmGuard(g) => Ok(policy_request(op, guard_message(g))),
             KernelObject::XfrmState(s) => match op {
-                Op::Delete(_) => self.delete_state(&op, s).await,
-                Op::Create(_) | Op::Replace(_) => self.upsert_state(s).await,
+                Op::Delete(_) => Ok(get_state_message(s)),
+                Op::Create(_) | Op::Replace(_) => self.add_state_request(s),
             },
             o => Err(OpError::Disabled { kind: o.kind() }),
         }
+    }
+
+    /// What the kernel's answer to `op`'s opening request decides.
+    fn next(&self, op: &Op, answer: Answer<XfrmMessage>) -> Next {
+        match (op.object(), op) {
+            (KernelObject::XfrmState(s), Op::Delete(_)) => self.after_read(s, answer),
+            (KernelObject::XfrmState(s), _) => match answer {
+                Err(e) if e.errno() == Some(libc::EEXIST) => Next::Found(s.clone()),
+                Err(e) => Next::Done(Err(e.into_op(format!("adding {}", states::describe(s))))),
+                Ok(_) => Next::Done(self.settle(op, Ok(Vec::new()))),
+            },
+            _ => Next::Done(self.settle(op, answer)),
+        }
+    }
+
+    /// A write's outcome from the kernel's answer, counted when the kernel accepted it.
+    fn settle(&self, op: &Op, answer: Answer<XfrmMessage>) -> Result<(), OpError> {
+        if answer.is_ok() {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+        }
+        outcome(op, answer.map(drop), || match op.object() {
+            KernelObject::XfrmPolicy(p) => policies::describe(p),
+            KernelObject::XfrmState(s) => states::describe(s),
+            o => o.to_string(),
+        })
     }
 
     /// Sends one mutating request; counts it when the kernel accepted it.

@@ -7,40 +7,29 @@
 //! (value and mask, since Linux 5.10), so only ours can go.
 
 use netlink_packet_xfrm::{XfrmMessage, policy};
-use state::objects::{Op, XfrmGuard, XfrmPolicy};
+use state::objects::{Op, XfrmPolicy};
 
 use super::Ctx;
-use super::message::{del_policy_message, guard_message, policy_mark, policy_message};
-use crate::backends::netlink::outcome;
+use super::message::{del_policy_message, policy_mark, policy_message};
 use crate::kernel::OpError;
 
 impl Ctx {
-    pub(super) async fn apply_policy(&self, op: &Op, p: &XfrmPolicy) -> Result<(), OpError> {
-        let what = || describe(p);
+    /// The request that creates, replaces or deletes `p`.
+    pub(super) fn policy_request(&self, op: &Op, p: &XfrmPolicy) -> Result<XfrmMessage, OpError> {
         let msg = policy_message(p).map_err(|source| OpError::Kernel {
-            what: format!("{} {}", op.verb(), what()),
+            what: format!("{} {}", op.verb(), describe(p)),
             source,
         })?;
-        self.apply_policy_message(op, msg, what).await
+        Ok(policy_request(op, msg))
     }
+}
 
-    pub(super) async fn apply_guard(&self, op: &Op, g: &XfrmGuard) -> Result<(), OpError> {
-        let what = || op.object().to_string();
-        self.apply_policy_message(op, guard_message(g), what).await
-    }
-
-    async fn apply_policy_message(
-        &self,
-        op: &Op,
-        msg: policy::ModifyMessage,
-        what: impl FnOnce() -> String,
-    ) -> Result<(), OpError> {
-        let request = match op {
-            Op::Create(_) => XfrmMessage::AddPolicy(msg),
-            Op::Replace(_) => XfrmMessage::UpdatePolicy(msg),
-            Op::Delete(_) => del_policy_message(&msg),
-        };
-        outcome(op, self.write(request).await, what)
+/// The request `op` makes of a policy or guard message.
+pub(super) fn policy_request(op: &Op, msg: policy::ModifyMessage) -> XfrmMessage {
+    match op {
+        Op::Create(_) => XfrmMessage::AddPolicy(msg),
+        Op::Replace(_) => XfrmMessage::UpdatePolicy(msg),
+        Op::Delete(_) => del_policy_message(&msg),
     }
 }
 

@@ -8,35 +8,62 @@
 use std::io;
 
 use netlink_packet_xfrm::{Address, IPPROTO_ESP, Mark, XfrmMessage, state as sa};
-use state::objects::{Op, XfrmState};
+use state::objects::XfrmState;
 
-use super::Ctx;
 use super::message::{del_state_message, get_state_message, state_mark, state_message};
 use super::parse::{find_aead, find_mark};
+use super::{Ctx, Next};
+use crate::backends::netlink::KernelError;
+use crate::backends::netlink::batch::Answer;
 use crate::backends::netlink::request::request;
-use crate::backends::netlink::{KernelError, outcome};
 use crate::kernel::OpError;
 
 impl Ctx {
-    /// Creates a state (`XFRM_MSG_NEWSA`); on `EEXIST` reads it back: identical -> nothing to
-    /// do; ours but different (source, reqid, algorithm, key) -> delete and re-add, because
-    /// `XFRM_MSG_UPDSA` does not replace the algorithms or key of a valid state; foreign ->
-    /// error. So re-applying the same upserts writes nothing.
-    pub(super) async fn upsert_state(&self, s: &XfrmState) -> Result<(), OpError> {
+    /// The add (`XFRM_MSG_NEWSA`) that creates `s` where nothing has its identity.
+    pub(super) fn add_state_request(&self, s: &XfrmState) -> Result<XfrmMessage, OpError> {
+        self.state_message(s).map(XfrmMessage::AddSa)
+    }
+
+    fn state_message(&self, s: &XfrmState) -> Result<sa::ModifyMessage, OpError> {
         let what = || format!("adding {}", describe(s));
         let key = self
             .keys
             .state_key(s.spi.key(), s.key)
             .map_err(|why| invalid(what(), why))?;
-        let msg = state_message(s, &key).map_err(|source| OpError::Kernel {
+        state_message(s, &key).map_err(|source| OpError::Kernel {
             what: what(),
             source,
-        })?;
-        match self.write(XfrmMessage::AddSa(msg.clone())).await {
-            Ok(()) => return Ok(()),
-            Err(e) if e.errno() == Some(libc::EEXIST) => {}
-            Err(e) => return Err(e.into_op(what())),
+        })
+    }
+
+    /// After the read a delete of `s` opens with: nothing there, or ours from another source
+    /// (the node's new address, added first, has the identity now) -> done; foreign -> refused;
+    /// ours -> delete it.
+    pub(super) fn after_read(&self, s: &XfrmState, answer: Answer<XfrmMessage>) -> Next {
+        let what = || format!("deleting {}", describe(s));
+        let found = match found_state(answer) {
+            Ok(found) => found,
+            Err(e) => return Next::Done(Err(e.into_op(what()))),
+        };
+        match found {
+            None => Next::Done(Ok(())),
+            Some(found) if !carries_our_mark(&found, s) => {
+                Next::Done(Err(foreign_conflict(what(), s, &found)))
+            }
+            Some(found) if found.user_sa_info.saddr != Address::from_ip(&s.src) => {
+                Next::Done(Ok(()))
+            }
+            Some(_) => Next::Delete,
         }
+    }
+
+    /// An add of `s` found a state at its identity: identical -> nothing to do; ours but
+    /// different (source, reqid, algorithm, key) -> delete and re-add, because
+    /// `XFRM_MSG_UPDSA` does not replace the algorithms or key of a valid state; foreign ->
+    /// error. So re-applying the same upserts writes nothing.
+    pub(super) async fn upsert_found(&self, s: &XfrmState) -> Result<(), OpError> {
+        let what = || format!("adding {}", describe(s));
+        let msg = self.state_message(s)?;
         let found = self.get_state(s).await.map_err(|e| e.into_op(what()))?;
         match found {
             Some(found) if !carries_our_mark(&found, s) => Err(foreign_conflict(what(), s, &found)),
@@ -59,36 +86,21 @@ impl Ctx {
         }
     }
 
-    pub(super) async fn delete_state(&self, op: &Op, s: &XfrmState) -> Result<(), OpError> {
-        let what = || describe(s);
-        let Some(found) = self
-            .get_state(s)
-            .await
-            .map_err(|e| e.into_op(format!("deleting {}", what())))?
-        else {
-            return Ok(());
-        };
-        if !carries_our_mark(&found, s) {
-            return Err(foreign_conflict(format!("deleting {}", what()), s, &found));
-        }
-        if found.user_sa_info.saddr != Address::from_ip(&s.src) {
-            // Ours, same daddr/SPI/mark, but another source: a different object (the node's
-            // new address, upserted first); the one to delete is already gone.
-            return Ok(());
-        }
-        outcome(op, self.write(del_state_message(s)).await, what)
-    }
-
     /// The state the kernel resolves for `s`'s daddr/SPI/proto and our mark, if any.
     async fn get_state(&self, s: &XfrmState) -> Result<Option<sa::ModifyMessage>, KernelError> {
-        match request(&self.handle, get_state_message(s), 0).await {
-            Ok(msgs) => Ok(msgs.into_iter().find_map(|m| match m {
-                XfrmMessage::AddSa(m) | XfrmMessage::UpdateSa(m) => Some(m),
-                _ => None,
-            })),
-            Err(e) if matches!(e.errno(), Some(libc::ESRCH | libc::ENOENT)) => Ok(None),
-            Err(e) => Err(e),
-        }
+        found_state(request(&self.handle, get_state_message(s), 0).await)
+    }
+}
+
+/// The state a read (`GETSA`) answered with, if any.
+fn found_state(answer: Answer<XfrmMessage>) -> Result<Option<sa::ModifyMessage>, KernelError> {
+    match answer {
+        Ok(msgs) => Ok(msgs.into_iter().find_map(|m| match m {
+            XfrmMessage::AddSa(m) | XfrmMessage::UpdateSa(m) => Some(m),
+            _ => None,
+        })),
+        Err(e) if matches!(e.errno(), Some(libc::ESRCH | libc::ENOENT)) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
