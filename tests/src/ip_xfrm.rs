@@ -113,30 +113,15 @@ fn mark(o: &KernelObject) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use state::objects::{KeyTag, NodeId, Spi, SpiLayout};
+    use crate::fixture::{xfrm_policy, xfrm_state};
+    use state::objects::KeyTag;
 
     fn state(src: &str, dst: &str, dir: XfrmDir) -> KernelObject {
-        let src = src.parse().unwrap();
-        KernelObject::XfrmState(XfrmState {
-            src,
-            dst: dst.parse().unwrap(),
-            spi: Spi::new(3, SpiLayout::Key, src),
-            dir,
-            node_id: NodeId::new(7).unwrap(),
-            key: KeyTag::default(),
-        })
+        KernelObject::XfrmState(xfrm_state(7, src, dst, dir, KeyTag::default()))
     }
 
     fn policy(dst: &str, tmpl_dst: &str) -> KernelObject {
-        KernelObject::XfrmPolicy(XfrmPolicy {
-            src: "0.0.0.0/0".parse().unwrap(),
-            dst: dst.parse().unwrap(),
-            dir: XfrmDir::Out,
-            node_id: NodeId::new(7).unwrap(),
-            tmpl_src: "10.0.0.1".parse().unwrap(),
-            tmpl_dst: tmpl_dst.parse().unwrap(),
-            spi: Spi::new(3, SpiLayout::Key, "10.0.0.1".parse().unwrap()),
-        })
+        KernelObject::XfrmPolicy(xfrm_policy(7, dst, tmpl_dst))
     }
 
     /// Each way an object can change gets the lines the agent's backend would send: a new

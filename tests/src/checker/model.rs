@@ -6,33 +6,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::agent::TestNode;
-
-/// xorshift64*: small, seeded, the same sequence everywhere.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// 0..n (n > 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-
-    /// True with probability `pct` percent.
-    pub fn chance(&mut self, pct: u64) -> bool {
-        self.next_u64() % 100 < pct
-    }
-}
+pub use state::testing::Rng;
 
 /// Address and pod CIDR slots: a node draws one slot for its addresses and one for its CIDRs, so
 /// freed slots come back (recycled IPs and CIDRs) as the history goes on. Every address is on

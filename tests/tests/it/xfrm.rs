@@ -20,57 +20,29 @@ use ipnet::IpNet;
 use node_agent::backends::Backend;
 use node_agent::backends::xfrm::{IpsecKey, KeyBook, KeyFile};
 use node_agent::backends::xfrm::{ProbeError, XfrmBackend};
-use node_agent_tests::fixture::{all_ok, deletes, upserts};
+use node_agent_tests::fixture::{
+    XFRM_SPI as SPI, all_ok, deletes, upserts, xfrm_policy, xfrm_state,
+};
 use node_agent_tests::ip_xfrm;
 use node_agent_tests::require_sandbox;
 use node_agent_tests::runtime;
 use node_agent_tests::{can_sandbox, ip, ip_batch, report, sandbox, skip, skip_without_esp};
-use state::objects::{
-    KernelObject, NodeId, Op, Spi, SpiLayout, XfrmDir, XfrmPolicy, XfrmState, mark,
-};
+use state::objects::{KernelObject, Op, Spi, SpiLayout, XfrmDir, XfrmPolicy, XfrmState, mark};
+use state::testing::{id as node_id, ip as addr, net};
 
 /// A key whose hex the tests look for in every message they see.
 const KEY_HEX: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f9001122334";
-const SPI: u8 = 3;
 
 fn key() -> IpsecKey {
     IpsecKey::parse(&format!("{SPI} rfc4106(gcm(aes)) 0x{KEY_HEX} 128\n"), None).unwrap()
 }
 
-fn node_id(id: u16) -> NodeId {
-    NodeId::new(id).unwrap()
-}
-
-fn addr(s: &str) -> IpAddr {
-    s.parse().unwrap()
-}
-
-fn net(s: &str) -> IpNet {
-    s.parse().unwrap()
-}
-
 fn policy(id: u16, dst: &str, tmpl_dst: &str) -> XfrmPolicy {
-    let v6 = dst.contains(':');
-    XfrmPolicy {
-        src: net(if v6 { "::/0" } else { "0.0.0.0/0" }),
-        dst: net(dst),
-        dir: XfrmDir::Out,
-        node_id: node_id(id),
-        tmpl_src: addr(if v6 { "fd00::1" } else { "10.0.0.1" }),
-        tmpl_dst: addr(tmpl_dst),
-        spi: Spi::from_wire(SPI.into()).unwrap(),
-    }
+    xfrm_policy(id, dst, tmpl_dst)
 }
 
 fn state(id: u16, src: &str, dst: &str, dir: XfrmDir) -> XfrmState {
-    XfrmState {
-        src: addr(src),
-        dst: addr(dst),
-        spi: Spi::from_wire(SPI.into()).unwrap(),
-        dir,
-        node_id: node_id(id),
-        key: key().tag(),
-    }
+    xfrm_state(id, src, dst, dir, key().tag())
 }
 
 /// Two nodes, each with a v4 and a v6 pod CIDR.
