@@ -236,8 +236,8 @@ impl Backend for XfrmBackend {
 }
 
 /// Cuts `ops` into consecutive runs in which no kernel identity appears twice, so that the
-/// planner's order (a delete before an upsert reusing the identity) holds while requests are
-/// pipelined.
+/// planner's order (a delete before an upsert reusing the identity) holds although a state's
+/// delete goes out in a wave's second batch, after the wave's adds.
 fn waves(ops: &[Op]) -> Vec<&[Op]> {
     let mut out = Vec::new();
     let mut seen = HashSet::new();
