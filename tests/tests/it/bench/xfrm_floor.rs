@@ -51,7 +51,76 @@ impl XfrmFloor {
     /// Writes what the agent on `local` writes toward `nodes` under key `key` (`hex`, a global
     /// key in the per-sender layout), times it, times an event's share, and removes it all.
     pub fn measure(local: &TestNode, nodes: &[TestNode], key: u8, hex: &str) -> Self {
-        let config = PlanConfig {
+        let objects = Objects::new(local, key);
+        let cluster = objects.of(nodes, 0);
+        let routes = routes(nodes);
+        ip_batch(&[], &routes);
+        let t = Instant::now();
+        ip_batch(&[], &ip_xfrm::adds(&cluster, hex));
+        let add = t.elapsed();
+        let (event, kinds) = Self::events(local, nodes, key, hex);
+        ip(&["xfrm", "policy", "flush"]);
+        ip(&["xfrm", "state", "flush"]);
+        ip_batch(&[], &routes.replace("route add", "route del"));
+        Self {
+            objects: cluster.len(),
+            add,
+            event,
+            kinds,
+        }
+    }
+
+    /// An event's share: [`EVENT_NODES`] more nodes' states and policies added beside what the
+    /// kernel holds, readdressed, and removed, each kind timed per node; their routes are there
+    /// meanwhile. Works beside the floor's own objects of `nodes` or beside the agent's, which
+    /// they never touch (other addresses, CIDRs and IDs).
+    pub fn events(
+        local: &TestNode,
+        nodes: &[TestNode],
+        key: u8,
+        hex: &str,
+    ) -> (Duration, [(&'static str, Duration, f64); 3]) {
+        let objects = Objects::new(local, key);
+        let n = u32::try_from(nodes.len()).unwrap();
+        let named = |k: u32, i: u32| TestNode::wide(&format!("floor-event-{k}"), i);
+        let extra: Vec<TestNode> = (0..EVENT_NODES).map(|k| named(k, 5 * n + k)).collect();
+        // The same nodes under the same IDs, with new addresses and pod CIDRs.
+        let moved: Vec<TestNode> = (0..EVENT_NODES).map(|k| named(k, 6 * n + k)).collect();
+        // IDs past the cluster's and past those the benchmark's events add.
+        let first_id = nodes.len() + 100;
+        let (added, readdressed) = (objects.of(&extra, first_id), objects.of(&moved, first_id));
+        let routes = routes(&[extra, moved].concat());
+        ip_batch(&[], &routes);
+        let timed = |batch: &str| {
+            let t = Instant::now();
+            ip_batch(&[], batch);
+            t.elapsed()
+        };
+        // What starting `ip` costs (tens of milliseconds in an emulated guest) is no kernel
+        // work: the least of three empty batches is taken off each batch below.
+        let start = (0..3).map(|_| timed("")).min().unwrap_or_default();
+        let batches = [
+            ("add", ip_xfrm::adds(&added, hex)),
+            ("readdress", ip_xfrm::changes(&added, &readdressed, hex)),
+            ("remove", ip_xfrm::deletes(&readdressed)),
+        ];
+        let kinds = batches.map(|(kind, batch)| {
+            let took = timed(&batch).saturating_sub(start) / EVENT_NODES;
+            let lines = batch.lines().count() as f64 / f64::from(EVENT_NODES);
+            (kind, took, lines)
+        });
+        ip_batch(&[], &routes.replace("route add", "route del"));
+        let event = kinds.iter().map(|(_, took, _)| *took).sum::<Duration>() / 3;
+        (event, kinds)
+    }
+}
+
+/// The planner's xfrm objects for nodes, as the agent on `local` plans them under one key.
+struct Objects(PlanConfig);
+
+impl Objects {
+    fn new(local: &TestNode, key: u8) -> Self {
+        Self(PlanConfig {
             local_addresses: local.ips.iter().map(|a| a.parse().unwrap()).collect(),
             local_pod_cidrs: local.cidrs.iter().map(|c| c.parse().unwrap()).collect(),
             ipsec: Some(IpsecConfig {
@@ -65,76 +134,37 @@ impl XfrmFloor {
                 tags: Arc::new(GlobalTags),
             }),
             ..PlanConfig::default()
-        };
-        let n = u32::try_from(nodes.len()).unwrap();
-        let extra: Vec<TestNode> = (0..EVENT_NODES)
-            .map(|k| TestNode::wide(&format!("floor-event-{k}"), 5 * n + k))
-            .collect();
-        // In the order the agent writes them: states, then the policies that select them.
-        let xfrm_of = |nodes: &[TestNode], first_id: usize| -> Vec<KernelObject> {
-            let mut out = Vec::new();
-            for (i, t) in nodes.iter().enumerate() {
-                let id = NodeId::new(u16::try_from((first_id + i) % 65_535 + 1).unwrap()).unwrap();
-                desired_objects(
-                    &node(t),
-                    id,
-                    &config,
-                    &state::inventory::Inventory::new(),
-                    &mut out,
-                    &mut Vec::new(),
-                );
-            }
-            out.retain(|o| ip_xfrm::delete(o).is_some());
-            out.sort_by_key(|o| o.kind().rank());
-            out
-        };
-        let cluster = xfrm_of(nodes, 0);
-        let events = xfrm_of(&extra, nodes.len());
-        // The same nodes under the same IDs, with new addresses and pod CIDRs.
-        let moved_nodes: Vec<TestNode> = (0..EVENT_NODES)
-            .map(|k| TestNode::wide(&format!("floor-event-{k}"), 6 * n + k))
-            .collect();
-        let moved = xfrm_of(&moved_nodes, nodes.len());
-        let routes: String = nodes
-            .iter()
-            .chain(&extra)
-            .chain(&moved_nodes)
-            .flat_map(|n| n.cidrs.iter())
-            .map(|c| format!("route add {c} dev {ROUTE_DEV}\n"))
-            .collect();
-        ip_batch(&[], &routes);
-        let t = Instant::now();
-        ip_batch(&[], &ip_xfrm::adds(&cluster, hex));
-        let add = t.elapsed();
-        let timed = |batch: &str| {
-            let t = Instant::now();
-            ip_batch(&[], batch);
-            t.elapsed()
-        };
-        // What starting `ip` costs (tens of milliseconds in an emulated guest) is no kernel
-        // work: the least of three empty batches is taken off each batch below.
-        let start = (0..3).map(|_| timed("")).min().unwrap_or_default();
-        let batches = [
-            ("add", ip_xfrm::adds(&events, hex)),
-            ("readdress", ip_xfrm::changes(&events, &moved, hex)),
-            ("remove", ip_xfrm::deletes(&moved)),
-        ];
-        let kinds = batches.map(|(kind, batch)| {
-            let took = timed(&batch).saturating_sub(start) / EVENT_NODES;
-            let lines = batch.lines().count() as f64 / f64::from(EVENT_NODES);
-            (kind, took, lines)
-        });
-        let event = kinds.iter().map(|(_, took, _)| *took).sum::<Duration>() / 3;
-        ip(&["xfrm", "policy", "flush"]);
-        ip(&["xfrm", "state", "flush"]);
-        ip_batch(&[], &routes.replace("route add", "route del"));
-        Self {
-            objects: cluster.len(),
-            add,
-            event,
-            kinds,
-        }
+        })
     }
+
+    /// The states and policies of `nodes` under IDs from `first_id + 1`, in the order the agent
+    /// writes them: states, then the policies that select them.
+    fn of(&self, nodes: &[TestNode], first_id: usize) -> Vec<KernelObject> {
+        let mut out = Vec::new();
+        for (i, t) in nodes.iter().enumerate() {
+            let id = NodeId::new(u16::try_from((first_id + i) % 65_535 + 1).unwrap()).unwrap();
+            desired_objects(
+                &node(t),
+                id,
+                &self.0,
+                &state::inventory::Inventory::new(),
+                &mut out,
+                &mut Vec::new(),
+            );
+        }
+        out.retain(|o| ip_xfrm::delete(o).is_some());
+        out.sort_by_key(|o| o.kind().rank());
+        out
+    }
+}
+
+/// A route through the benchmark's link to each pod CIDR of `nodes`.
+fn routes(nodes: &[TestNode]) -> String {
+    nodes
+        .iter()
+        .flat_map(|n| n.cidrs.iter())
+        .map(|c| format!("route add {c} dev {ROUTE_DEV}\n"))
+        .collect()
 }
 
 /// `t` as the planner sees a node.
