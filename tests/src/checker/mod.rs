@@ -128,7 +128,7 @@ pub fn check(name: &str, budget: Budget) {
         started.elapsed().as_secs_f64()
     ));
     report(&format!(
-        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, torn reads {}, differential {}",
+        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, torn reads {}, differential {}, held {}",
         budget.seed,
         total.steps,
         modes_run.into_iter().collect::<Vec<_>>().join(" "),
@@ -137,7 +137,8 @@ pub fn check(name: &str, budget: Budget) {
         total.holds,
         total.confirmations,
         total.torn,
-        total.differential
+        total.differential,
+        total.held
     ));
     if budget.profile.torture {
         report(&format!(
@@ -392,6 +393,7 @@ impl Run {
                     nexthops: !self.modes.nexthops_off,
                     waiting: &waiting,
                 };
+                outcome.held += oracle::held(&facts).len();
                 let mut broke = oracle::violations(&facts);
                 broke.append(&mut stuck);
                 if self.profile.torture && exit.is_some() {

@@ -11,6 +11,8 @@
 //! * **no-local**: a list without the local node changes nothing, and the run exits 3;
 //! * **kept**: no object of a live, clean, unchanged node is deleted, not even by a killed or
 //!   cut run ([`violations`]);
+//! * **held**: a listed node that is malformed or has no addresses keeps the map entries and
+//!   routes its record lists, even through a killed run ([`held_lost`]);
 //! * **programmed**: after a run that finished, every clean node has all its objects under one
 //!   ID of its own (nodes waiting for an ID at the edge of the ID space excepted);
 //! * **brake**: no removal past `--max-prune-ratio`, counting the window, unless forced;
@@ -370,6 +372,74 @@ pub struct StepFacts<'a> {
     pub waiting: &'a BTreeSet<String>,
 }
 
+/// What held nodes lost (invariant 8): a listed node that is malformed or has no addresses keeps
+/// the map entries and routes its record lists, as the kernel held them when the list reached
+/// the agent, whatever the run did (a kill included). Left aside: what the local node claims
+/// now (it keeps its own), routes whose nexthop ID something foreign took, nodes a resting
+/// daemon programmed anew before the list, and runs without the record (lost) or forced.
+fn held_lost(f: &StepFacts<'_>) -> Vec<String> {
+    let mut v = Vec::new();
+    let local = local_node();
+    let local_nets: Vec<ipnet::IpNet> = local.cidrs.iter().filter_map(|c| c.parse().ok()).collect();
+    let the_locals = |c: &str| {
+        c.parse::<ipnet::IpNet>().is_ok_and(|c| {
+            local_nets
+                .iter()
+                .any(|l| l.contains(&c.network()) || c.contains(&l.network()))
+        })
+    };
+    for (n, rec, id) in held(f) {
+        for ip in rec.ips.iter().filter(|ip| !local.ips.contains(ip)) {
+            if f.shown.map.get(ip) == Some(&id) && f.after.map.get(ip) != Some(&id) {
+                v.push(format!(
+                    "held node {}'s map entry {ip} -> {id} became {:?}",
+                    n.name,
+                    f.after.map.get(ip)
+                ));
+            }
+        }
+        for c in rec.cidrs.iter().filter(|c| !the_locals(c)) {
+            let taken = f.shown.nexthop_taken(id, c.contains(':'));
+            if f.shown.our_routes().contains_key(c.as_str())
+                && !f.after.our_routes().contains_key(c.as_str())
+                && !taken
+            {
+                v.push(format!("held node {}'s route {c} was deleted", n.name));
+            }
+        }
+    }
+    v
+}
+
+/// The held nodes [`held_lost`] judges, with their records and IDs: listed (the first item of
+/// their name), malformed or without addresses, recorded under their UID with an ID and no
+/// pending delete, not programmed anew by a resting daemon; none without the record or in a
+/// forced run or a list without the local node.
+pub fn held<'a>(f: &StepFacts<'a>) -> Vec<(&'a TestNode, &'a Recorded, u16)> {
+    let Some(record) = f.agent_record() else {
+        return Vec::new();
+    };
+    if f.forced || f.no_local {
+        return Vec::new();
+    }
+    let local = local_node();
+    let mut seen = BTreeSet::new();
+    f.list
+        .iter()
+        // Of a name listed twice, the first item stands.
+        .filter(|n| seen.insert(n.name.as_str()))
+        .filter(|n| !is_valid(n) && n.name != local.name)
+        .filter(|n| !f.rested.iter().any(|r| r.name == n.name))
+        .filter_map(|n| {
+            let rec = record.iter().find(|r| same_node(r, n))?;
+            match (rec.id, rec.attempts) {
+                (Some(id), 0) => Some((n, rec, id)),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 /// What a step removed: nodes (known, no longer listed, whose entries went) and orphan objects
 /// (objects gone whose address, CIDR or gateway nobody listed claims), as the brake counts them.
 pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
@@ -431,9 +501,9 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
     (nodes, objects)
 }
 
-impl StepFacts<'_> {
+impl<'a> StepFacts<'a> {
     /// The record the agent started the step with.
-    fn agent_record(&self) -> Option<&[Recorded]> {
+    fn agent_record(&self) -> Option<&'a [Recorded]> {
         self.record_before.filter(|_| !self.record_lost)
     }
 }
@@ -575,6 +645,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             }
         }
     }
+    v.extend(held_lost(f));
     // After a run that finished, every clean node has all its objects, under one ID of its own.
     if f.exit.is_some() && !f.no_local {
         let mut owner: BTreeMap<u16, &str> = BTreeMap::new();
@@ -1055,5 +1126,70 @@ mod tests {
         shared.elsewhere = BTreeMap::from([("10.130.1.0/24".to_owned(), v4)]);
         assert_eq!(node_difference(&n, &shared, &fresh), Vec::<String>::new());
         assert_eq!(node_difference(&n, &shared, &lacking).len(), 1);
+    }
+
+    /// A held node keeps what its record lists (invariant 8): a node listed without addresses
+    /// whose entry and route went is a violation; the same with the record lost, or for a node
+    /// a resting daemon programmed anew, is not judged.
+    #[test]
+    fn a_held_node_keeps_what_its_record_lists() {
+        let held = TestNode {
+            name: "n003".into(),
+            ..TestNode::default()
+        };
+        let rec = Recorded {
+            name: "n003".into(),
+            uid: held.uid(),
+            ips: vec!["10.88.7.13".into()],
+            cidrs: vec!["10.130.3.0/24".into()],
+            id: Some(3),
+            attempts: 0,
+        };
+        let had = Snapshot {
+            map: BTreeMap::from([("10.88.7.13".to_owned(), 3)]),
+            routes: BTreeMap::from([("10.130.3.0/24".to_owned(), toward("10.88.7.13"))]),
+            ..Snapshot::default()
+        };
+        let gone = Snapshot::default();
+        let list = [held.clone()];
+        let record = [rec];
+        let waiting = BTreeSet::new();
+        let facts = |after: &'static str| StepFacts {
+            list: &list,
+            previous_clean: &[],
+            record_before: Some(&record),
+            record_lost: false,
+            before: &had,
+            shown: &had,
+            rested: &[],
+            after: if after == "had" { &had } else { &gone },
+            exit: Some(0),
+            forced: false,
+            event_sized: false,
+            no_local: false,
+            foreign_slots: &[],
+            window: (0, 0),
+            max_ratio: 0.5,
+            nexthops: false,
+            waiting: &waiting,
+        };
+        assert!(held_lost(&facts("had")).is_empty());
+        assert_eq!(
+            held_lost(&facts("gone")).len(),
+            2,
+            "{:?}",
+            held_lost(&facts("gone"))
+        );
+        let lost = StepFacts {
+            record_lost: true,
+            ..facts("gone")
+        };
+        assert!(held_lost(&lost).is_empty());
+        let rested = [held];
+        let anew = StepFacts {
+            rested: &rested,
+            ..facts("gone")
+        };
+        assert!(held_lost(&anew).is_empty());
     }
 }

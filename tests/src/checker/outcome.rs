@@ -26,6 +26,8 @@ pub struct Outcome {
     pub differential: usize,
     /// Runs that read a nodes file caught half-written.
     pub torn: usize,
+    /// Held nodes (malformed or without addresses, recorded) judged for what they kept.
+    pub held: usize,
 }
 
 impl Outcome {
@@ -44,5 +46,6 @@ impl Outcome {
         self.confirmations += o.confirmations;
         self.differential += o.differential;
         self.torn += o.torn;
+        self.held += o.held;
     }
 }
