@@ -938,23 +938,9 @@ mod tests {
         let rested = [node("10.88.7.13", "10.130.10.0/24")];
         let waiting = BTreeSet::new();
         let facts = |rested| StepFacts {
-            list: &list,
-            previous_clean: &[],
-            record_before: None,
-            record_lost: false,
-            before: &before,
-            shown: &before,
             rested,
-            after: &after,
-            exit: Some(0),
-            forced: false,
             event_sized: true,
-            no_local: false,
-            foreign_slots: &[],
-            window: (0, 0),
-            max_ratio: 0.5,
-            nexthops: false,
-            waiting: &waiting,
+            ..step(&list, &before, &after, &waiting)
         };
         assert_eq!(removals(&facts(&rested)).1, 0);
         // Without a record at all, the two are orphans.
@@ -968,6 +954,35 @@ mod tests {
             ..facts(&rested)
         };
         assert_eq!(removals(&with_orphan).1, 1);
+    }
+
+    /// A full-list step of `list` that finished, from `before` to `after`, with no record and
+    /// nothing else going on: each test sets what it needs.
+    fn step<'a>(
+        list: &'a [TestNode],
+        before: &'a Snapshot,
+        after: &'a Snapshot,
+        waiting: &'a BTreeSet<String>,
+    ) -> StepFacts<'a> {
+        StepFacts {
+            list,
+            previous_clean: &[],
+            record_before: None,
+            record_lost: false,
+            before,
+            shown: before,
+            rested: &[],
+            after,
+            exit: Some(0),
+            forced: false,
+            event_sized: false,
+            no_local: false,
+            foreign_slots: &[],
+            window: (0, 0),
+            max_ratio: 0.5,
+            nexthops: false,
+            waiting,
+        }
     }
 
     /// A route or nexthop of ours (the agent's protocol) toward `gw`, as a snapshot holds it.
@@ -1155,23 +1170,13 @@ mod tests {
         let record = [rec];
         let waiting = BTreeSet::new();
         let facts = |after: &'static str| StepFacts {
-            list: &list,
-            previous_clean: &[],
             record_before: Some(&record),
-            record_lost: false,
-            before: &had,
-            shown: &had,
-            rested: &[],
-            after: if after == "had" { &had } else { &gone },
-            exit: Some(0),
-            forced: false,
-            event_sized: false,
-            no_local: false,
-            foreign_slots: &[],
-            window: (0, 0),
-            max_ratio: 0.5,
-            nexthops: false,
-            waiting: &waiting,
+            ..step(
+                &list,
+                &had,
+                if after == "had" { &had } else { &gone },
+                &waiting,
+            )
         };
         assert!(held_lost(&facts("had")).is_empty());
         assert_eq!(
