@@ -108,6 +108,7 @@ impl Batcher {
         T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable,
     {
         let n = batch.len();
+        let started = std::time::Instant::now();
         let first = self.seq.wrapping_add(1);
         self.out.clear();
         for (i, (msg, flags)) in batch.into_iter().enumerate() {
@@ -160,6 +161,11 @@ impl Batcher {
                 }
             }
         }
+        tracing::debug!(
+            requests = n,
+            us = started.elapsed().as_micros() as u64,
+            "netlink batch"
+        );
         if let Some(e) = lost {
             for a in answers
                 .iter_mut()

@@ -82,6 +82,10 @@ pub async fn users_of(
         if w.unchanged_since_read() {
             return Ok(HashMap::new());
         }
+        tracing::debug!(
+            nexthops = ids.len(),
+            "reading every route and nexthop group before deleting nexthops: something else changed since the last read"
+        );
         w.reading();
     }
     let read = async {
