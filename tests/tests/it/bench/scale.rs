@@ -15,8 +15,10 @@
 //! - the daemon on the API-server stand-in with no debounce (`--debounce 0`): how long one node
 //!   added, removed or readdressed takes from the watch event to the map entry, the CPU each
 //!   event costs and the reconciler's own time for it (from its log; set
-//!   `NODE_AGENT_BENCH_KEEP_LOGS` to a directory to keep the daemon's log there); then its idle
-//!   CPU.
+//!   `NODE_AGENT_BENCH_KEEP_LOGS` to a directory to keep the daemon's log there, or
+//!   `NODE_AGENT_BENCH_DAEMON_LOG` to a log filter, e.g. `info,node_agent::backends=debug` for
+//!   each netlink batch's time, to run the daemon with it and print the events' log, as the VM
+//!   tier's guest keeps no files); then its idle CPU.
 //!
 //! `bench_agent_at_scale_ipsec` measures the same at each size of
 //! `NODE_AGENT_BENCH_IPSEC_SIZES` (5,000 by default) twice, IPsec off and on (xfrm states,
@@ -668,14 +670,18 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
 
         // The daemon on the API server stand-in, which holds the cluster the last run converged on.
         env.kubeconfig = Some(server.kubeconfig(env.state_dir.parent().unwrap()).unwrap());
-        let mut child = env.spawn(&[
-            "--metrics-addr",
-            "127.0.0.1:9965",
-            "--debounce",
-            "0",
-            "--test-id-cooldown",
-            "0s",
-        ]);
+        let diag = std::env::var("NODE_AGENT_BENCH_DIAG").unwrap_or_else(|_| "info".into());
+        let mut child = env.spawn_with_env(
+            &[("NODE_AGENT_LOG", std::ffi::OsStr::new(&diag))],
+            &[
+                "--metrics-addr",
+                "127.0.0.1:9965",
+                "--debounce",
+                "0",
+                "--test-id-cooldown",
+                "0s",
+            ],
+        );
         env.wait(
             "the daemon's first reconcile",
             Duration::from_secs(600),
@@ -685,6 +691,13 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
         std::thread::sleep(Duration::from_secs(3));
         let log_before = std::fs::metadata(env.log()).map_or(0, |m| m.len() as usize);
         let (event_ms, by_kind, cpu_ms) = events(&env, &server, &after, child.id());
+        if std::env::var("NODE_AGENT_BENCH_DAEMON_LOG").is_ok() {
+            // The guest cannot keep files: the events' log goes to the console.
+            let log = std::fs::read_to_string(env.log()).unwrap_or_default();
+            for l in log.get(log_before..).unwrap_or_default().lines() {
+                report(&format!("daemon: {l}"));
+            }
+        }
         let log = std::fs::read_to_string(env.log()).unwrap_or_default();
         if let Ok(dir) = std::env::var("NODE_AGENT_BENCH_KEEP_LOGS") {
             let _ = std::fs::write(format!("{dir}/daemon-{n}.log"), &log);
