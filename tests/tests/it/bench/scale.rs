@@ -670,9 +670,10 @@ fn at_size(n: u32, ipsec: bool) -> Figures {
 
         // The daemon on the API server stand-in, which holds the cluster the last run converged on.
         env.kubeconfig = Some(server.kubeconfig(env.state_dir.parent().unwrap()).unwrap());
-        let diag = std::env::var("NODE_AGENT_BENCH_DIAG").unwrap_or_else(|_| "info".into());
+        let log_filter =
+            std::env::var("NODE_AGENT_BENCH_DAEMON_LOG").unwrap_or_else(|_| "info".into());
         let mut child = env.spawn_with_env(
-            &[("NODE_AGENT_LOG", std::ffi::OsStr::new(&diag))],
+            &[("NODE_AGENT_LOG", std::ffi::OsStr::new(&log_filter))],
             &[
                 "--metrics-addr",
                 "127.0.0.1:9965",
