@@ -124,7 +124,8 @@ impl Batcher {
         }
         self.seq = first.wrapping_add(n as u32).wrapping_sub(1);
         let sent = self.socket.send(&self.out, 0);
-        // The requests may carry keys (xfrm states): none stays in memory longer than needed.
+        // The requests may carry keys (xfrm states): the batcher's own buffer does not keep them
+        // (the messages they were built from are the caller's).
         self.out.fill(0);
         if let Err(e) = sent {
             return (0..n)

@@ -259,8 +259,8 @@ fn waves(ops: &[Op]) -> Vec<&[Op]> {
     out
 }
 
-/// What one in-flight op needs.
-#[derive(Clone)]
+/// What applying an op needs: the connection (for the rare read-back), the keys, the count of
+/// writes.
 struct Ctx {
     handle: ConnectionHandle<XfrmMessage>,
     keys: Arc<KeyBook>,
