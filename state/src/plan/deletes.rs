@@ -103,12 +103,33 @@ impl<'i> OwnerIndex<'i> {
         }
     }
 
-    /// The owner of our object `o`, at inventory slot `slot`.
+    /// The owner of our object `o`, at inventory slot `slot`: its key resource's, else its node
+    /// ID's, else its secondary resource's.
+    ///
+    /// A held node keeps what it had, and what it had carries its own node ID (or, for a route
+    /// that names its gateway, runs through an address of its own). So when a held node's claim
+    /// is the key but the object's ID or gateway belongs to another node, the object is that
+    /// other node's (say, the entry of an address a programmed node left and a held newcomer
+    /// took): it goes or stays by that owner, as it would if no held node claimed the key.
     fn owner(&self, slot: usize, o: &KernelObject) -> Option<Owner> {
         let of = |r: Option<Res>| r.and_then(|r| self.resources[r as usize]);
-        of(self.index.key(slot))
-            .or_else(|| o.node_id().and_then(|id| self.ids.get(id)))
-            .or_else(|| of(secondary_resource(o).and_then(|r| self.index.get(&r))))
+        let by_id = || o.node_id().and_then(|id| self.ids.get(id));
+        let by_secondary = || of(secondary_resource(o).and_then(|r| self.index.get(&r)));
+        match of(self.index.key(slot)) {
+            Some(held @ Owner::Held(_)) => {
+                let other = if o.node_id().is_some() {
+                    by_id()
+                } else {
+                    by_secondary()
+                };
+                match other {
+                    Some(other) if !matches!(other, Owner::Held(_)) => Some(other),
+                    _ => Some(held),
+                }
+            }
+            Some(owner) => Some(owner),
+            None => by_id().or_else(by_secondary),
+        }
     }
 }
 

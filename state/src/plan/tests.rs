@@ -11,7 +11,7 @@ use std::sync::Arc;
 use self::support::*;
 use super::*;
 use crate::objects::{
-    KernelObject, KeyTag, Nexthop, NexthopId, ObjectKind, Route, SpiLayout, Via, XfrmDir, XfrmState,
+    KernelObject, KeyTag, Nexthop, NexthopId, ObjectKind, Route, SpiLayout, XfrmDir, XfrmState,
 };
 
 // ---- The basics: programming, restarts, ownership by identity ----
@@ -571,30 +571,6 @@ fn nodes_behind_one_unmapped_nat_address_are_all_programmed() {
 }
 
 // ---- Routes through nexthop objects ----
-
-fn with_nexthops() -> Run {
-    let mut r = Run::new();
-    r.cfg.route_nexthops = true;
-    r
-}
-fn nh(node: u16, gw: &str) -> KernelObject {
-    KernelObject::Nexthop(Nexthop {
-        node_id: id(node),
-        gateway: ip(gw),
-        second: false,
-    })
-}
-fn nh_id(node: u16, family: Family) -> NexthopId {
-    NexthopId::of(id(node), family)
-}
-fn nh_route(dst: &str, node: u16) -> KernelObject {
-    let dst = net(dst);
-    KernelObject::Route(Route {
-        dst,
-        via: Via::Nexthop(nh_id(node, Family::of_net(&dst))),
-        metric: Route::default_metric(&dst),
-    })
-}
 
 #[test]
 fn routes_go_through_one_nexthop_per_node_and_family_created_before_them() {

@@ -2,6 +2,8 @@
 //! another node or changed while the agent was down, orphans, and what nothing may delete
 //! (before sync, a node without addresses, what is not ours).
 
+use std::collections::BTreeSet;
+
 use crate::objects::{KernelObject, KeyTag, ObjectKind, Spi, XfrmDir, XfrmState};
 use crate::plan::tests::support::*;
 use crate::plan::*;
@@ -193,6 +195,75 @@ fn node_readdressed_while_down_gets_old_objects_removed_and_new_added() {
     assert!(p.frees.is_empty());
 }
 
+/// A held node keeps what it had, and nothing that carries another node's ID: here a newcomer
+/// held (no ID is left for it, or its claims conflict with a held removal) takes the address
+/// and pod CIDR that node b left, whether b moved, is gone, or is gone with the brake holding
+/// its removal, in both route modes. (The end-to-end checker
+/// found the first case: seed 179597179593651, history 74.)
+#[test]
+fn a_held_newcomer_keeps_nothing_that_carries_another_nodes_id() {
+    let c = node("c", &["10.0.0.2"], &["10.1.2.0/24"]);
+    let b2 = node("b", &["10.0.0.22"], &["10.1.22.0/24"]);
+    let mut walked = Vec::new();
+    for nexthops in [false, true] {
+        for (case, live) in [
+            ("moved", vec![a(), b2.clone(), c.clone()]),
+            ("gone", vec![a(), c.clone()]),
+            ("gone-held", vec![a(), c.clone()]),
+        ] {
+            let mut r = Run::new();
+            r.cfg.route_nexthops = nexthops;
+            r.cfg.max_node_id = 2;
+            if case == "gone-held" {
+                r.cfg.max_prune_ratio = 0.1;
+            }
+            let mut k = Kernel::default();
+            let (_, cp) = r.reconcile(None, &[a(), b()], &mut k);
+            let p = r.plan(Some(&cp), &live, &k);
+            assert!(
+                matches!(problems(&p)[..], [("c", _)]),
+                "{case}: {:?}",
+                problems(&p)
+            );
+            k.apply(&p.ops());
+            // What still carries b's ID 2 is exactly what b desires now, or (brake holding) had.
+            let carrying: BTreeSet<String> = k
+                .ours
+                .values()
+                .filter(|o| o.node_id() == Some(id(2)))
+                .map(|o| o.to_string())
+                .collect();
+            let still_mapped = k.has(&map("10.0.0.2", 2));
+            match case {
+                "moved" => {
+                    assert!(!still_mapped, "{case} nexthops={nexthops}: {:?}", k.ours);
+                    assert!(k.has(&map("10.0.0.22", 2)));
+                }
+                "gone" => assert!(
+                    carrying.is_empty(),
+                    "{case} nexthops={nexthops}: {carrying:?}"
+                ),
+                _ => {
+                    assert!(still_mapped, "the brake keeps a held removal's objects");
+                    assert!(p.brake.is_some());
+                }
+            }
+            if nexthops && case == "moved" {
+                let through_b = k.ours.values().any(|o| {
+                    matches!(o, KernelObject::Route(r) if r.dst == net("10.1.2.0/24"))
+                        && o.node_id() == Some(id(2))
+                });
+                assert!(!through_b, "c's pod CIDR routed to b");
+            }
+            walked.push(format!("{case}/nexthops={nexthops}"));
+        }
+    }
+    println!(
+        "held newcomer at another node's claims: {}",
+        walked.join(" ")
+    );
+}
+
 #[test]
 fn nothing_is_deleted_before_sync() {
     let mut r = Run::new();
@@ -239,6 +310,28 @@ fn live_node_without_addresses_keeps_its_previous_objects() {
             }
         )]
     ));
+}
+
+/// The same rule without a record: after a lost checkpoint, a node that lost its addresses (held
+/// while it registers) still claims its pod CIDR, and a newcomer at its old address gets its old
+/// ID from the map. The held node's route through that ID now leads to the newcomer: it goes,
+/// and the newcomer's objects take the ID. (The end-to-end checker met this case: seed
+/// 1795920953632136446, history 40.)
+#[test]
+fn after_a_lost_checkpoint_a_held_nodes_route_through_a_newcomers_id_goes() {
+    let r = with_nexthops();
+    let mut k = Kernel::default();
+    r.reconcile(None, &[a(), b()], &mut k);
+    let newcomer = node("c", &["10.0.0.2"], &["10.1.3.0/24"]);
+    let p = r.plan(None, &[a(), node("b", &[], &["10.1.2.0/24"]), newcomer], &k);
+    assert!(
+        deleted(&p).contains(&(nh_route("10.1.2.0/24", 2).id(), DeleteReason::Superseded)),
+        "{:?}",
+        deleted(&p)
+    );
+    k.apply(&p.ops());
+    assert!(k.has(&map("10.0.0.2", 2)) && k.has(&nh_route("10.1.3.0/24", 2)));
+    assert!(!k.has(&nh_route("10.1.2.0/24", 2)));
 }
 
 #[test]

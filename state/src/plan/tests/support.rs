@@ -11,9 +11,12 @@ use super::{
     plan,
 };
 use crate::checkpoint::Checkpoint;
+use crate::family::Family;
 use crate::inventory::Inventory;
 use crate::node::Node;
-use crate::objects::{KernelObject, KeyTag, MapEntry, NodeId, ObjectId, Op, Route, Via};
+use crate::objects::{
+    KernelObject, KeyTag, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, Op, Route, Via,
+};
 pub(crate) use crate::testing::{external, id, ip, net, node, with_id};
 
 pub(crate) const NOW: Duration = Duration::from_secs(1_000_000);
@@ -217,4 +220,29 @@ pub(crate) fn c() -> Node {
 }
 pub(crate) fn d() -> Node {
     node("d", &["10.0.0.4"], &["10.1.4.0/24"])
+}
+
+/// Routes through nexthop objects, the daemon's default where the kernel has them.
+pub(crate) fn with_nexthops() -> Run {
+    let mut r = Run::new();
+    r.cfg.route_nexthops = true;
+    r
+}
+pub(crate) fn nh(node: u16, gw: &str) -> KernelObject {
+    KernelObject::Nexthop(Nexthop {
+        node_id: id(node),
+        gateway: ip(gw),
+        second: false,
+    })
+}
+pub(crate) fn nh_id(node: u16, family: Family) -> NexthopId {
+    NexthopId::of(id(node), family)
+}
+pub(crate) fn nh_route(dst: &str, node: u16) -> KernelObject {
+    let dst = net(dst);
+    KernelObject::Route(Route {
+        dst,
+        via: Via::Nexthop(nh_id(node, Family::of_net(&dst))),
+        metric: Route::default_metric(&dst),
+    })
 }
