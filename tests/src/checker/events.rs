@@ -14,7 +14,9 @@ use std::ffi::OsStr;
 use std::time::{Duration, Instant};
 
 use super::model::Action;
-use super::once::{Acted, cut, cut_fired, kill_after_reconcile, lose_records, reconciles};
+use super::once::{
+    Acted, PATIENCE, cut, cut_fired, kill_after_reconcile, lose_records, reconciles, stop, unsynced,
+};
 use super::oracle::Snapshot;
 use super::outcome::Outcome;
 use crate::agent::{AgentEnv, Daemon, TestNode, k8s_node, metric, scrape_metrics};
@@ -23,9 +25,6 @@ use node_agent::runtime::cut::CUT_ENV;
 
 /// Where a step's daemon serves its metrics (in the history's own network namespace).
 const METRICS: &str = "127.0.0.1:9968";
-/// How long a daemon may take to reflect a resourceVersion, to start, or to stop: far beyond
-/// what any of it takes on a loaded machine; reached only by a daemon that is stuck.
-const PATIENCE: Duration = Duration::from_secs(120);
 
 /// The API server a history's daemons watch, and the nodes it holds.
 pub struct Cluster {
@@ -133,20 +132,6 @@ fn rest(d: &mut Daemon, version: u64) -> Rest {
     }
 }
 
-/// Stops `d` with SIGTERM (it writes its final checkpoint); its exit status.
-fn stop(mut d: Daemon) -> Option<i32> {
-    // SAFETY: plain kill(2) on our own child.
-    unsafe { libc::kill(d.0.id() as i32, libc::SIGTERM) };
-    let deadline = Instant::now() + PATIENCE;
-    while Instant::now() < deadline {
-        if let Ok(Some(status)) = d.0.try_wait() {
-            return Some(status.code().unwrap_or(-1));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    None
-}
-
 /// Runs the step's daemon as `action` says, showing it `list` (servable) through the server.
 /// `broke` gets what a daemon did that no agent may (stuck, or not stopping on SIGTERM).
 pub(super) fn act(
@@ -180,6 +165,15 @@ pub(super) fn act(
         .map(|c| (CUT_ENV, OsStr::new(c)))
         .into_iter()
         .collect();
+    // A source that never completes a list: the server fails every request, from the start.
+    if let Action::Unsynced { ms } = action {
+        cluster.server.set_failing(true);
+        let d = env.spawn(&daemon_args);
+        cluster.serve(list);
+        let acted = unsynced(d, *ms, seen, broke);
+        cluster.server.set_failing(false);
+        return acted;
+    }
     let mut d = env.spawn_with_env(&cut_env, &daemon_args);
     let ended = |seen: &mut Outcome| {
         seen.crashes += 1;

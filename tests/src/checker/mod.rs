@@ -128,7 +128,7 @@ pub fn check(name: &str, budget: Budget) {
         started.elapsed().as_secs_f64()
     ));
     report(&format!(
-        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, torn reads {}, differential {}, held {}",
+        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, torn reads {}, differential {}, held {}, unsynced {}",
         budget.seed,
         total.steps,
         modes_run.into_iter().collect::<Vec<_>>().join(" "),
@@ -138,7 +138,8 @@ pub fn check(name: &str, budget: Budget) {
         total.confirmations,
         total.torn,
         total.differential,
-        total.held
+        total.held,
+        total.unsynced
     ));
     if budget.profile.torture {
         report(&format!(
@@ -335,12 +336,15 @@ impl Run {
                         &mut outcome,
                         &mut stuck,
                     ),
-                    None => act(&env, &step.action, &list, &args, &mut outcome),
+                    None => act(&env, &step.action, &list, &args, &mut outcome, &mut stuck),
                 };
                 let after = Snapshot::take(&env);
-                if exit.is_none() {
+                // Read only where it is judged: after a run that did not finish.
+                let record_after = exit.is_none().then(|| oracle::record(&env)).flatten();
+                let unsynced = matches!(step.action, Action::Unsynced { .. });
+                if exit.is_none() && !unsynced {
                     let kernel_changed = after != before;
-                    let record_changed = oracle::record(&env) != record_before;
+                    let record_changed = record_after != record_before;
                     let phase = match (kernel_changed, record_changed) {
                         (_, true) => 2,
                         (true, false) => 1,
@@ -373,6 +377,7 @@ impl Run {
                     list: &read,
                     previous_clean: &previous_clean,
                     record_before: record_before.as_deref(),
+                    record_after: record_after.as_deref(),
                     record_lost: matches!(
                         step.action,
                         Action::LoseCheckpoint | Action::CorruptCheckpoint { .. }
@@ -385,6 +390,7 @@ impl Run {
                     forced: step.action == Action::OnceForced,
                     event_sized: cluster.is_some(),
                     no_local: step.view == View::NoLocal,
+                    unsynced,
                     foreign_slots: &truth.foreign,
                     window: window
                         .iter()

@@ -153,6 +153,11 @@ pub enum Action {
     /// as a writer that pauses would. The run must take the whole list: a read that drops nodes
     /// waits for the file to settle.
     TornWrite { pct: u64 },
+    /// The daemon runs `ms` milliseconds while its source never completes a list, then is
+    /// stopped with SIGTERM: the nodes file is cut inside an item, where no parse takes it, or the
+    /// API server answers every request with `500`. The step's changes are made all the same.
+    /// Until a first full list, nothing may be deleted (invariant 1).
+    Unsynced { ms: u64 },
     /// `run --once` cut by the agent's own test cut (`NODE_AGENT_TEST_CUT`) at the `at`th point
     /// of `sequence`: before its `at`th kernel operation (`ops`) or its checkpoint write
     /// (`checkpoint`, after every kernel write of the run), ended there (`kill`) or failed there.
@@ -357,6 +362,8 @@ pub struct Profile {
     pub cuts: u64,
     /// Percent of steps whose nodes file is written in place, torn at an item boundary.
     pub torn: u64,
+    /// Percent of steps run by a daemon whose source never completes a list.
+    pub unsynced: u64,
     /// Every history with IPsec (the VM tier, where the kernel has ESP).
     pub ipsec: bool,
 }
@@ -372,6 +379,7 @@ impl Profile {
         lost: 8,
         cuts: 15,
         torn: 5,
+        unsynced: 4,
         ipsec: false,
     };
 
@@ -393,6 +401,7 @@ impl Profile {
         lost: 0,
         cuts: 0,
         torn: 0,
+        unsynced: 0,
         ipsec: false,
     };
 }
@@ -537,6 +546,10 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
             Action::CorruptCheckpoint {
                 at: rng.below(4096),
             }
+        }
+    } else if rng.chance(p.unsynced) {
+        Action::Unsynced {
+            ms: 200 + rng.below(800) as u64,
         }
     } else if rng.chance(p.torn) {
         Action::TornWrite {

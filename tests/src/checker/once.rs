@@ -21,6 +21,7 @@ pub(super) fn act(
     list: &[TestNode],
     args: &[&str],
     seen: &mut Outcome,
+    broke: &mut Vec<String>,
 ) -> Acted {
     // A one-shot run's log joins the daemons' in the agent log: the evidence of a failure.
     let mut waiting = BTreeSet::new();
@@ -93,11 +94,73 @@ pub(super) fn act(
             kill_after_reconcile(env, env.spawn(args), before, *us);
             None
         }
+        Action::Unsynced { ms } => {
+            std::fs::write(&env.nodes_file, unparsable(list)).unwrap();
+            let acted = unsynced(env.spawn(args), *ms, seen, broke);
+            env.write_list(list);
+            return acted;
+        }
     };
     Acted {
         exit,
         waiting,
         shown: None,
+    }
+}
+
+/// How long a daemon may take to reflect a resourceVersion, to start, or to stop: far beyond
+/// what any of it takes on a loaded machine; reached only by a daemon that is stuck.
+pub(super) const PATIENCE: Duration = Duration::from_secs(120);
+
+/// Stops `d` with SIGTERM (it writes its final checkpoint); its exit status, `None` if it did
+/// not exit within [`PATIENCE`].
+pub(super) fn stop(mut d: Daemon) -> Option<i32> {
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(d.0.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + PATIENCE;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = d.0.try_wait() {
+            return Some(status.code().unwrap_or(-1));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// An [`Action::Unsynced`] step's daemon `d`, whose source never completes a list: it runs `ms`
+/// milliseconds and is stopped. It must still be running (a source that fails is waited out,
+/// not a reason to exit) and stop on SIGTERM; what it did to the kernel is the oracle's.
+pub(super) fn unsynced(
+    mut d: Daemon,
+    ms: u64,
+    seen: &mut Outcome,
+    broke: &mut Vec<String>,
+) -> Acted {
+    seen.unsynced += 1;
+    std::thread::sleep(Duration::from_millis(ms));
+    if let Ok(Some(status)) = d.0.try_wait() {
+        broke.push(format!(
+            "a daemon whose source had not synced exited by itself ({status})"
+        ));
+    } else if stop(d).is_none() {
+        broke.push(format!(
+            "a daemon whose source had not synced did not exit in {PATIENCE:?} after SIGTERM"
+        ));
+    }
+    Acted {
+        exit: None,
+        waiting: BTreeSet::new(),
+        shown: None,
+    }
+}
+
+/// `list` as a nodes file cut inside its first flow sequence (an unterminated quote and
+/// bracket): no YAML parser takes it, so a source reading it never completes a list.
+fn unparsable(list: &[TestNode]) -> String {
+    let text = crate::agent::node_list(list);
+    match text.find("[\"") {
+        Some(at) => text[..at + 3].to_owned(),
+        None => "items: [\"".to_owned(),
     }
 }
 

@@ -11,6 +11,8 @@
 //! * **no-local**: a list without the local node changes nothing, and the run exits 3;
 //! * **kept**: no object of a live, clean, unchanged node is deleted, not even by a killed or
 //!   cut run ([`violations`]);
+//! * **unsynced**: a run whose source never completed a list deletes nothing of ours, and
+//!   its record keeps every node ([`unsynced_lost`]);
 //! * **held**: a listed node that is malformed or has no addresses keeps the map entries and
 //!   routes its record lists, even through a killed run ([`held_lost`]);
 //! * **programmed**: after a run that finished, every clean node has all its objects under one
@@ -343,6 +345,9 @@ pub struct StepFacts<'a> {
     /// The list before this step, and its clean nodes.
     pub previous_clean: &'a [TestNode],
     pub record_before: Option<&'a [Recorded]>,
+    /// The record after a run that did not finish (a kill, a cut, an unsynced source), where
+    /// it is judged; `None` after one that finished, or where there is none.
+    pub record_after: Option<&'a [Recorded]>,
     /// The step lost or corrupted the checkpoint before the agent ran: the agent saw no record.
     pub record_lost: bool,
     pub before: &'a Snapshot,
@@ -360,6 +365,8 @@ pub struct StepFacts<'a> {
     pub event_sized: bool,
     /// The list lacks the local node.
     pub no_local: bool,
+    /// The run's source never completed a list (the list is what it would have shown).
+    pub unsynced: bool,
     /// Pod CIDR slots with a foreign route.
     pub foreign_slots: &'a [usize],
     /// Removals done by earlier steps within the brake's window: nodes, objects.
@@ -370,6 +377,69 @@ pub struct StepFacts<'a> {
     pub nexthops: bool,
     /// Nodes the run reported waiting for a node ID: every ID in use or cooling.
     pub waiting: &'a BTreeSet<String>,
+}
+
+/// What a run whose source never completed a list deleted (invariant 1): nothing of ours in
+/// the kernel before it (map entries, routes, nexthops, xfrm objects) may be gone after it, and
+/// the record keeps every node it had.
+fn unsynced_lost(f: &StepFacts<'_>) -> Vec<String> {
+    if !f.unsynced {
+        return Vec::new();
+    }
+    let mut v = Vec::new();
+    let mut gone = |what: &str, missing: Vec<String>| {
+        if !missing.is_empty() {
+            v.push(format!(
+                "before any full list, {what} went: {}",
+                missing.join(", ")
+            ));
+        }
+    };
+    let (before, after) = (f.before, f.after);
+    gone(
+        "map entries",
+        (before.map.iter())
+            .filter(|(ip, _)| !after.map.contains_key(*ip))
+            .map(|(ip, id)| format!("{ip} -> {id}"))
+            .collect(),
+    );
+    let routes = after.our_routes();
+    gone(
+        "routes",
+        (before.our_routes().into_keys())
+            .filter(|d| !routes.contains_key(d))
+            .map(str::to_owned)
+            .collect(),
+    );
+    let nexthops = after.our_nexthops();
+    gone(
+        "nexthops",
+        (before.our_nexthops().into_keys())
+            .filter(|id| !nexthops.contains_key(id))
+            .map(|id| id.to_string())
+            .collect(),
+    );
+    gone(
+        "xfrm objects",
+        (before.xfrm.values().flatten())
+            .filter(|x| !after.xfrm.values().any(|a| a.contains(*x)))
+            .cloned()
+            .collect(),
+    );
+    let names = |r: Option<&[Recorded]>| -> BTreeSet<String> {
+        r.unwrap_or_default()
+            .iter()
+            .map(|r| r.name.clone())
+            .collect()
+    };
+    gone(
+        "recorded nodes",
+        names(f.record_before)
+            .difference(&names(f.record_after))
+            .cloned()
+            .collect(),
+    );
+    v
 }
 
 /// What held nodes lost (invariant 8): a listed node that is malformed or has no addresses keeps
@@ -661,6 +731,7 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
         }
     }
     v.extend(held_lost(f));
+    v.extend(unsynced_lost(f));
     // After a run that finished, every clean node has all its objects, under one ID of its own.
     if f.exit.is_some() && !f.no_local {
         let mut owner: BTreeMap<u16, &str> = BTreeMap::new();
@@ -983,6 +1054,7 @@ mod tests {
             list,
             previous_clean: &[],
             record_before: None,
+            record_after: None,
             record_lost: false,
             before,
             shown: before,
@@ -992,6 +1064,7 @@ mod tests {
             forced: false,
             event_sized: false,
             no_local: false,
+            unsynced: false,
             foreign_slots: &[],
             window: (0, 0),
             max_ratio: 0.5,
@@ -1237,5 +1310,68 @@ mod tests {
             ..facts("gone")
         };
         assert_eq!(held_lost(&same).len(), 2);
+    }
+
+    /// Before a first full list, each kind of object of ours that goes (and a recorded node
+    /// the record forgets) is a violation; objects added, and a run that did sync, are not.
+    #[test]
+    fn an_unsynced_run_deletes_nothing_of_ours_and_forgets_no_node() {
+        let mut had = Snapshot {
+            map: BTreeMap::from([("10.88.7.13".to_owned(), 3)]),
+            routes: BTreeMap::from([("10.130.3.0/24".to_owned(), toward("10.88.7.13"))]),
+            nexthops: BTreeMap::from([(nexthop_id(3, false), toward("10.88.7.13"))]),
+            ..Snapshot::default()
+        };
+        had.xfrm
+            .insert(3, BTreeSet::from(["policy out 10.130.3.0/24".to_owned()]));
+        let rec = Recorded {
+            name: "n003".into(),
+            uid: "uid-n003".into(),
+            ips: vec!["10.88.7.13".into()],
+            cidrs: vec!["10.130.3.0/24".into()],
+            id: Some(3),
+            attempts: 0,
+        };
+        let record = [rec];
+        let waiting = BTreeSet::new();
+        let judge = |after: &Snapshot, record_after: Option<&[Recorded]>, unsynced: bool| {
+            unsynced_lost(&StepFacts {
+                record_before: Some(&record),
+                record_after,
+                exit: None,
+                unsynced,
+                ..step(&[], &had, after, &waiting)
+            })
+        };
+        assert!(judge(&had, Some(&record), true).is_empty());
+        let mut more = had.clone();
+        more.map.insert("10.88.7.14".into(), 4);
+        assert!(
+            judge(&more, Some(&record), true).is_empty(),
+            "adds are not deletes"
+        );
+        let without = |what: &str| {
+            let mut s = had.clone();
+            match what {
+                "map" => s.map.clear(),
+                "route" => s.routes.clear(),
+                "nexthop" => s.nexthops.clear(),
+                _ => s.xfrm.clear(),
+            }
+            s
+        };
+        let mut walked = Vec::new();
+        for what in ["map", "route", "nexthop", "xfrm"] {
+            let broke = judge(&without(what), Some(&record), true);
+            assert_eq!(broke.len(), 1, "{what}: {broke:?}");
+            assert!(judge(&without(what), Some(&record), false).is_empty());
+            walked.push(what);
+        }
+        assert_eq!(judge(&had, Some(&[]), true).len(), 1, "a forgotten node");
+        assert_eq!(judge(&had, None, true).len(), 1, "a lost record");
+        println!(
+            "unsynced oracle: each of {} gone, and the record's node",
+            walked.join(" ")
+        );
     }
 }

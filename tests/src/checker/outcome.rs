@@ -28,6 +28,8 @@ pub struct Outcome {
     pub torn: usize,
     /// Held nodes (malformed or without addresses, recorded) judged for what they kept.
     pub held: usize,
+    /// Runs whose source never completed a list.
+    pub unsynced: usize,
 }
 
 impl Outcome {
@@ -47,5 +49,6 @@ impl Outcome {
         self.differential += o.differential;
         self.torn += o.torn;
         self.held += o.held;
+        self.unsynced += o.unsynced;
     }
 }
