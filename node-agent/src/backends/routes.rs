@@ -53,6 +53,11 @@ pub struct RouteBackend {
 }
 
 impl RouteBackend {
+    /// Batches of writes sent so far (system calls; [`Batcher::batches_sent`]).
+    pub fn batches_sent(&self) -> u64 {
+        self.batch.batches_sent()
+    }
+
     /// Opens an rtnetlink socket in the current network namespace; needs a tokio runtime.
     pub fn new(protocol: u8, table: u32) -> std::io::Result<Self> {
         let (conn, handle, _) = rtnetlink::new_connection_with_strict_check()?;

@@ -362,6 +362,8 @@ fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_succes
             let creates: Vec<Op> = (0..n).map(|i| Op::Create(route(&dst(i), "10.88.0.2"))).collect();
             let mut routes = RouteBackend::new(DEFAULT_ROUTE_PROTOCOL, MAIN_TABLE).unwrap();
             let results = routes.apply(&creates).await;
+            let calls = routes.batches_sent();
+            assert!(calls >= n.div_ceil(BATCH) as u64 && calls < n as u64, "{n} creates in {calls} calls");
             assert_eq!(results.len(), n);
             for (i, r) in results.iter().enumerate() {
                 match planted.contains(&i) {
@@ -375,9 +377,12 @@ fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_succes
             // `rmem_max` allows (212,992 bytes, doubled by the kernel).
             let gateway = |i: usize| IpAddr::from([10, 88, 1 + (i / 250) as u8, (i % 250) as u8 + 1]);
             let lookups = (0..BATCH).map(|i| (fibmatch(gateway(i)), 0)).collect();
-            let mut small = Batcher::with_receive_buffer(libc::NETLINK_ROUTE as isize, 212_992).unwrap();
+            let mut small = Batcher::with_receive_buffer(libc::NETLINK_ROUTE as isize, 212_992)
+                .unwrap()
+                .first_batch(BATCH);
             let answers = small.exchange(lookups).await;
             assert_eq!(answers.len(), BATCH);
+            assert_eq!(small.batches_sent(), 1, "a full batch in one call");
             for (i, a) in answers.iter().enumerate() {
                 assert!(matches!(a, Ok(m) if m.len() == 1), "lookup {i}: {a:?}");
             }
@@ -402,7 +407,7 @@ fn batched_requests_get_their_own_answers_and_lost_answers_never_pass_for_succes
                 .count();
             assert_eq!(refused + lost, BATCH);
             report(&format!(
-                "batched requests: {n} creates in {} sendmsgs, {} refusals where planted; {BATCH} lookups in one call all answered in a default-sized buffer; {refused} of {BATCH} refusals read and {lost} lost with a tiny buffer",
+                "batched requests: {n} creates in {calls} sendmsgs (at least {} at {BATCH} a call), {} refusals where planted; {BATCH} lookups in one call all answered in a default-sized buffer; {refused} of {BATCH} refusals read and {lost} lost with a tiny buffer",
                 n.div_ceil(BATCH),
                 planted.len()
             ));

@@ -17,6 +17,7 @@
 
 use std::fmt;
 use std::io;
+use std::time::{Duration, Instant};
 
 use netlink_packet_core::{
     NLM_F_REQUEST, NetlinkBuffer, NetlinkDeserializable, NetlinkHeader, NetlinkMessage,
@@ -32,6 +33,14 @@ use super::{KernelError, ext_ack_message};
 /// a machine whose `net.core.rmem_max` is the kernel's default gives (twice 208 KiB, 512
 /// answers): the test on the real kernel measures both.
 pub const BATCH: usize = 256;
+/// About how long one batch may keep the agent's single-threaded runtime (its health endpoint,
+/// its metrics, the watch) waiting, since the kernel does a batch's work inside one `sendmsg`:
+/// each batch's size follows the pace of the last, so that slow requests (an xfrm policy among
+/// 20,000 takes milliseconds in an emulated guest) go a few to a call, and cheap ones (a route,
+/// microseconds) still go [`BATCH`] to a call.
+const BATCH_TIME: Duration = Duration::from_millis(20);
+/// The first batch's size, before the pace is known.
+const FIRST_BATCH: usize = 16;
 /// The receive buffer asked for, past `net.core.rmem_max` where the agent may
 /// (`SO_RCVBUFFORCE`, with `CAP_NET_ADMIN`).
 const RECEIVE_BUFFER: usize = 4 << 20;
@@ -56,6 +65,10 @@ pub struct Batcher {
     seq: u32,
     out: Vec<u8>,
     answers: Vec<u8>,
+    /// Requests in the next batch ([`next_size`]).
+    size: usize,
+    /// Batches sent so far.
+    sent: u64,
 }
 
 impl Batcher {
@@ -82,11 +95,26 @@ impl Batcher {
             seq: 0,
             out: Vec::new(),
             answers: Vec::with_capacity(64 << 10),
+            size: FIRST_BATCH,
+            sent: 0,
         })
     }
 
-    /// Sends `requests`, [`BATCH`] to a system call, and gives each one's answer, in order.
-    /// Between batches the task yields, so that a long apply does not hold the runtime.
+    /// Starts with batches of `size` (at most [`BATCH`]) until the pace is known: where a
+    /// caller knows its requests are cheap, or a test needs a full batch.
+    pub fn first_batch(mut self, size: usize) -> Self {
+        self.size = size.clamp(1, BATCH);
+        self
+    }
+
+    /// Batches (system calls carrying requests) sent so far.
+    pub fn batches_sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Sends `requests`, up to [`BATCH`] to a system call as the kernel's pace allows
+    /// ([`BATCH_TIME`]), and gives each one's answer, in order. Between batches the task
+    /// yields, so that a long apply does not hold the runtime.
     pub async fn exchange<T>(&mut self, requests: Vec<Request<T>>) -> Vec<Answer<T>>
     where
         T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable,
@@ -94,8 +122,10 @@ impl Batcher {
         let mut out = Vec::with_capacity(requests.len());
         let mut requests = requests.into_iter().peekable();
         while requests.peek().is_some() {
-            let batch: Vec<Request<T>> = requests.by_ref().take(BATCH).collect();
+            let batch: Vec<Request<T>> = requests.by_ref().take(self.size).collect();
+            let (n, started) = (batch.len(), Instant::now());
             out.extend(self.one_batch(batch));
+            self.size = next_size(n, started.elapsed());
             if requests.peek().is_some() {
                 tokio::task::yield_now().await;
             }
@@ -108,7 +138,8 @@ impl Batcher {
         T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable,
     {
         let n = batch.len();
-        let started = std::time::Instant::now();
+        let started = Instant::now();
+        self.sent += 1;
         let first = self.seq.wrapping_add(1);
         self.out.clear();
         for (i, (msg, flags)) in batch.into_iter().enumerate() {
@@ -221,6 +252,16 @@ impl Batcher {
     }
 }
 
+/// The size of the batch after one of `requests` that took `took`: as many as fit in
+/// [`BATCH_TIME`] at that pace, at least one, at most [`BATCH`].
+fn next_size(requests: usize, took: Duration) -> usize {
+    let per_request = took.as_nanos() / requests.max(1) as u128;
+    match BATCH_TIME.as_nanos().checked_div(per_request) {
+        Some(fit) => usize::try_from(fit).unwrap_or(BATCH).clamp(1, BATCH),
+        None => BATCH,
+    }
+}
+
 /// `SO_RCVBUFFORCE`: the receive buffer past `net.core.rmem_max`, for a process with
 /// `CAP_NET_ADMIN`.
 fn force_receive_buffer(socket: &Socket, bytes: usize) -> io::Result<()> {
@@ -238,5 +279,32 @@ fn force_receive_buffer(socket: &Socket, bytes: usize) -> io::Result<()> {
     match rc {
         0 => Ok(()),
         _ => Err(io::Error::last_os_error()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The batch follows the kernel's pace: cheap requests go [`BATCH`] to a call, slow ones a
+    /// few, never none; a batch too quick to time does not stall the next.
+    #[test]
+    fn a_batch_holds_the_runtime_about_batch_time_whatever_a_request_costs() {
+        let ms = Duration::from_millis;
+        let us = Duration::from_micros;
+        let cases = [
+            (256, us(2_500), BATCH), // routes: 10 µs each
+            (16, us(0), BATCH),      // too quick to time
+            (256, ms(870), 5),       // IPv6 policies among 20,000: 3.4 ms each
+            (5, ms(100), 1),         // slower than the whole budget: one at a time
+        ];
+        for (requests, took, want) in cases {
+            assert_eq!(next_size(requests, took), want, "{requests} in {took:?}");
+            if requests > 0 && want < BATCH {
+                let held = took / requests as u32 * want as u32;
+                assert!(held <= BATCH_TIME, "{requests} in {took:?}: {held:?}");
+            }
+        }
+        println!("batch sizes: {:?}", cases.map(|(r, t, _)| next_size(r, t)));
     }
 }
