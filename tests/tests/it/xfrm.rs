@@ -176,6 +176,32 @@ fn policies_round_trip_v4_and_v6() {
     });
 }
 
+/// A large apply sends its xfrm writes a few dozen to a system call at most (the kernel does a
+/// batch's work inside the call, while the agent's runtime waits), and writes every one.
+#[test]
+fn a_large_apply_sends_xfrm_writes_a_few_dozen_to_a_call() {
+    require_sandbox!();
+    sandbox(|_| {
+        runtime().block_on(async {
+            let mut b = XfrmBackend::new(KeyBook::default()).unwrap();
+            let n = 200u16;
+            let ours: Vec<KernelObject> = (1..=n)
+                .map(|i| KernelObject::XfrmPolicy(policy(i, &format!("fd{i:02x}::/64"), "fd00::7")))
+                .collect();
+            all_ok(b.apply(&upserts(&ours)).await);
+            assert_eq!(set(b.dump().await.unwrap()), set(ours.clone()));
+            let calls = b.batches_sent();
+            assert!(
+                calls >= u64::from(n).div_ceil(32),
+                "{n} policies in {calls} calls"
+            );
+            report(&format!(
+                "xfrm batches: {n} policies in {calls} system calls (at most 32 each)"
+            ));
+        })
+    });
+}
+
 #[test]
 fn policy_upserts_are_idempotent_and_replace_in_place() {
     require_sandbox!();

@@ -125,6 +125,11 @@ impl XfrmBackend {
         &self.keys
     }
 
+    /// Batches of requests sent so far (system calls; [`Batcher::batches_sent`]).
+    pub fn batches_sent(&self) -> u64 {
+        self.batch.batches_sent()
+    }
+
     /// Kernel writes that succeeded so far (adds, replaces, deletes), for tests and metrics.
     pub fn writes(&self) -> u64 {
         self.writes.load(Ordering::Relaxed)
