@@ -26,6 +26,7 @@ use state::inventory::Inventory;
 use state::node::{AddressKind, Node, NodeAddress};
 use state::objects::{KernelObject, KeyTag, ObjectId, Op};
 use state::plan::{BrakeMemory, IpsecConfig, LiveView, Plan, PlanConfig, PlanInput, plan};
+use state::testing::ModelKernel;
 
 const POOL: usize = 16;
 /// The local node's address and CIDR slot, outside the pool remote nodes draw from.
@@ -213,7 +214,7 @@ fn make(name: &str, ip: usize, dual: bool, cidr: usize) -> Node {
 
 struct World {
     cluster: Cluster,
-    kernel: BTreeMap<ObjectId, KernelObject>,
+    kernel: ModelKernel,
     stored: Option<Vec<u8>>,
     now: Duration,
 }
@@ -233,7 +234,7 @@ impl World {
             synced: true,
             relists: 1,
         };
-        let inventory: Inventory = self.kernel.values().cloned().collect();
+        let inventory = self.kernel.inventory();
         let allocator = restored.as_ref().map(|c| c.ids.clone()).unwrap_or_default();
         let brake = BrakeMemory::restored(restored.as_ref(), None, &allocator);
         let p = plan(&PlanInput {
@@ -263,24 +264,15 @@ impl World {
         p
     }
 
+    /// Applies a plan's ops to the model kernel, strictly (nothing refused, no replace or delete
+    /// of nothing, no nexthop deleted under routes), making sure each nexthop replace is made
+    /// before it breaks.
     fn apply(&mut self, ops: &[Op]) {
         for op in ops {
-            match op {
-                Op::Create(o) => {
-                    let before = self.kernel.insert(o.id(), o.clone());
-                    assert!(before.is_none(), "create onto an existing object: {o}");
-                }
-                Op::Replace(o) => {
-                    let before = self.kernel.insert(o.id(), o.clone());
-                    assert!(before.is_some(), "replace of nothing: {o}");
-                    self.no_nexthop_moved_under_its_routes(before.as_ref(), o);
-                }
-                Op::Delete(o) => {
-                    self.kernel.remove(&o.id());
-                    // The kernel deletes the routes through a nexthop along with it.
-                    self.kernel.retain(|_, u| u.uses() != Some(o.id()));
-                }
+            if let Op::Replace(o) = op {
+                self.no_nexthop_moved_under_its_routes(self.kernel.ours.get(&o.id()), o);
             }
+            self.kernel.apply(std::slice::from_ref(op));
         }
     }
 
@@ -295,12 +287,16 @@ impl World {
         let (Some(KernelObject::Nexthop(old)), KernelObject::Nexthop(new)) = (before, after) else {
             return;
         };
-        let used = self.kernel.values().any(|r| r.uses() == Some(after.id()));
+        let used = self
+            .kernel
+            .ours
+            .values()
+            .any(|r| r.uses() == Some(after.id()));
         let other = ObjectId::Nexthop {
             id: new.id().other().expect("ours"),
         };
         assert!(
-            old.gateway == new.gateway || !used || self.kernel.contains_key(&other),
+            old.gateway == new.gateway || !used || self.kernel.ours.contains_key(&other),
             "{after} replaced under its routes, with its other ID free"
         );
     }
@@ -360,7 +356,7 @@ fn run_history(steps: &[(Event, Agent)], ipsec: bool) -> Result<(), TestCaseErro
     let cfg = config(ipsec);
     let mut w = World {
         cluster: Cluster::default(),
-        kernel: BTreeMap::new(),
+        kernel: ModelKernel::default(),
         stored: None,
         now: Duration::from_secs(1_000),
     };
@@ -402,8 +398,8 @@ fn run_history(steps: &[(Event, Agent)], ipsec: bool) -> Result<(), TestCaseErro
     let ids: HashSet<_> = cp.nodes.iter().map(|n| n.node_id.expect("ID")).collect();
     prop_assert_eq!(ids.len(), cp.nodes.len(), "IDs are unique");
     prop_assert!(cp.pending_deletes.is_empty());
-    let kernel: Inventory = w.kernel.values().cloned().collect();
-    prop_assert_eq!(&w.kernel, &desired_of(&cp, &w.cluster, &cfg, &kernel));
+    let kernel = w.kernel.inventory();
+    prop_assert_eq!(&w.kernel.ours, &desired_of(&cp, &w.cluster, &cfg, &kernel));
     // And nothing more to do.
     w.now += Duration::from_secs(10);
     let again = w.plan(&forced);

@@ -28,6 +28,7 @@ use state::plan::{
     BrakeMemory, ClaimIndex, IpsecConfig, LiveView, MalformedNode, Plan, PlanConfig, PlanInput,
     plan, plan_scoped,
 };
+use state::testing::ModelKernel;
 
 const LOCAL: &str = "local";
 const NAMES: u64 = 12;
@@ -158,7 +159,9 @@ struct World {
     live: BTreeMap<String, Node>,
     /// Name -> UID (empty where it had no record before).
     malformed: BTreeMap<String, String>,
-    kernel: Inventory,
+    kernel: ModelKernel,
+    /// What a dump of `kernel` finds, taken after each apply.
+    inventory: Inventory,
     record: Option<Checkpoint>,
     /// The record's claim index, kept across event-sized plans by splicing as the daemon does.
     index: Option<ClaimIndex>,
@@ -198,7 +201,7 @@ impl World {
         PlanInput {
             record: self.record.as_ref(),
             live,
-            inventory: &self.kernel,
+            inventory: &self.inventory,
             allocator: &self.ids,
             brake: &self.brake,
             confirmed_hold: None,
@@ -278,11 +281,10 @@ impl World {
         (!remote.is_empty()).then(|| remote[rng.below(remote.len() as u64) as usize].clone())
     }
 
-    /// Applies `plan` to the model kernel (every operation succeeds) and keeps what it implies.
+    /// Applies `plan` to the model kernel (strictly: nothing refused) and keeps what it implies.
     fn apply(&mut self, plan: &Plan) {
-        for op in plan.ops() {
-            self.kernel.apply(&op);
-        }
+        self.kernel.apply(&plan.ops());
+        self.inventory = self.kernel.inventory();
         let cp = plan.checkpoint_after(&[]);
         self.ids = cp.ids.clone();
         self.record = Some(cp);
@@ -326,7 +328,8 @@ fn history(seed: u64, steps: usize) -> (usize, usize) {
     let mut world = World {
         live: BTreeMap::new(),
         malformed: BTreeMap::new(),
-        kernel: Inventory::new(),
+        kernel: ModelKernel::default(),
+        inventory: Inventory::new(),
         record: None,
         index: None,
         ids: AllocatorState::default(),

@@ -2,8 +2,10 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::ops::{Deref, DerefMut};
 
-use state::objects::{KernelObject, ObjectId, ObjectKind};
+use state::objects::{ObjectId, ObjectKind};
+use state::testing::{ModelKernel, Refusal};
 
 use super::*;
 
@@ -20,12 +22,11 @@ pub struct Faults {
     pub freed: bool,
 }
 
+/// The workspace's model kernel ([`ModelKernel`], whose objects it derefs to), with failures on
+/// command and the kernel's other answers.
 #[derive(Default)]
 pub struct FakeKernel {
-    pub ours: BTreeMap<ObjectId, KernelObject>,
-    pub foreign: BTreeMap<ObjectId, String>,
-    /// Objects of ours that foreign ones use.
-    pub used_by: BTreeMap<ObjectId, String>,
+    pub model: ModelKernel,
     pub freed: BTreeMap<u16, FreedId>,
     /// The kernel's record of recent removals; `None` until one is remembered.
     pub removals: Option<Vec<RecentRemovals>>,
@@ -69,40 +70,26 @@ impl FakeKernel {
         if self.fails(op) {
             return Err(busy(&format!("{} {}", op.verb(), op.object())));
         }
-        let id = op.object().id();
-        match op {
-            Op::Create(o) => {
-                if self.foreign.contains_key(&id) || self.ours.contains_key(&id) {
-                    return Err(OpError::Occupied {
-                        what: o.to_string(),
-                    });
-                }
-                self.ours.insert(id, o.clone());
-            }
-            Op::Replace(o) => {
-                self.ours.insert(id, o.clone());
-            }
-            Op::Delete(o) => {
-                // As the backend does: a nexthop something goes through is left alone. Only a
-                // nexthop has users, so only its delete looks for them (a look at every object).
-                let nexthop = o.kind() == ObjectKind::Nexthop;
-                let user = self.used_by.get(&id).cloned().or_else(|| {
-                    nexthop
-                        .then(|| self.ours.values().find(|r| r.uses().as_ref() == Some(&id)))
-                        .flatten()
-                        .map(ToString::to_string)
-                });
-                if let Some(user) = user {
-                    return Err(OpError::InUse {
-                        what: o.to_string(),
-                        user,
-                    });
-                }
-                self.ours.remove(&id);
-            }
-        }
+        let what = op.object().to_string();
+        self.model.write(op).map_err(|refused| match refused {
+            Refusal::Occupied => OpError::Occupied { what },
+            Refusal::InUse { user } => OpError::InUse { what, user },
+        })?;
         self.applied.push(op.clone());
         Ok(())
+    }
+}
+
+impl Deref for FakeKernel {
+    type Target = ModelKernel;
+    fn deref(&self) -> &ModelKernel {
+        &self.model
+    }
+}
+
+impl DerefMut for FakeKernel {
+    fn deref_mut(&mut self) -> &mut ModelKernel {
+        &mut self.model
     }
 }
 
@@ -120,14 +107,7 @@ impl Kernel for FakeKernel {
                 source: io::Error::from_raw_os_error(libc::ENOBUFS),
             });
         }
-        let mut inv: Inventory = self.ours.values().cloned().collect();
-        for (id, what) in &self.foreign {
-            inv.occupy(id.clone(), what.clone());
-        }
-        for (id, what) in &self.used_by {
-            inv.use_by_foreign(id.clone(), what.clone());
-        }
-        Ok(inv)
+        Ok(self.model.inventory())
     }
 
     async fn host(&mut self) -> Result<HostAddresses, DumpError> {

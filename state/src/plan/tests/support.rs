@@ -1,5 +1,5 @@
-//! Fixtures the planner's tests share: nodes, the configuration, a model kernel that applies
-//! plans as a backend would, and a way to run the planner over them. Defined once here, so a
+//! Fixtures the planner's tests share: nodes, the configuration, the workspace's model kernel,
+//! and a way to run the planner over them. Defined once here, so a
 //! test beside any step builds its nodes the same way.
 
 use std::collections::BTreeMap;
@@ -12,10 +12,9 @@ use super::{
 };
 use crate::checkpoint::Checkpoint;
 use crate::family::Family;
-use crate::inventory::Inventory;
 use crate::node::Node;
 use crate::objects::{
-    KernelObject, KeyTag, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, Op, Route, Via,
+    KernelObject, KeyTag, MapEntry, Nexthop, NexthopId, NodeId, ObjectId, Route, Via,
 };
 pub(crate) use crate::testing::{external, id, ip, net, node, with_id};
 
@@ -57,67 +56,9 @@ pub(crate) fn route(dst: &str, gw: &str) -> KernelObject {
     })
 }
 
-/// The model kernel: our objects by identity, foreign objects by identity, ops applied as a
-/// backend would (a create onto a foreign object fails).
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Kernel {
-    pub(crate) ours: BTreeMap<ObjectId, KernelObject>,
-    pub(crate) foreign: BTreeMap<ObjectId, String>,
-    /// Our objects that foreign ones use.
-    pub(crate) used_by: BTreeMap<ObjectId, String>,
-}
-
-impl Kernel {
-    pub(crate) fn apply(&mut self, ops: &[Op]) {
-        for op in ops {
-            match op {
-                Op::Create(o) => {
-                    assert!(
-                        !self.foreign.contains_key(&o.id()) && !self.ours.contains_key(&o.id()),
-                        "create onto an occupied identity: {o}"
-                    );
-                    self.ours.insert(o.id(), o.clone());
-                }
-                Op::Replace(o) => {
-                    assert!(self.ours.contains_key(&o.id()), "replace of nothing: {o}");
-                    self.ours.insert(o.id(), o.clone());
-                }
-                Op::Delete(o) => {
-                    assert!(
-                        self.ours.remove(&o.id()).is_some(),
-                        "delete of something not ours: {o}"
-                    );
-                    // The kernel deletes the routes through a nexthop with it.
-                    let users: Vec<&KernelObject> = self
-                        .ours
-                        .values()
-                        .filter(|u| u.uses() == Some(o.id()))
-                        .collect();
-                    assert!(users.is_empty(), "{o} deleted while {users:?} use it");
-                }
-            }
-        }
-    }
-    pub(crate) fn put(&mut self, o: KernelObject) {
-        self.ours.insert(o.id(), o);
-    }
-    pub(crate) fn inventory(&self) -> Inventory {
-        let mut inv: Inventory = self.ours.values().cloned().collect();
-        for (id, what) in &self.foreign {
-            inv.occupy(id.clone(), what.clone());
-        }
-        for (id, what) in &self.used_by {
-            inv.use_by_foreign(id.clone(), what.clone());
-        }
-        inv
-    }
-    pub(crate) fn has(&self, o: &KernelObject) -> bool {
-        self.ours.get(&o.id()) == Some(o)
-    }
-    pub(crate) fn len(&self) -> usize {
-        self.ours.len()
-    }
-}
+/// The model kernel the planner's tests apply plans to (strictly: [`Kernel::apply`] panics on
+/// an operation a sound plan would not make).
+pub(crate) use crate::testing::ModelKernel as Kernel;
 
 /// How a test runs the planner: the config, and what the live view looks like besides the
 /// nodes it lists.

@@ -1,6 +1,7 @@
-//! Builders the workspace's tests share, so a node is made one way everywhere: the state crate's
-//! own tests, its integration tests and benchmarks, and the agent's unit tests (through the
-//! `testing` feature, which only dev-dependencies turn on).
+//! Builders the workspace's tests share, so a node is made one way everywhere, and the one
+//! model kernel they apply plans to ([`ModelKernel`]): the state crate's own tests, its
+//! integration tests and benchmarks, and the agent's unit tests (through the `testing`
+//! feature, which only dev-dependencies turn on).
 
 use std::net::IpAddr;
 
@@ -8,6 +9,10 @@ use ipnet::IpNet;
 
 use crate::node::{AddressKind, Node, NodeAddress, RawNode};
 use crate::objects::NodeId;
+
+mod kernel;
+
+pub use kernel::{ModelKernel, Refusal};
 
 pub fn id(v: u16) -> NodeId {
     NodeId::new(v).unwrap()
