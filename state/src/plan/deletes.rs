@@ -6,7 +6,9 @@
 //! node ID, then a secondary resource (a route's gateway, a policy's tunnel endpoint). Among
 //! several owners the strongest decides: held live nodes and held removals keep what they had;
 //! then programmed nodes (`superseded`), records of live nodes (`changed while down`), and
-//! released removals (`stale node`). No owner makes an orphan.
+//! released removals (`stale node`). No owner makes an orphan. A held node's claim on the key
+//! yields to an owner that is not held when the object carries that owner's node ID (or, with
+//! none, runs through its address): see [`OwnerIndex::owner`].
 
 use foldhash::{HashMap, HashMapExt, HashSet};
 

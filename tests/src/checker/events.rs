@@ -17,7 +17,7 @@ use super::model::Action;
 use super::once::{
     Acted, PATIENCE, cut, cut_fired, kill_after_reconcile, lose_records, reconciles, stop, unsynced,
 };
-use super::oracle::Snapshot;
+use super::oracle::{Confirmed, Snapshot};
 use super::outcome::Outcome;
 use crate::agent::{AgentEnv, Daemon, TestNode, k8s_node, metric, scrape_metrics};
 use crate::apiserver::ApiServer;
@@ -181,6 +181,7 @@ pub(super) fn act(
             exit: None,
             waiting: Default::default(),
             shown: None,
+            confirmed: None,
         }
     };
     match action {
@@ -208,6 +209,22 @@ pub(super) fn act(
         shown = Some(Snapshot::take(env));
         if let Some(version) = cluster.serve(list) {
             at_rest = rest(&mut d, version);
+        }
+    }
+    // An operator confirms the hold the daemon rests with (invariant 16), once.
+    let mut confirmed = None;
+    if *action == Action::Confirmed
+        && let Rest::At(metrics) = &at_rest
+        && metric(metrics, "node_agent_brake_held").is_some_and(|v| v > 0.0)
+    {
+        match confirm(env, &mut d) {
+            Ok((hold, metrics)) => {
+                seen.confirmations += 1;
+                seen.confirmed_holds += 1;
+                confirmed = Some(hold);
+                at_rest = Rest::At(metrics);
+            }
+            Err(e) => broke.push(e),
         }
     }
     // The daemon at rest answers for the exit status a one-shot run would give.
@@ -247,12 +264,60 @@ pub(super) fn act(
                 exit: None,
                 waiting: Default::default(),
                 shown,
+                confirmed,
             }
         }
         None => Acted {
             exit,
             waiting: Default::default(),
             shown,
+            confirmed,
         },
+    }
+}
+
+/// Confirms the hold daemon `d` rests with, as an operator does (`node-agent prune status`,
+/// then `node-agent prune confirm <ID>`), and waits until it has released it: a reconcile
+/// finished after the confirmation, and the hold of that ID gone. The hold, and the daemon's
+/// metrics then; what went wrong otherwise.
+fn confirm(env: &AgentEnv, d: &mut Daemon) -> Result<(Confirmed, String), String> {
+    let (code, out, err) = env.cli(&["prune", "status", "--output", "json"]);
+    let hold: serde_json::Value = match code {
+        0 => serde_json::from_str(&out).map_err(|e| format!("prune status: {e}: {out}"))?,
+        _ => return Err(format!("prune status exited {code}: {err}")),
+    };
+    let id = hold["id"]
+        .as_str()
+        .ok_or(format!("prune status names no hold: {out}"))?;
+    let held = Confirmed {
+        nodes: (hold["nodes"].as_array().into_iter().flatten())
+            .filter_map(|n| n.as_str().map(str::to_owned))
+            .collect(),
+        orphans: hold["orphans"].as_u64().unwrap_or(0) as usize,
+    };
+    let reconciles = |m: &str| metric(m, "node_agent_reconcile_duration_seconds_count");
+    let before = reconciles(&scrape_metrics(METRICS));
+    let (code, _, err) = env.cli(&["prune", "confirm", id]);
+    if code != 0 {
+        return Err(format!("prune confirm {id} exited {code}: {err}"));
+    }
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if let Ok(Some(status)) = d.0.try_wait() {
+            return Err(format!("the daemon exited ({status}) after a confirmation"));
+        }
+        let metrics = scrape_metrics(METRICS);
+        let (_, status, _) = env.cli(&["prune", "status", "--output", "json"]);
+        let still = serde_json::from_str::<serde_json::Value>(&status)
+            .is_ok_and(|h| h["id"].as_str() == Some(id));
+        if !still && reconciles(&metrics) > before {
+            return Ok((held, metrics));
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the daemon did not release the confirmed hold {id} in {PATIENCE:?}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -128,7 +128,7 @@ pub fn check(name: &str, budget: Budget) {
         started.elapsed().as_secs_f64()
     ));
     report(&format!(
-        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, torn reads {}, differential {}, held {}, unsynced {}",
+        "checker: seed {}, {} steps, modes: {}, crashes {}, failed ops {}, holds {}, confirmations {}, torn reads {}, differential {}, held {}, unsynced {}, confirmed holds {}",
         budget.seed,
         total.steps,
         modes_run.into_iter().collect::<Vec<_>>().join(" "),
@@ -139,7 +139,8 @@ pub fn check(name: &str, budget: Budget) {
         total.torn,
         total.differential,
         total.held,
-        total.unsynced
+        total.unsynced,
+        total.confirmed_holds
     ));
     if budget.profile.torture {
         report(&format!(
@@ -326,6 +327,7 @@ impl Run {
                     exit,
                     waiting,
                     shown,
+                    confirmed,
                 } = match &mut cluster {
                     Some(c) => events::act(
                         &env,
@@ -388,6 +390,7 @@ impl Run {
                     after: &after,
                     exit,
                     forced: step.action == Action::OnceForced,
+                    confirmed: confirmed.as_ref(),
                     event_sized: cluster.is_some(),
                     no_local: step.view == View::NoLocal,
                     unsynced,
@@ -399,7 +402,10 @@ impl Run {
                     nexthops: !self.modes.nexthops_off,
                     waiting: &waiting,
                 };
-                outcome.held += oracle::held(&facts).len();
+                // Held nodes are judged (and counted) where the agent read the list.
+                if !unsynced {
+                    outcome.held += oracle::held(&facts).len();
+                }
                 let mut broke = oracle::violations(&facts);
                 broke.append(&mut stuck);
                 if self.profile.torture && exit.is_some() {

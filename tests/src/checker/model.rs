@@ -136,6 +136,9 @@ pub enum Action {
     Once,
     /// `run --once --force-prune`.
     OnceForced,
+    /// In the event-sized mode, the daemon, and an operator confirms the hold it comes to rest
+    /// with (`node-agent prune confirm`), once; elsewhere a plain `run --once`.
+    Confirmed,
     /// The daemon, killed with SIGKILL after `ms` milliseconds.
     KilledDaemon { ms: u64 },
     /// The daemon, killed `us` microseconds after it logs a finished reconcile: between the
@@ -364,6 +367,8 @@ pub struct Profile {
     pub torn: u64,
     /// Percent of steps run by a daemon whose source never completes a list.
     pub unsynced: u64,
+    /// Percent of steps whose hold an operator confirms.
+    pub confirms: u64,
     /// Every history with IPsec (the VM tier, where the kernel has ESP).
     pub ipsec: bool,
 }
@@ -380,6 +385,7 @@ impl Profile {
         cuts: 15,
         torn: 5,
         unsynced: 4,
+        confirms: 25,
         ipsec: false,
     };
 
@@ -402,6 +408,7 @@ impl Profile {
         cuts: 0,
         torn: 0,
         unsynced: 0,
+        confirms: 0,
         ipsec: false,
     };
 }
@@ -555,6 +562,8 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
         Action::TornWrite {
             pct: 20 + rng.below(60) as u64,
         }
+    } else if rng.chance(p.confirms) {
+        Action::Confirmed
     } else if rng.chance(10) {
         Action::OnceForced
     } else {

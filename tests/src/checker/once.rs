@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use super::model::Action;
-use super::oracle::Snapshot;
+use super::oracle::{Confirmed, Snapshot};
 use super::outcome::Outcome;
 use crate::agent::{AgentEnv, Daemon, TestNode};
 use node_agent::runtime::cut::CUT_ENV;
@@ -69,7 +69,7 @@ pub(super) fn act(
         }
     };
     let exit = match action {
-        Action::Once => once(args, None, None),
+        Action::Once | Action::Confirmed => once(args, None, None),
         Action::TornWrite { pct } => once(args, None, Some(*pct)),
         Action::OnceForced => {
             seen.confirmations += 1;
@@ -105,6 +105,7 @@ pub(super) fn act(
         exit,
         waiting,
         shown: None,
+        confirmed: None,
     }
 }
 
@@ -151,6 +152,7 @@ pub(super) fn unsynced(
         exit: None,
         waiting: BTreeSet::new(),
         shown: None,
+        confirmed: None,
     }
 }
 
@@ -289,4 +291,6 @@ pub(super) struct Acted {
     /// The kernel when the step's list reached the agent, where that was after the run began
     /// (a daemon that first came to rest on the last step's list); `None`: at its start.
     pub shown: Option<Snapshot>,
+    /// The hold an operator confirmed during the run, if one was.
+    pub confirmed: Option<Confirmed>,
 }

@@ -18,6 +18,10 @@
 //! * **programmed**: after a run that finished, every clean node has all its objects under one
 //!   ID of its own (nodes waiting for an ID at the edge of the ID space excepted);
 //! * **brake**: no removal past `--max-prune-ratio`, counting the window, unless forced;
+//! * **confirmed**: a hold an operator confirmed releases its own removals and nothing else
+//!   past the brake (the brake's check, with the confirmed nodes and orphans left out). Looser
+//!   than the agent on two counts: the other removals are weighed without the confirmed ones
+//!   (the agent counts both), and a held name excuses one recorded node of that name;
 //! * **differential**: at rest, each clean node's objects and recorded ID are what a fresh agent
 //!   programs from the same record, list and foreign objects ([`node_difference`]);
 //! * **converged**: at a history's end, two forced runs leave exactly what the mended cluster
@@ -339,6 +343,13 @@ fn is_nodes_entry(record: Option<&[Recorded]>, n: &TestNode, id: u16) -> bool {
     }
 }
 
+/// A hold an operator confirmed (`node-agent prune confirm`): its nodes and orphan objects.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Confirmed {
+    pub nodes: Vec<String>,
+    pub orphans: usize,
+}
+
 /// What one step saw and did, for judging it.
 pub struct StepFacts<'a> {
     pub list: &'a [TestNode],
@@ -361,6 +372,8 @@ pub struct StepFacts<'a> {
     /// The run's exit status; `None` for a daemon that was killed.
     pub exit: Option<i32>,
     pub forced: bool,
+    /// The hold an operator confirmed during the run.
+    pub confirmed: Option<&'a Confirmed>,
     /// The step's list reached a daemon as watch events, planned one by one.
     pub event_sized: bool,
     /// The list lacks the local node.
@@ -379,65 +392,50 @@ pub struct StepFacts<'a> {
     pub waiting: &'a BTreeSet<String>,
 }
 
-/// What a run whose source never completed a list deleted (invariant 1): nothing of ours in
-/// the kernel before it (map entries, routes, nexthops, xfrm objects) may be gone after it, and
-/// the record keeps every node it had.
+/// What a run whose source never completed a list deleted or changed (invariant 1): every
+/// object of ours in the kernel before it (map entries, routes, nexthops, xfrm objects) is there
+/// after it as it was, and every recorded node's row is as it was (the record may gain nothing
+/// either: with no list there is nothing to add).
 fn unsynced_lost(f: &StepFacts<'_>) -> Vec<String> {
     if !f.unsynced {
         return Vec::new();
     }
     let mut v = Vec::new();
-    let mut gone = |what: &str, missing: Vec<String>| {
-        if !missing.is_empty() {
+    let mut changed = |what: &str, lost: Vec<String>| {
+        if !lost.is_empty() {
             v.push(format!(
-                "before any full list, {what} went: {}",
-                missing.join(", ")
+                "before any full list, {what} went or changed: {}",
+                lost.join(", ")
             ));
         }
     };
+    fn lost<K: Ord + std::fmt::Debug, V: PartialEq + std::fmt::Debug>(
+        before: &BTreeMap<K, V>,
+        after: &BTreeMap<K, V>,
+    ) -> Vec<String> {
+        (before.iter())
+            .filter(|(k, v)| after.get(*k) != Some(*v))
+            .map(|(k, v)| format!("{k:?} -> {v:?}"))
+            .collect()
+    }
     let (before, after) = (f.before, f.after);
-    gone(
-        "map entries",
-        (before.map.iter())
-            .filter(|(ip, _)| !after.map.contains_key(*ip))
-            .map(|(ip, id)| format!("{ip} -> {id}"))
-            .collect(),
-    );
-    let routes = after.our_routes();
-    gone(
-        "routes",
-        (before.our_routes().into_keys())
-            .filter(|d| !routes.contains_key(d))
-            .map(str::to_owned)
-            .collect(),
-    );
-    let nexthops = after.our_nexthops();
-    gone(
+    changed("map entries", lost(&before.map, &after.map));
+    changed("routes", lost(&before.our_routes(), &after.our_routes()));
+    changed(
         "nexthops",
-        (before.our_nexthops().into_keys())
-            .filter(|id| !nexthops.contains_key(id))
-            .map(|id| id.to_string())
-            .collect(),
+        lost(&before.our_nexthops(), &after.our_nexthops()),
     );
-    gone(
-        "xfrm objects",
-        (before.xfrm.values().flatten())
-            .filter(|x| !after.xfrm.values().any(|a| a.contains(*x)))
-            .cloned()
-            .collect(),
-    );
-    let names = |r: Option<&[Recorded]>| -> BTreeSet<String> {
+    changed("xfrm objects", lost(&before.xfrm, &after.xfrm));
+    let rows = |r: Option<&[Recorded]>| -> BTreeSet<String> {
         r.unwrap_or_default()
             .iter()
-            .map(|r| r.name.clone())
+            .map(|r| format!("{r:?}"))
             .collect()
     };
-    gone(
+    let (was, is) = (rows(f.record_before), rows(f.record_after));
+    changed(
         "recorded nodes",
-        names(f.record_before)
-            .difference(&names(f.record_after))
-            .cloned()
-            .collect(),
+        was.symmetric_difference(&is).cloned().collect(),
     );
     v
 }
@@ -525,14 +523,27 @@ fn passed_through(f: &StepFacts<'_>, rec: &Recorded) -> bool {
         })
 }
 
-/// What a step removed: nodes (known, no longer listed, whose entries went) and orphan objects
-/// (objects gone whose address, CIDR or gateway nobody listed claims), as the brake counts them.
+/// What a step removed, as the brake counts it: nodes (known, no longer listed, whose entries
+/// went) and orphan objects (objects gone whose address, CIDR or gateway nobody listed claims).
 pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
-    let mut nodes = unrecorded_ids(f)
+    let r = removed(f);
+    (r.named.len() + r.unnamed, r.objects)
+}
+
+/// What a step removed: recorded nodes by name, nodes only the map told of, orphan objects.
+struct Removed<'a> {
+    named: Vec<&'a str>,
+    unnamed: usize,
+    objects: usize,
+}
+
+fn removed<'a>(f: &StepFacts<'a>) -> Removed<'a> {
+    let unnamed = unrecorded_ids(f)
         .1
         .iter()
         .filter(|id| !f.after.map.values().any(|v| v == *id))
         .count();
+    let mut named = Vec::new();
     for r in f.agent_record().unwrap_or_default() {
         if r.attempts > 0 || f.list.iter().any(|n| same_node(r, n)) {
             continue;
@@ -541,7 +552,7 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
         let had = r.ips.iter().any(|ip| f.before.map.get(ip) == Some(&id));
         let has = r.ips.iter().any(|ip| f.after.map.get(ip) == Some(&id));
         if had && !has {
-            nodes += 1;
+            named.push(r.name.as_str());
         }
     }
     // Swept objects are judged only where no checkpoint was there at all: after one the step
@@ -583,7 +594,11 @@ pub fn removals(f: &StepFacts<'_>) -> (usize, usize) {
             .filter(|(id, gw)| !after_nexthops.contains_key(*id) && !claimed.contains(**gw))
             .count();
     }
-    (nodes, objects)
+    Removed {
+        named,
+        unnamed,
+        objects,
+    }
 }
 
 impl<'a> StepFacts<'a> {
@@ -790,8 +805,32 @@ pub fn violations(f: &StepFacts<'_>) -> Vec<String> {
             before: f.shown,
             ..*f
         };
-        let (nodes, objects) = removals(f);
+        let removed = removed(f);
         let record = f.agent_record().unwrap_or_default();
+        // What an operator confirmed goes past the brake (invariant 16); nothing else may.
+        let (nodes, objects) = match f.confirmed {
+            None => (removed.named.len() + removed.unnamed, removed.objects),
+            Some(c) => {
+                // The hold names each node once per record (a name can be held twice, under two
+                // UIDs): each recorded node removed takes one entry of its name, and what is
+                // left covers as many nodes only the map told of (the hold knew them from a
+                // record the step's facts do not show, as a daemon resting first writes).
+                let mut left: Vec<&str> = c.nodes.iter().map(String::as_str).collect();
+                let mut beyond = 0;
+                for name in &removed.named {
+                    match left.iter().position(|n| n == name) {
+                        Some(at) => {
+                            left.swap_remove(at);
+                        }
+                        None => beyond += 1,
+                    }
+                }
+                (
+                    beyond + removed.unnamed.saturating_sub(left.len()),
+                    if c.orphans > 0 { 0 } else { removed.objects },
+                )
+            }
+        };
         // Planned one event at a time, a node the list adds joins the record before the next
         // event's plan counts it (a rolling replacement passes the brake by design): each is
         // known by the time a removal after it is weighed.
@@ -1062,6 +1101,7 @@ mod tests {
             after,
             exit: Some(0),
             forced: false,
+            confirmed: None,
             event_sized: false,
             no_local: false,
             unsynced: false,
@@ -1312,8 +1352,9 @@ mod tests {
         assert_eq!(held_lost(&same).len(), 2);
     }
 
-    /// Before a first full list, each kind of object of ours that goes (and a recorded node
-    /// the record forgets) is a violation; objects added, and a run that did sync, are not.
+    /// Before a first full list, each kind of object of ours that goes or changes (and a
+    /// recorded node the record forgets) is a violation; objects added, and a run that did
+    /// sync, are not.
     #[test]
     fn an_unsynced_run_deletes_nothing_of_ours_and_forgets_no_node() {
         let mut had = Snapshot {
@@ -1367,11 +1408,99 @@ mod tests {
             assert!(judge(&without(what), Some(&record), false).is_empty());
             walked.push(what);
         }
+        let mut rewritten = had.clone();
+        rewritten.map.insert("10.88.7.13".into(), 9);
+        assert_eq!(
+            judge(&rewritten, Some(&record), true).len(),
+            1,
+            "an ID rewritten"
+        );
         assert_eq!(judge(&had, Some(&[]), true).len(), 1, "a forgotten node");
         assert_eq!(judge(&had, None, true).len(), 1, "a lost record");
         println!(
             "unsynced oracle: each of {} gone, and the record's node",
             walked.join(" ")
+        );
+    }
+
+    /// Past the brake, a confirmed hold's own nodes may go and nothing else: four of five
+    /// known nodes removed breaks the brake unless the confirmation covers enough of them.
+    #[test]
+    fn a_confirmation_releases_its_own_removals_and_no_others() {
+        let names = ["a", "b", "c", "d", "e"];
+        let ip = |i: usize| format!("10.88.7.{}", i + 1);
+        let record: Vec<Recorded> = (names.iter().enumerate())
+            .map(|(i, n)| Recorded {
+                name: (*n).into(),
+                uid: format!("uid-{n}"),
+                ips: vec![ip(i)],
+                cidrs: vec![format!("10.130.{i}.0/24")],
+                id: Some(i as u16 + 1),
+                attempts: 0,
+            })
+            .collect();
+        let before = Snapshot {
+            map: (0..5).map(|i| (ip(i), i as u16 + 1)).collect(),
+            ..Snapshot::default()
+        };
+        let after = Snapshot {
+            map: BTreeMap::from([(ip(0), 1)]),
+            ..Snapshot::default()
+        };
+        let list = [TestNode {
+            name: "a".into(),
+            ips: vec![ip(0)],
+            cidrs: vec!["10.130.0.0/24".into()],
+            ..TestNode::default()
+        }];
+        let waiting = BTreeSet::new();
+        let brake = |confirmed: Option<&Confirmed>| {
+            violations(&StepFacts {
+                record_before: Some(&record),
+                confirmed,
+                ..step(&list, &before, &after, &waiting)
+            })
+            .into_iter()
+            .filter(|v| v.contains("past the brake"))
+            .count()
+        };
+        let hold = |nodes: &[&str]| Confirmed {
+            nodes: nodes.iter().map(|n| (*n).to_owned()).collect(),
+            orphans: 0,
+        };
+        assert_eq!(brake(None), 1, "4 of 5 removed without a confirmation");
+        assert_eq!(brake(Some(&hold(&["b", "c", "d", "e"]))), 0);
+        assert_eq!(brake(Some(&hold(&["b", "c"]))), 0, "2 of 5 more: within");
+        assert_eq!(brake(Some(&hold(&["b"]))), 1, "3 of 5 beyond the hold");
+        assert_eq!(brake(Some(&hold(&["x", "y"]))), 1, "another hold's nodes");
+        // Seed 7, history 1, step 23: a hold of nodes the step's record does not show (a
+        // resting daemon programmed them) covers as many nodes only the map tells of.
+        let unrecorded = Snapshot {
+            map: (0..5)
+                .map(|i| (ip(i), i as u16 + 1))
+                .chain([("10.88.9.1".into(), 21), ("10.88.9.2".into(), 22)])
+                .collect(),
+            ..Snapshot::default()
+        };
+        let with_two_more = |hold: &Confirmed| {
+            violations(&StepFacts {
+                record_before: Some(&record),
+                confirmed: Some(hold),
+                ..step(&list, &unrecorded, &after, &waiting)
+            })
+            .into_iter()
+            .filter(|v| v.contains("past the brake"))
+            .count()
+        };
+        assert_eq!(
+            with_two_more(&hold(&["b", "c", "x", "y"])),
+            0,
+            "2 of 7 beyond"
+        );
+        assert_eq!(
+            with_two_more(&hold(&["b", "c"])),
+            1,
+            "4 of 7 beyond the hold"
         );
     }
 }

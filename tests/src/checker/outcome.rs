@@ -30,6 +30,8 @@ pub struct Outcome {
     pub held: usize,
     /// Runs whose source never completed a list.
     pub unsynced: usize,
+    /// Of `confirmations`, the holds an operator confirmed to a running daemon.
+    pub confirmed_holds: usize,
 }
 
 impl Outcome {
@@ -50,5 +52,6 @@ impl Outcome {
         self.torn += o.torn;
         self.held += o.held;
         self.unsynced += o.unsynced;
+        self.confirmed_holds += o.confirmed_holds;
     }
 }

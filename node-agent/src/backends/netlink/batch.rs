@@ -27,7 +27,7 @@ use netlink_sys::{Socket, SocketAddr};
 
 use super::{KernelError, ext_ack_message};
 
-/// Requests in one `sendmsg`. The datagram (about 100 bytes a request) stays far below the
+/// The most requests in one `sendmsg` ([`XFRM_BATCH`] for xfrm). The datagram (about 100 bytes a request) stays far below the
 /// socket's send limit. Each answer (a refusal, or a read's reply) takes about 830 bytes of
 /// receive buffer, so even if every request answers, a batch's answers fill half of the buffer
 /// a machine whose `net.core.rmem_max` is the kernel's default gives (twice 208 KiB, 512
@@ -74,8 +74,9 @@ pub struct Batcher {
     /// Requests in the next batch ([`next_size`]), and the most in any.
     size: usize,
     max: usize,
-    /// Batches sent so far.
+    /// Batches sent so far, and the most requests one carried.
     sent: u64,
+    largest: usize,
 }
 
 impl Batcher {
@@ -108,6 +109,7 @@ impl Batcher {
                 _ => BATCH,
             },
             sent: 0,
+            largest: 0,
         })
     }
 
@@ -123,9 +125,15 @@ impl Batcher {
         self.sent
     }
 
+    /// The most requests any one batch carried so far.
+    pub fn largest_batch(&self) -> usize {
+        self.largest
+    }
+
     /// Sends `requests`, up to [`BATCH`] ([`XFRM_BATCH`]) to a system call as the kernel's pace
-    /// allows ([`BATCH_TIME`]), and gives each one's answer, in order. Between batches the task
-    /// yields, so that a long apply does not hold the runtime.
+    /// allows ([`BATCH_TIME`]), and gives each one's answer, in order. Before each batch the task
+    /// yields, so that a long apply, or several exchanges in a row, never hold the runtime for
+    /// more than a batch.
     pub async fn exchange<T>(&mut self, requests: Vec<Request<T>>) -> Vec<Answer<T>>
     where
         T: fmt::Debug + NetlinkSerializable + NetlinkDeserializable,
@@ -133,13 +141,12 @@ impl Batcher {
         let mut out = Vec::with_capacity(requests.len());
         let mut requests = requests.into_iter().peekable();
         while requests.peek().is_some() {
+            tokio::task::yield_now().await;
             let batch: Vec<Request<T>> = requests.by_ref().take(self.size).collect();
             let (n, started) = (batch.len(), Instant::now());
+            self.largest = self.largest.max(n);
             out.extend(self.one_batch(batch));
             self.size = next_size(n, started.elapsed(), self.max);
-            if requests.peek().is_some() {
-                tokio::task::yield_now().await;
-            }
         }
         out
     }

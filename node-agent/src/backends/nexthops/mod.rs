@@ -108,9 +108,9 @@ impl NexthopBackend {
         }
     }
 
-    /// One batch of ops: first what the writes need to know, in two batched reads (the device
+    /// One chunk of ops: first what the writes need to know, in two batched reads (the device
     /// of each gateway to write; whether each nexthop to delete or replace is still ours), then
-    /// the writes, in one batch.
+    /// the writes, batched.
     async fn apply_batch(&mut self, ops: &[Op]) -> Vec<Result<(), OpError>> {
         let nexthop = |op: &Op| match op.object() {
             KernelObject::Nexthop(nh) => nh.clone(),

@@ -125,9 +125,10 @@ impl XfrmBackend {
         &self.keys
     }
 
-    /// Batches of requests sent so far (system calls; [`Batcher::batches_sent`]).
-    pub fn batches_sent(&self) -> u64 {
-        self.batch.batches_sent()
+    /// Batches of requests sent so far (system calls; [`Batcher::batches_sent`]), and the most
+    /// requests one carried.
+    pub fn batches_sent(&self) -> (u64, usize) {
+        (self.batch.batches_sent(), self.batch.largest_batch())
     }
 
     /// Kernel writes that succeeded so far (adds, replaces, deletes), for tests and metrics.
@@ -200,7 +201,8 @@ impl Backend for XfrmBackend {
         Ok(())
     }
 
-    /// Each wave in two batches: first every op's opening request (a policy's or guard's
+    /// Each wave in two exchanges (each as many batches as the kernel's pace asks): first
+    /// every op's opening request (a policy's or guard's
     /// write, a state's add, the read a state's delete starts with), then the deletes those
     /// reads allow. A state add the kernel refuses because one is there (`EEXIST`) is settled
     /// apart, through the connection ([`Ctx::upsert_found`]).
@@ -242,7 +244,7 @@ impl Backend for XfrmBackend {
 
 /// Cuts `ops` into consecutive runs in which no kernel identity appears twice, so that the
 /// planner's order (a delete before an upsert reusing the identity) holds although a state's
-/// delete goes out in a wave's second batch, after the wave's adds.
+/// delete goes out in a wave's second exchange, after the wave's adds.
 fn waves(ops: &[Op]) -> Vec<&[Op]> {
     let mut out = Vec::new();
     let mut seen = HashSet::new();
