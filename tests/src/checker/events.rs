@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::time::{Duration, Instant};
 
-use super::model::Action;
+use super::model::{API_FAILURES, Action};
 use super::once::{
     Acted, PATIENCE, cut, cut_fired, kill_after_reconcile, lose_records, reconciles, stop, unsynced,
 };
@@ -98,6 +98,16 @@ impl Cluster {
     }
 }
 
+/// Makes `server` fail every request as `failure` (of [`API_FAILURES`]) says, or stop.
+fn fail(server: &ApiServer, failure: &str, on: bool) {
+    match failure {
+        "500" => server.set_failing(on),
+        "403" => server.set_forbidden(on),
+        "401" => server.set_revoked(on),
+        _ => server.set_unreachable(on),
+    }
+}
+
 /// How a wait on a daemon ended.
 enum Rest {
     /// Its last finished reconcile planned from the resourceVersion waited for; its metrics.
@@ -166,12 +176,13 @@ pub(super) fn act(
         .into_iter()
         .collect();
     // A source that never completes a list: the server fails every request, from the start.
-    if let Action::Unsynced { ms } = action {
-        cluster.server.set_failing(true);
+    if let Action::Unsynced { ms, how } = action {
+        let failure = API_FAILURES[how % API_FAILURES.len()];
+        fail(&cluster.server, failure, true);
         let d = env.spawn(&daemon_args);
         cluster.serve(list);
         let acted = unsynced(d, *ms, seen, broke);
-        cluster.server.set_failing(false);
+        fail(&cluster.server, failure, false);
         return acted;
     }
     let mut d = env.spawn_with_env(&cut_env, &daemon_args);

@@ -157,10 +157,10 @@ pub enum Action {
     /// waits for the file to settle.
     TornWrite { pct: u64 },
     /// The daemon runs `ms` milliseconds while its source never completes a list, then is
-    /// stopped with SIGTERM: the nodes file is cut inside an item, where no parse takes it, or the
-    /// API server answers every request with `500`. The step's changes are made all the same.
-    /// Until a first full list, nothing may be deleted (invariant 1).
-    Unsynced { ms: u64 },
+    /// stopped with SIGTERM. `how` picks the way the source fails, among [`FILE_FAILURES`] or
+    /// [`API_FAILURES`]. The step's changes are made all the same. Until a first full list,
+    /// nothing may be deleted (invariant 1).
+    Unsynced { ms: u64, how: usize },
     /// `run --once` cut by the agent's own test cut (`NODE_AGENT_TEST_CUT`) at the `at`th point
     /// of `sequence`: before its `at`th kernel operation (`ops`) or its checkpoint write
     /// (`checkpoint`, after every kernel write of the run), ended there (`kill`) or failed there.
@@ -171,6 +171,13 @@ pub enum Action {
         kill: bool,
     },
 }
+
+/// How a nodes file keeps a source from its first list: cut inside an item (no parse takes
+/// it), or not there.
+pub const FILE_FAILURES: [&str; 2] = ["cut", "absent"];
+/// How the API server keeps a watcher from its first list: every request answered `500`,
+/// `403` (RBAC), `401` (a revoked token), or refused (the server down).
+pub const API_FAILURES: [&str; 4] = ["500", "403", "401", "refused"];
 
 /// The cool-down of the small ID space mode (its `--test-id-cooldown` in [`Modes::args`]).
 pub const SMALL_ID_COOLDOWN: Duration = Duration::from_secs(3);
@@ -557,6 +564,7 @@ pub fn step(rng: &mut Rng, p: Profile) -> Step {
     } else if rng.chance(p.unsynced) {
         Action::Unsynced {
             ms: 200 + rng.below(800) as u64,
+            how: rng.below(12),
         }
     } else if rng.chance(p.torn) {
         Action::TornWrite {

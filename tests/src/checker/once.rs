@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use super::model::Action;
+use super::model::{Action, FILE_FAILURES};
 use super::oracle::{Confirmed, Snapshot};
 use super::outcome::Outcome;
 use crate::agent::{AgentEnv, Daemon, TestNode};
@@ -94,8 +94,11 @@ pub(super) fn act(
             kill_after_reconcile(env, env.spawn(args), before, *us);
             None
         }
-        Action::Unsynced { ms } => {
-            std::fs::write(&env.nodes_file, unparsable(list)).unwrap();
+        Action::Unsynced { ms, how } => {
+            match FILE_FAILURES[how % FILE_FAILURES.len()] {
+                "cut" => std::fs::write(&env.nodes_file, unparsable(list)).unwrap(),
+                _ => std::fs::remove_file(&env.nodes_file).unwrap(),
+            }
             let acted = unsynced(env.spawn(args), *ms, seen, broke);
             env.write_list(list);
             return acted;
