@@ -104,7 +104,8 @@ fn fail(server: &ApiServer, failure: &str, on: bool) {
         "500" => server.set_failing(on),
         "403" => server.set_forbidden(on),
         "401" => server.set_revoked(on),
-        _ => server.set_unreachable(on),
+        "closed" => server.set_unreachable(on),
+        other => unreachable!("no API failure {other}"),
     }
 }
 

@@ -176,8 +176,8 @@ pub enum Action {
 /// it), or not there.
 pub const FILE_FAILURES: [&str; 2] = ["cut", "absent"];
 /// How the API server keeps a watcher from its first list: every request answered `500`,
-/// `403` (RBAC), `401` (a revoked token), or refused (the server down).
-pub const API_FAILURES: [&str; 4] = ["500", "403", "401", "refused"];
+/// `403` (RBAC), `401` (a revoked token), or every connection closed at once (the server down).
+pub const API_FAILURES: [&str; 4] = ["500", "403", "401", "closed"];
 
 /// The cool-down of the small ID space mode (its `--test-id-cooldown` in [`Modes::args`]).
 pub const SMALL_ID_COOLDOWN: Duration = Duration::from_secs(3);

@@ -97,7 +97,8 @@ pub(super) fn act(
         Action::Unsynced { ms, how } => {
             match FILE_FAILURES[how % FILE_FAILURES.len()] {
                 "cut" => std::fs::write(&env.nodes_file, unparsable(list)).unwrap(),
-                _ => std::fs::remove_file(&env.nodes_file).unwrap(),
+                "absent" => std::fs::remove_file(&env.nodes_file).unwrap(),
+                other => unreachable!("no file failure {other}"),
             }
             let acted = unsynced(env.spawn(args), *ms, seen, broke);
             env.write_list(list);
