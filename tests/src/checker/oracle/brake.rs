@@ -160,8 +160,14 @@ pub(super) fn brake_passed(f: &StepFacts<'_>) -> Vec<String> {
                         None => beyond += 1,
                     }
                 }
+                // A node only the map told of is, to the agent without its record, orphan
+                // objects: a hold of orphans covers them.
+                let unnamed = match c.orphans {
+                    0 => removed.unnamed.saturating_sub(left.len()),
+                    _ => 0,
+                };
                 (
-                    beyond + removed.unnamed.saturating_sub(left.len()),
+                    beyond + unnamed,
                     if c.orphans > 0 { 0 } else { removed.objects },
                 )
             }

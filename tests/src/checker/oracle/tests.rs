@@ -476,4 +476,21 @@ fn a_confirmation_releases_its_own_removals_and_no_others() {
         1,
         "4 of 7 beyond the hold"
     );
+    // Seeds 179622000000000 (history 18), 179623000000000 (25), 179624000000000 (22): without
+    // their record the agent holds a node only the map tells of as orphan objects; confirming
+    // those covers it.
+    let orphans = |nodes: &[&str]| Confirmed {
+        orphans: 3,
+        ..hold(nodes)
+    };
+    assert_eq!(
+        with_two_more(&orphans(&["b", "c"])),
+        0,
+        "the map's two as orphans"
+    );
+    assert_eq!(
+        with_two_more(&orphans(&["x"])),
+        1,
+        "orphans cover no recorded node"
+    );
 }
