@@ -205,12 +205,18 @@ pub(super) fn act(
             return ended(seen);
         }
         Action::KilledAfterApply { us } => {
+            let mut shown = None;
             if let Rest::At(_) = rest(&mut d, cluster.listed()) {
+                // What the daemon did at its start it did to the last step's list.
+                shown = Some(Snapshot::take(env));
                 let before = reconciles(env);
                 cluster.serve(list);
                 kill_after_reconcile(env, d, before, *us);
             }
-            return ended(seen);
+            return Acted {
+                shown,
+                ..ended(seen)
+            };
         }
         _ => {}
     }

@@ -393,6 +393,7 @@ impl Run {
                     confirmed: confirmed.as_ref(),
                     event_sized: cluster.is_some(),
                     no_local: step.view == View::NoLocal,
+                    reached: cluster.is_none() || shown.is_some(),
                     unsynced,
                     foreign_slots: &truth.foreign,
                     window: window

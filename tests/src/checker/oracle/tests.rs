@@ -78,6 +78,7 @@ fn step<'a>(
         confirmed: None,
         event_sized: false,
         no_local: false,
+        reached: true,
         unsynced: false,
         foreign_slots: &[],
         window: (0, 0),
@@ -493,4 +494,30 @@ fn a_confirmation_releases_its_own_removals_and_no_others() {
         1,
         "orphans cover no recorded node"
     );
+}
+
+/// A list without the local node changes nothing, judged once it reached the agent: a daemon
+/// ended while it rested on the last step's list did that list's work (seed 179631000000000,
+/// history 18: cut at its second kernel operation, finishing a readdress).
+#[test]
+fn a_list_without_the_local_node_is_judged_once_it_reached_the_agent() {
+    let before = Snapshot::default();
+    let after = Snapshot {
+        map: BTreeMap::from([("10.88.7.18".to_owned(), 9)]),
+        ..Snapshot::default()
+    };
+    let waiting = BTreeSet::new();
+    let judged = |reached: bool| {
+        violations(&StepFacts {
+            no_local: true,
+            reached,
+            exit: None,
+            ..step(&[], &before, &after, &waiting)
+        })
+        .into_iter()
+        .filter(|v| v.contains("without the local node changed"))
+        .count()
+    };
+    assert_eq!(judged(true), 1);
+    assert_eq!(judged(false), 0);
 }
